@@ -1,0 +1,3 @@
+from .binomial_deviance import BinomialDevianceLoss
+
+__all__ = ["BinomialDevianceLoss"]

@@ -1,0 +1,73 @@
+"""The `pml-rank` command."""
+
+import argparse
+import sys
+
+from . import __version__
+from .plugins import KINDS, registry
+
+
+def _cmd_list(args):
+    components = registry.components()
+    rows = [("name", "kind", "distribution", "class")]
+    rows += [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
+             for c in components]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _cmd_speed(args):
+    from . import speed
+
+    names = args.losses or sorted(registry.losses())
+    unknown = [n for n in names if n not in registry.losses()]
+    if unknown:
+        print(f"pml-rank speed: unknown loss {', '.join(unknown)}; "
+              f"registered: {', '.join(sorted(registry.losses()))}", file=sys.stderr)
+        return 2
+    for name in names:
+        sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
+        result = speed.measure(name, sizes=sizes, dim=args.dim, repeats=args.repeats,
+                               device=args.device, seed=args.seed)
+        print(speed.format_table(result))
+        path = speed.write_json(result, f"{args.out}/speed-{name}.json")
+        print(f"written: {path}\n")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="pml-rank",
+        description="Rank- and AUC-based losses for pytorch-metric-learning.",
+    )
+    parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
+    p.set_defaults(run=_cmd_list)
+
+    p = commands.add_parser(
+        "speed",
+        help="forward+backward time and peak memory against PML and the paper's reference",
+    )
+    p.add_argument("losses", nargs="*", help="registered loss names (default: all)")
+    p.add_argument("--sizes", type=int, nargs="+",
+                   help="batch sizes (sequence lengths for sequence losses); default 512 1024 2048")
+    p.add_argument("--dim", type=int, default=512, help="embedding dimension (default 512)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per contender (median)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
+    p.set_defaults(run=_cmd_speed)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
+
+__all__ = []

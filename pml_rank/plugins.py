@@ -1,0 +1,257 @@
+"""The plugin wiring, all in one place: hookspecs, the registry built from every
+installed plugin, and `install()`, which exposes registered components in PML's own
+namespaces.
+
+A plugin is any module named by an entry point in the group ``pml_rank``. It implements
+one or more of the hooks below, each returning a list of classes::
+
+    # pyproject.toml of the plugin distribution
+    [project.entry-points.pml_rank]
+    my_losses = "my_package.pml_rank_plugin"
+
+    # my_package/pml_rank_plugin.py
+    import pml_rank
+
+    @pml_rank.hookimpl
+    def pml_rank_losses():
+        return [MyLoss]
+
+pml-rank's own components are registered by ``pml_rank.builtin`` through the same
+entry-point group.
+"""
+
+import dataclasses
+import importlib
+import warnings
+from importlib.metadata import entry_points
+
+import pluggy
+import torch
+from pytorch_metric_learning.losses import BaseMetricLossFunction
+from pytorch_metric_learning.miners import BaseMiner
+
+PROJECT = "pml_rank"
+ENTRY_POINT_GROUP = "pml_rank"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class HookSpecs:
+    """What a pml-rank plugin may implement. Each hook returns a list of classes."""
+
+    @hookspec
+    def pml_rank_losses(self):
+        """Loss classes: subclasses of ``pytorch_metric_learning.losses.BaseMetricLossFunction``."""
+
+    @hookspec
+    def pml_rank_miners(self):
+        """Miner classes: subclasses of ``pytorch_metric_learning.miners.BaseMiner``."""
+
+    @hookspec
+    def pml_rank_samplers(self):
+        """Sampler classes: subclasses of ``torch.utils.data.Sampler``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    name: str  # "losses", as in the hook name and PML's module name
+    singular: str
+    base: type
+    namespace: str  # the PML module that install() extends
+
+    @property
+    def hook_name(self):
+        return f"pml_rank_{self.name}"
+
+
+KINDS = {
+    kind.name: kind
+    for kind in (
+        Kind("losses", "loss", BaseMetricLossFunction, "pytorch_metric_learning.losses"),
+        Kind("miners", "miner", BaseMiner, "pytorch_metric_learning.miners"),
+        Kind("samplers", "sampler", torch.utils.data.Sampler, "pytorch_metric_learning.samplers"),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    kind: str
+    cls: type
+    distribution: str
+    entry_point: str
+
+    @property
+    def source(self):
+        return f"distribution {self.distribution!r}, entry point {self.entry_point!r}"
+
+
+class PluginWarning(UserWarning):
+    """A plugin could not be loaded, or returned something that is not a component."""
+
+
+class NameClashWarning(UserWarning):
+    """install() left a name alone because PML already defines it."""
+
+
+class PluginConflictError(RuntimeError):
+    """Two plugins register components of the same kind under the same name."""
+
+
+class Registry:
+    """Every component of every installed plugin, built-ins included.
+
+    Built lazily on first use and cached; ``reload()`` rebuilds it (after installing
+    or removing a plugin distribution in a running process).
+    """
+
+    def __init__(self):
+        self._components = None
+        self.plugin_manager = None
+
+    def reload(self):
+        self._components = None
+        self.plugin_manager = None
+        self._load()
+
+    def components(self):
+        """All components as a list of `Component`, sorted by kind and name."""
+        self._load()
+        return sorted(self._components.values(), key=lambda c: (c.kind, c.name))
+
+    def losses(self):
+        return self._of_kind("losses")
+
+    def miners(self):
+        return self._of_kind("miners")
+
+    def samplers(self):
+        return self._of_kind("samplers")
+
+    def _of_kind(self, kind):
+        return {c.name: c.cls for c in self.components() if c.kind == kind}
+
+    def _load(self):
+        if self._components is not None:
+            return
+        manager = pluggy.PluginManager(PROJECT)
+        manager.add_hookspecs(HookSpecs)
+        components = {}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            where = _describe(ep)
+            plugin = _load_plugin(manager, ep, where)
+            if plugin is None:
+                continue
+            for kind in KINDS.values():
+                for component in _call_hooks(manager, plugin, kind, ep, where):
+                    key = (component.kind, component.name)
+                    other = components.get(key)
+                    if other is not None and other.cls is not component.cls:
+                        raise PluginConflictError(
+                            f"pml-rank: two plugins register the {kind.singular} "
+                            f"{component.name!r}: {other.source} ({_qualname(other.cls)}) "
+                            f"and {component.source} ({_qualname(component.cls)}). "
+                            "Uninstall one of the two distributions."
+                        )
+                    components.setdefault(key, component)
+        self._components = components
+        self.plugin_manager = manager
+
+
+def _describe(ep):
+    dist = ep.dist.name if ep.dist is not None else "<unknown distribution>"
+    return dist, f"{ep.name} = {ep.value}"
+
+
+def _warn(where, problem):
+    dist, entry_point = where
+    warnings.warn(
+        f"pml-rank: plugin from distribution {dist!r}, entry point {entry_point!r}: "
+        f"{problem}; its other components and all other plugins still load",
+        PluginWarning,
+        stacklevel=4,
+    )
+
+
+def _load_plugin(manager, ep, where):
+    try:
+        plugin = ep.load()
+    except Exception as error:  # a broken plugin must not break the others
+        _warn(where, f"import failed ({type(error).__name__}: {error}), skipped")
+        return None
+    try:
+        manager.register(plugin, name=f"{where[0]}:{ep.name}")
+        manager.check_pending()  # a hookimpl for a hook we do not define (a typo)
+    except Exception as error:
+        if manager.is_registered(plugin):
+            manager.unregister(plugin)
+        _warn(where, f"rejected by pluggy ({type(error).__name__}: {error}), skipped")
+        return None
+    return plugin
+
+
+def _call_hooks(manager, plugin, kind, ep, where):
+    hook = getattr(manager.hook, kind.hook_name)
+    for impl in hook.get_hookimpls():
+        if impl.plugin is not plugin:
+            continue
+        try:
+            returned = impl.function()
+        except Exception as error:
+            _warn(where, f"{kind.hook_name}() raised {type(error).__name__}: {error}")
+            continue
+        if not isinstance(returned, (list, tuple)):
+            _warn(where, f"{kind.hook_name}() returned {returned!r}, not a list of classes")
+            continue
+        for cls in returned:
+            if not (isinstance(cls, type) and issubclass(cls, kind.base)):
+                _warn(
+                    where,
+                    f"{kind.hook_name}() returned {cls!r}, which is not a subclass of "
+                    f"{_qualname(kind.base)}; that entry is skipped",
+                )
+                continue
+            yield Component(cls.__name__, kind.name, cls, where[0], where[1])
+
+
+def _qualname(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+registry = Registry()
+
+
+def install():
+    """Make every registered component reachable from PML's own namespaces.
+
+    After ``pml_rank.install()``, ``pytorch_metric_learning.losses.AUCLoss`` is
+    pml-rank's ``AUCLoss``, so pipelines that look classes up by name in PML's modules
+    find it. A name PML (or anything else) already defines is never replaced: a
+    `NameClashWarning` reports it and the component stays reachable through
+    ``pml_rank.registry``. Calling it again is harmless.
+
+    Returns ``{"installed": [...], "clashes": [...]}`` with dotted names.
+    """
+    report = {"installed": [], "clashes": []}
+    for component in registry.components():
+        namespace = KINDS[component.kind].namespace
+        module = importlib.import_module(namespace)
+        dotted = f"{namespace}.{component.name}"
+        existing = getattr(module, component.name, None)
+        if existing is component.cls:
+            continue
+        if existing is not None:
+            report["clashes"].append(dotted)
+            warnings.warn(
+                f"pml-rank: {dotted} already exists ({_qualname(existing)}); "
+                f"{_qualname(component.cls)} from {component.source} is not installed "
+                f"there. Use pml_rank.registry.{component.kind}()[{component.name!r}].",
+                NameClashWarning,
+                stacklevel=2,
+            )
+            continue
+        setattr(module, component.name, component.cls)
+        report["installed"].append(dotted)
+    return report

@@ -1,0 +1,49 @@
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+import pml_rank
+
+
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    """Installs throwaway plugin distributions for one test.
+
+    ``fake_distribution("acme-losses", {"acme_plugin": source}, {"acme": "acme_plugin"})``
+    writes the modules and a ``.dist-info`` folder with the entry points into a folder
+    on ``sys.path``, exactly what ``pip install`` leaves behind, and reloads the
+    registry. Everything is undone after the test.
+    """
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    written_modules = []
+
+    def make(dist_name, modules, entry_points):
+        for module, source in modules.items():
+            path = root.joinpath(*module.split("."))
+            if module in {m.rsplit(".", 1)[0] for m in modules if "." in m}:
+                path.mkdir(parents=True, exist_ok=True)
+                path = path / "__init__.py"
+            else:
+                path = path.with_suffix(".py")
+                path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(textwrap.dedent(source))
+            written_modules.append(module)
+        info = root / f"{dist_name.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        info.joinpath("METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n"
+        )
+        lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
+        info.joinpath("entry_points.txt").write_text(f"[pml_rank]\n{lines}")
+        importlib.invalidate_caches()
+        pml_rank.registry.reload()
+
+    yield make
+    for module in written_modules:
+        sys.modules.pop(module, None)
+    monkeypatch.undo()
+    pml_rank.registry.reload()

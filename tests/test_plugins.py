@@ -1,0 +1,211 @@
+"""The plugin system: discovery through entry points, install() into PML's namespaces,
+and what happens with broken or clashing plugins."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import pytorch_metric_learning
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+
+import pml_rank
+from pml_rank import cli
+from pml_rank.plugins import KINDS, NameClashWarning, PluginConflictError, PluginWarning
+
+EXAMPLE = "BinomialDevianceLoss"
+
+GOOD_LOSS = """
+    import pml_rank
+    from pytorch_metric_learning.losses import ContrastiveLoss
+
+    class {name}(ContrastiveLoss):
+        pass
+
+    @pml_rank.hookimpl
+    def pml_rank_losses():
+        return [{name}]
+"""
+
+
+def _load_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        return pml_rank.registry.components()
+
+
+@pytest.fixture
+def uninstall():
+    """Removes whatever install() added to PML's namespaces during a test."""
+    added = []
+    yield added
+    for dotted in added:
+        module_name, name = dotted.rsplit(".", 1)
+        delattr(sys.modules[module_name], name)
+
+
+def test_builtin_components_come_through_pml_ranks_own_entry_point():
+    components = {c.name: c for c in _load_quietly()}
+    for kind, module in [("losses", pml_rank.losses), ("miners", pml_rank.miners),
+                         ("samplers", pml_rank.samplers)]:
+        for name in module.__all__:
+            assert components[name].cls is getattr(module, name)
+            assert components[name].kind == kind
+            assert components[name].distribution == "pml-rank"
+    assert pml_rank.registry.plugin_manager.has_plugin("pml-rank:pml_rank")
+
+
+def test_example_plugin_is_discovered_with_its_distribution():
+    from pml_rank_example import BinomialDevianceLoss
+
+    assert pml_rank.registry.losses()[EXAMPLE] is BinomialDevianceLoss
+    (component,) = [c for c in _load_quietly() if c.name == EXAMPLE]
+    assert component.distribution == "pml-rank-example"
+    assert component.entry_point == "example = pml_rank_example.plugin"
+
+
+def test_list_command_shows_every_component_kind_and_distribution(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for component in pml_rank.registry.components():
+        (line,) = [line for line in out.splitlines() if line.split()[0] == component.name]
+        assert line.split()[1:3] == [KINDS[component.kind].singular, component.distribution]
+
+
+def test_console_script_is_installed():
+    bin_dir = __import__("pathlib").Path(sys.executable).parent
+    result = subprocess.run([bin_dir / "pml-rank", "list"], capture_output=True, text=True,
+                            check=True)
+    assert EXAMPLE in result.stdout and "pml-rank-example" in result.stdout
+
+
+def test_install_exposes_components_in_pml_namespaces(uninstall):
+    assert not hasattr(pml_losses, EXAMPLE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NameClashWarning)  # PML's own FastAPLoss
+        report = pml_rank.install()
+    uninstall.extend(report["installed"])
+    assert f"pytorch_metric_learning.losses.{EXAMPLE}" in report["installed"]
+    assert pytorch_metric_learning.losses.BinomialDevianceLoss is pml_rank.registry.losses()[EXAMPLE]
+    # Idempotent: a second call installs nothing new.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NameClashWarning)
+        assert pml_rank.install()["installed"] == []
+
+
+def test_install_never_replaces_a_name_pml_defines(fake_distribution, uninstall):
+    original = pml_losses.TripletMarginLoss
+    fake_distribution("acme-clash", {"acme_clash": GOOD_LOSS.format(name="TripletMarginLoss")},
+                      {"clash": "acme_clash"})
+    with pytest.warns(NameClashWarning, match=r"TripletMarginLoss.*acme-clash"):
+        report = pml_rank.install()
+    uninstall.extend(report["installed"])
+    assert "pytorch_metric_learning.losses.TripletMarginLoss" in report["clashes"]
+    assert pml_losses.TripletMarginLoss is original
+    # Still reachable through the registry.
+    import acme_clash
+
+    assert pml_rank.registry.losses()["TripletMarginLoss"] is acme_clash.TripletMarginLoss
+
+
+def test_third_party_miner_and_sampler_are_registered_and_installed(fake_distribution, uninstall):
+    fake_distribution("acme-mining", {"acme_mining": """
+        import pml_rank, torch
+        from pytorch_metric_learning.miners import BatchHardMiner
+
+        class AcmeMiner(BatchHardMiner):
+            pass
+
+        class AcmeSampler(torch.utils.data.Sampler):
+            def __iter__(self):
+                return iter([])
+
+        @pml_rank.hookimpl
+        def pml_rank_miners():
+            return [AcmeMiner]
+
+        @pml_rank.hookimpl
+        def pml_rank_samplers():
+            return [AcmeSampler]
+    """}, {"mining": "acme_mining"})
+    import acme_mining
+
+    assert pml_rank.registry.miners()["AcmeMiner"] is acme_mining.AcmeMiner
+    assert pml_rank.registry.samplers()["AcmeSampler"] is acme_mining.AcmeSampler
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NameClashWarning)
+        uninstall.extend(pml_rank.install()["installed"])
+    assert pml_miners.AcmeMiner is acme_mining.AcmeMiner
+    assert pytorch_metric_learning.samplers.AcmeSampler is acme_mining.AcmeSampler
+
+
+def test_plugin_that_fails_to_import_warns_and_the_others_load(fake_distribution):
+    with pytest.warns(PluginWarning, match=r"'acme-broken'.*'broken = acme_broken'.*import failed.*boom"):
+        fake_distribution(
+            "acme-broken",
+            {"acme_broken": "raise ImportError('boom')", "acme_fine": GOOD_LOSS.format(name="FineLoss")},
+            {"broken": "acme_broken", "fine": "acme_fine"},
+        )
+    losses = pml_rank.registry.losses()
+    assert "FineLoss" in losses and EXAMPLE in losses
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ("return None", r"returned None, not a list of classes"),
+        ("return 'NotAList'", r"returned 'NotAList', not a list of classes"),
+        ("return [42]", r"returned 42, which is not a subclass of .*BaseMetricLossFunction"),
+        ("return [dict]", r"returned <class 'dict'>, which is not a subclass"),
+        ("raise RuntimeError('hook exploded')", r"raised RuntimeError: hook exploded"),
+    ],
+)
+def test_hook_returning_garbage_warns_and_the_others_load(fake_distribution, body, problem):
+    source = f"""
+        import pml_rank
+
+        @pml_rank.hookimpl
+        def pml_rank_losses():
+            {body}
+    """
+    with pytest.warns(PluginWarning, match=rf"'acme-garbage'.*'garbage = acme_garbage'.*{problem}"):
+        fake_distribution("acme-garbage", {"acme_garbage": source}, {"garbage": "acme_garbage"})
+    assert EXAMPLE in pml_rank.registry.losses()
+
+
+def test_bad_entries_are_skipped_but_good_ones_in_the_same_list_load(fake_distribution):
+    source = GOOD_LOSS.format(name="GoodLoss").replace("return [GoodLoss]", "return [GoodLoss, int]")
+    with pytest.warns(PluginWarning, match="int"):
+        fake_distribution("acme-mixed", {"acme_mixed": source}, {"mixed": "acme_mixed"})
+    assert "GoodLoss" in pml_rank.registry.losses()
+    assert "int" not in pml_rank.registry.losses()
+
+
+def test_misspelled_hook_warns(fake_distribution):
+    source = GOOD_LOSS.format(name="TypoLoss").replace("def pml_rank_losses", "def pml_rank_loss")
+    with pytest.warns(PluginWarning, match=r"'acme-typo'.*pml_rank_loss"):
+        fake_distribution("acme-typo", {"acme_typo": source}, {"typo": "acme_typo"})
+    assert "TypoLoss" not in pml_rank.registry.losses()
+
+
+def test_two_plugins_registering_one_name_is_an_error_naming_both(fake_distribution):
+    fake_distribution("acme-one", {"acme_one": GOOD_LOSS.format(name="SameLoss")}, {"one": "acme_one"})
+    with pytest.raises(PluginConflictError, match=r"SameLoss.*acme-(one|two).*acme-(one|two)") as info:
+        fake_distribution("acme-two", {"acme_two": GOOD_LOSS.format(name="SameLoss")},
+                          {"two": "acme_two"})
+    assert "acme-one" in str(info.value) and "acme-two" in str(info.value)
+
+
+def test_loading_imports_only_the_entry_point_modules(fake_distribution):
+    fake_distribution(
+        "acme-lazy",
+        {
+            "acme_lazy": "",
+            "acme_lazy.plugin": GOOD_LOSS.format(name="LazyLoss"),
+            "acme_lazy.heavy": "raise AssertionError('imported a module no entry point names')",
+        },
+        {"lazy": "acme_lazy.plugin"},
+    )
+    assert "LazyLoss" in pml_rank.registry.losses()
+    assert "acme_lazy.heavy" not in sys.modules
