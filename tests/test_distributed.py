@@ -95,3 +95,23 @@ def test_two_gloo_processes_equal_one_process_on_the_whole_batch(name, distribut
                                        msg=f"{name}, step {step}, rank {rank}: loss")
             torch.testing.assert_close(rank_grad, WORLD_SIZE * grad[own],
                                        msg=f"{name}, step {step}, rank {rank}: gradient")
+
+
+def test_torchrun_example_trains_with_two_processes():
+    import math
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "distributed_training.py"
+    loss = "AUCLoss" if "AUCLoss" in _losses() else "BinomialDevianceLoss"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script), "--loss", loss, "--epochs", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(v) for v in re.findall(rf"mean {loss} (\S+)", result.stdout)]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
