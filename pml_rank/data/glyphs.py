@@ -93,7 +93,7 @@ def _render(font, character, canvas, scale, angle, shift):
 
 
 def generate(size=32, variants=2, max_rotation=8.0, max_shift=0.06, scale_range=(0.9, 1.1), seed=0,
-             supersample=4):
+             supersample=4, code_points=CANDIDATE_CODE_POINTS):
     """Renders the data set in memory and returns a `GlyphDataset`.
 
     Each (face, character) pair is drawn `variants` times with a random rotation in
@@ -106,7 +106,7 @@ def generate(size=32, variants=2, max_rotation=8.0, max_shift=0.06, scale_range=
 
     canvas = size * supersample
     fonts = [ImageFont.truetype(str(font_dir() / name), size=int(canvas * 0.62)) for name in FONT_FILES]
-    characters = _distinct_characters(fonts, canvas)
+    characters = _distinct_characters(fonts, canvas, code_points)
     order = np.random.default_rng(seed).permutation(len(characters))
     characters = [characters[i] for i in order]
     rng = np.random.default_rng(seed + 1)
@@ -125,11 +125,11 @@ def generate(size=32, variants=2, max_rotation=8.0, max_shift=0.06, scale_range=
     return GlyphDataset(np.stack(images), np.asarray(labels, dtype=np.int64), characters, font_names)
 
 
-def _distinct_characters(fonts, canvas):
+def _distinct_characters(fonts, canvas, code_points):
     """Candidate characters every face has, that draw something, and whose drawing in
     most faces differs from every earlier kept character's."""
     kept, seen = [], {}
-    for code in CANDIDATE_CODE_POINTS:
+    for code in code_points:
         character = chr(code)
         if not all(_has_glyph(font, character) for font in fonts):
             continue
@@ -181,7 +181,8 @@ def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, num_classes=None, *
 
 def _load_or_generate(cache_dir, size, variants, seed, **generate_kwargs):
     params = dict(size=size, variants=variants, seed=seed, **generate_kwargs)
-    key_source = json.dumps({"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True)
+    key_source = json.dumps({"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True,
+                            default=list)
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
     folder = Path(cache_dir or DEFAULT_CACHE_DIR) / f"glyphs-{key}"
     files = [folder / name for name in ("images.npy", "labels.npy", "meta.json")]

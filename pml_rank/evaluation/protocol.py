@@ -63,6 +63,9 @@ def test_set_and_folds(dataset, num_folds=4):
     return folds, LabelledSubset(dataset, test_idx)
 
 
+test_set_and_folds.__test__ = False  # not a test, though pytest would collect it by its name
+
+
 def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4, seed=0, epochs=8,
                  batch_size=64, iterations_per_epoch=None, make_optimizer=None, lr=1e-3, device="cpu",
                  patience=None, folder=None, on_iteration=None, quiet=True):
