@@ -66,6 +66,7 @@ PAPER_RECIPES = {
     "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner"),
     "FastAPLoss": dict(batches="m=4 per class"),
     "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
+    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
     "RaMBOAPLoss": dict(batches="m=4 per class, score memory"),
     "RaMBORecallLoss": dict(batches="m=4 per class, score memory"),
 }
@@ -296,18 +297,24 @@ def write_png(result, path):
     bars.legend(loc="lower right", fontsize=8)
     bars.grid(axis="x", alpha=0.3)
     trained = [r for r in result.rows if r not in (RAW_INPUT, UNTRAINED)]
-    for row in trained:
+    colors = plt.get_cmap("tab20").colors
+    for i, row in enumerate(trained):
+        # PML's baselines dashed, so the two families stay apart beyond ten colours.
+        style = dict(color=colors[i % len(colors)], marker="o", label=row,
+                     linestyle="--" if row.startswith(PML_PREFIX) else "-")
         epochs, values = _mean_curve(result.histories[row], metric)
-        val.plot(epochs, [100 * v for v in values], marker="o", label=row)
+        val.plot(epochs, [100 * v for v in values], **style)
         epochs, values = _mean_curve(result.histories[row], "loss")
         if values and values[0] != 0:
-            loss.plot(epochs, [v / values[0] for v in values], marker="o", label=row)
+            loss.plot(epochs, [v / values[0] for v in values], **style)
     for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "--")):
-        val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style, label=row)
+        val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style,
+                    label=f"{row} (test classes)")
     val.set(xlabel="epoch", ylabel="validation MAP@R (%)", title="validation fold (held-out training classes)")
     loss.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss, relative")
     for ax in (val, loss):
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
     val.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)

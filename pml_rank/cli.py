@@ -42,8 +42,7 @@ def _cmd_bench(args):
 
     from . import bench
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     try:
         contenders = bench.recipes(args.losses or None)
     except KeyError as error:
@@ -105,7 +104,9 @@ def build_parser():
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
     p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
     p.add_argument("--device", default=DEFAULTS["device"])
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: the small CNN's steps are too short to gain "
+                        "from more, and lose much when other processes compete for the cores)")
     p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
     p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
     p.set_defaults(run=_cmd_bench)

@@ -14,6 +14,15 @@ from pml_rank.evaluation import METRICS, Recipe, run_protocol, test_set_and_fold
 from pml_rank.plugins import registry
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def glyph_cache(tmp_path_factory):
     """The default glyph set, generated once per test session."""
