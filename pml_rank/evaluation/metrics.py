@@ -59,8 +59,8 @@ def student_t_quantile(probability, dof):
     log_norm = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
 
     def cdf(x):
-        # Simpson's rule on [0, x] after the substitution t = x * u³ ... kept simple: the
-        # density is smooth, 2,000 intervals give ~1e-10 accuracy for x below 100.
+        # Simpson's rule on [0, x]: the density is smooth, and 2,000 intervals agree with
+        # scipy to 1e-6 for the quantiles a confidence interval needs (see the tests).
         n = 2000
         ts = np.linspace(0.0, x, n + 1)
         density = np.exp(log_norm - (dof + 1) / 2 * np.log1p(ts * ts / dof))
