@@ -1,0 +1,148 @@
+"""PML's trainer, tester and hooks as the evaluation code drives them, and `pml-rank bench`
+end to end on the embedded glyphs at a reduced budget."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pml_rank import bench
+from pml_rank.cli import main
+from pml_rank.data import SmallCNN, load_glyphs
+from pml_rank.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.plugins import registry
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def glyph_cache(tmp_path_factory):
+    """The default glyph set, generated once per test session."""
+    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
+    load_glyphs(cache_dir=folder)
+    return folder
+
+
+@pytest.fixture
+def small_glyphs(glyph_cache):
+    return load_glyphs(cache_dir=glyph_cache, num_classes=16)
+
+
+def triplet_loss():
+    from pytorch_metric_learning.losses import TripletMarginLoss
+
+    return TripletMarginLoss()
+
+
+def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyphs, tmp_path):
+    folds, _ = test_set_and_folds(small_glyphs, num_folds=2)
+    train_set, val_set = folds[0]
+    torch.manual_seed(0)
+    result = train_model(triplet_loss(), train_set, trunk=SmallCNN(), val_set=val_set, epochs=3,
+                         iterations_per_epoch=4, batch_size=16, folder=tmp_path, log_freq=1, seed=0)
+    assert [entry["epoch"] for entry in result.history] == [1, 2, 3]
+    for entry in result.history:
+        assert set(METRICS) <= set(entry) and all(0 <= entry[m] <= 1 for m in METRICS)
+    best = max(result.history, key=lambda e: e["mean_average_precision_at_r"])["epoch"]
+    assert result.best_epoch == best
+    # The hooks saved the best model; the returned trunk holds exactly those weights.
+    saved = torch.load(tmp_path / "models" / f"trunk_best{best}.pth", map_location="cpu")
+    for name, tensor in result.trunk.state_dict().items():
+        assert torch.equal(tensor, saved[name])
+    # record-keeper wrote the loss histories and the validation accuracies.
+    written = {p.name for p in (tmp_path / "records").rglob("*") if p.is_file()}
+    assert any("loss_histories" in name for name in written)
+    assert any("VAL" in name for name in written)
+
+
+def test_zero_epochs_leaves_the_network_untrained(small_glyphs):
+    trunk = SmallCNN()
+    before = {k: v.clone() for k, v in trunk.state_dict().items()}
+    result = train_model(triplet_loss(), small_glyphs, trunk=trunk, epochs=0)
+    assert result.history == [] and not result.trunk.training
+    assert all(torch.equal(before[k], v) for k, v in result.trunk.state_dict().items())
+
+
+def test_run_protocol_trains_one_model_per_fold(small_glyphs):
+    seen = []
+
+    def make_sampler(train_set, batch_size, model, **kwargs):
+        seen.append(set(train_set.labels.tolist()))
+        return bench.m_per_class(4)(train_set, batch_size)
+
+    result = run_protocol(small_glyphs, Recipe(make_loss=triplet_loss, make_sampler=make_sampler), SmallCNN,
+                          num_folds=4, epochs=1, iterations_per_epoch=2, batch_size=16)
+    # The first 8 classes train and validate (two per partition), the other 8 are tested.
+    assert seen == [set(range(8)) - {2 * k, 2 * k + 1} for k in range(4)]
+    assert len(result.per_model) == 4 and len(result.histories) == 4
+    for kind in (result.concatenated, result.separated):
+        assert set(kind) == set(METRICS)
+
+
+def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
+    available = bench.recipes()
+    assert set(registry.losses()) <= set(available)
+    assert {"pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAPLoss", "pml:NPairsLoss"} <= set(available)
+    for name, recipe in available.items():
+        if name in registry.losses():
+            assert recipe.make_loss is registry.losses()[name]
+    if "AUCLoss" in available:
+        assert type(available["AUCLoss"].make_miner()).__name__ == "BatchHardMiner"
+    with pytest.raises(KeyError, match="NoSuchLoss"):
+        bench.recipes(["NoSuchLoss"])
+
+
+def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "pml:TripletMarginLoss", "--classes", "24", "--seeds", "2", "--epochs", "2",
+                 "--iterations", "2", "--batch-size", "16", "--cache-dir", str(glyph_cache), "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "MAP@R" in printed and "pml:TripletMarginLoss" in printed and "±" in printed
+    lines = (out / "bench.csv").read_text().splitlines()
+    assert lines[0].startswith("row,") and "concatenated_mean_average_precision_at_r_ci95" in lines[0]
+    assert [line.split(",")[0] for line in lines[1:]] == [bench.RAW_INPUT, bench.UNTRAINED, "pml:TripletMarginLoss"]
+    payload = json.loads((out / "bench.json").read_text())
+    assert payload["config"]["seeds"] == 2
+    triplet = payload["rows"][2]
+    assert len(triplet["runs"]) == 2 and len(triplet["histories"]) == 2
+    values = [run["concatenated"]["precision_at_1"] for run in triplet["runs"]]
+    assert triplet["summary"]["concatenated"]["precision_at_1"]["mean"] == pytest.approx(np.mean(values))
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_unknown_losses(capsys):
+    assert main(["bench", "NoSuchLoss"]) == 2
+    assert "NoSuchLoss" in capsys.readouterr().err
+
+
+def pml_rank_losses():
+    """pml-rank's own registered losses (not third-party plugins')."""
+    return [c.name for c in registry.components() if c.kind == "losses" and c.distribution == "pml-rank"]
+
+
+def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache):
+    # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
+    # the reduced budget is enough to learn something at all.
+    contenders = pml_rank_losses() + ["pml:TripletMarginLoss"]
+    result = bench.run_bench(contenders, epochs=3, iterations_per_epoch=20, seeds=1, num_folds=2,
+                             num_classes=120, cache_dir=glyph_cache, progress=False)
+    summary = result.summary()
+    map_at_r = "mean_average_precision_at_r"
+    raw = summary[bench.RAW_INPUT]["separated"][map_at_r][0]
+    untrained = {kind: summary[bench.UNTRAINED][kind][map_at_r][0] for kind in ("concatenated", "separated")}
+    failures = []
+    for name in contenders:
+        for kind in ("concatenated", "separated"):
+            ours = summary[name][kind][map_at_r][0]
+            if not ours > max(raw, untrained[kind]):
+                failures.append(f"{name} {kind} MAP@R {ours:.3f} <= raw {raw:.3f} / untrained {untrained[kind]:.3f}")
+    assert not failures, "\n" + bench.format_table(result) + "\n" + "\n".join(failures)
