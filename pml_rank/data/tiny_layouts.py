@@ -10,6 +10,7 @@ something learnable. `make_all(root)` writes all four under one ``data_root``.
 import os
 import random
 
+import numpy as np
 from PIL import Image
 
 from .real import CARS_LAYOUT, CUB_LAYOUT, INSHOP_LAYOUT, SOP_LAYOUT
@@ -25,13 +26,10 @@ INSHOP_TRAIN_ITEMS, INSHOP_TEST_ITEMS = (2, 3, 5, 7, 11, 13, 17, 19), (23, 29, 3
 
 def _image(path, label, rng, size, mode="RGB"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    base = [(label * 53) % 256, (label * 97) % 256, (label * 151) % 256]
-    image = Image.new("RGB", (size, size), tuple(base))
-    pixels = image.load()
-    for _ in range(size * size // 4):  # noise, so two images of a class differ
-        x, y = rng.randrange(size), rng.randrange(size)
-        pixels[x, y] = tuple(min(255, max(0, c + rng.randint(-40, 40))) for c in base)
-    image.convert(mode).save(path)
+    base = np.array([(label * 53) % 256, (label * 97) % 256, (label * 151) % 256])
+    noise = np.random.default_rng(rng.getrandbits(32)).integers(-60, 61, size=(size, size, 3))
+    pixels = np.clip(base + noise, 0, 255).astype(np.uint8)  # noise, so two images of a class differ
+    Image.fromarray(pixels, "RGB").convert(mode).save(path)
 
 
 def make_cub(data_root, per_class=3, size=32, seed=0):
@@ -134,12 +132,15 @@ def make_inshop(data_root, per_item=4, size=32, seed=0):
     return base
 
 
-def make_all(data_root, size=32, seed=0):
-    """All four tiny layouts under one ``data_root``; returns it."""
-    make_cub(data_root, size=size, seed=seed)
-    make_cars(data_root, size=size, seed=seed)
-    make_sop(data_root, size=size, seed=seed)
-    make_inshop(data_root, size=size, seed=seed)
+MAKERS = {"cub200": make_cub, "cub200-cropped": make_cub, "cars196": make_cars, "sop": make_sop,
+          "inshop": make_inshop}
+
+
+def make_all(data_root, size=32, seed=0, only=None):
+    """The tiny layouts (all four, or those of the data set names in ``only``, keys of
+    `MAKERS`) under one ``data_root``; returns it."""
+    for make in dict.fromkeys(MAKERS[name] for name in (only or MAKERS)):
+        make(data_root, size=size, seed=seed)
     return data_root
 
 
