@@ -64,6 +64,18 @@ def paper_rows(text):
     return rows
 
 
+class PaperNumber(float):
+    """A number as the paper prints it: compares as a float, prints as written ("90.0")."""
+
+    def __new__(cls, text):
+        number = super().__new__(cls, text.strip().rstrip("?"))
+        number.text = text.strip()
+        return number
+
+    def __str__(self):
+        return self.text
+
+
 def _paper_cell(cell):
     if cell == "x":
         return "x (diverged)"
@@ -71,8 +83,8 @@ def _paper_cell(cell):
         return None
     if "±" in cell:
         mean, ci = cell.split("±")
-        return (float(mean), float(ci))
-    return float(cell.rstrip("?"))
+        return (PaperNumber(mean), PaperNumber(ci))
+    return PaperNumber(cell)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,11 +270,9 @@ def find_component(kind, name):
 
 def _make_sampler(run, labels, batch_size, samples_per_class, model=None, dataset=None, seed=0):
     if run.sampler == "m_per_class":
-        from pytorch_metric_learning.samplers import MPerClassSampler
+        from .evaluation import default_sampler
 
-        length = max(len(labels) - len(labels) % batch_size, batch_size)
-        return MPerClassSampler(labels, m=samples_per_class, batch_size=batch_size,
-                                length_before_new_iter=length)
+        return default_sampler(labels, batch_size, m_per_class=samples_per_class)
     sampler_cls = find_component("samplers", "HardNegativeClassSampler")
     sampler = sampler_cls(labels, classes_per_batch=batch_size // 2, seed=seed)
     if run.sampler == "hard_negative_class_mined":
