@@ -237,7 +237,7 @@ class Script:
             return 2
         print(format_result(self, variant, result, args))
         path = write_result(self, variant, result, args)
-        print(f"written: {path}")
+        print(f"written: {path} and {path.with_suffix('.png').name}")
         return 0
 
 
@@ -613,6 +613,8 @@ def format_result(script, variant, result, args):
 
 
 def write_result(script, variant, result, args):
+    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, the setup) and
+    a PNG beside it; returns the JSON path."""
     setup = effective_setup(variant.setup, args)
     path = Path(args.out) / f"reproduce-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -622,7 +624,47 @@ def write_result(script, variant, result, args):
         "setup": dataclasses.asdict(setup), "smoke": args.smoke, "seed": args.seed,
     }
     path.write_text(json.dumps(payload, indent=2, default=str))
+    plot_result(script, variant, result, args, path.with_suffix(".png"))
     return path
+
+
+def plot_result(script, variant, result, args, path):
+    """Bar chart, one panel per metric: each of our rows beside the paper's number for
+    the row it reproduces (Reality Check: concatenated embeddings, with the 95% CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = variant.table
+    reality_check = variant.setup.protocol == "reality-check"
+    paper_row_of = {r.label: r.paper_row for r in selected_runs(script, variant, args)}
+    labels = list(result)
+    fig, axes = plt.subplots(1, len(table.metrics), figsize=(3 + 2.2 * len(table.metrics), 0.5 * len(labels) + 2),
+                             squeeze=False, sharey=True)
+    for i, (metric, ax) in enumerate(zip(table.metrics, axes[0])):
+        ours = [result[label]["concatenated" if reality_check else metric] for label in labels]
+        ours = [v[metric] if reality_check else v for v in ours]
+        paper = [table.rows.get(paper_row_of.get(label), ())[i:i + 1] for label in labels]
+        paper = [p[0] if p and p[0] is not None and not isinstance(p[0], str) else None for p in paper]
+        positions = range(len(labels))
+
+        def bars(values, offset, name, color):
+            means = [(v[0] if isinstance(v, tuple) else v) if v is not None else 0 for v in values]
+            errors = [v[1] if isinstance(v, tuple) and v[1] == v[1] else 0 for v in values]
+            ax.barh([p + offset for p in positions], means, height=0.38, xerr=errors, label=name, color=color)
+
+        bars(ours, -0.2, "ours", "tab:blue")
+        bars(paper, 0.2, "paper", "tab:gray")
+        ax.set_title(metric + (" (concatenated)" if reality_check else ""))
+        ax.set_xlim(0, 100)
+        ax.set_yticks(list(positions), labels, fontsize=8)
+    axes[0][0].invert_yaxis()
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{table.source}" + ("  [--smoke: meaningless numbers]" if args.smoke else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- discovery

@@ -27,8 +27,10 @@ INSHOP_TRAIN_ITEMS, INSHOP_TEST_ITEMS = (2, 3, 5, 7, 11, 13, 17, 19), (23, 29, 3
 def _image(path, label, rng, size, mode="RGB"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     base = np.array([(label * 53) % 256, (label * 97) % 256, (label * 151) % 256])
-    noise = np.random.default_rng(rng.getrandbits(32)).integers(-60, 61, size=(size, size, 3))
-    pixels = np.clip(base + noise, 0, 255).astype(np.uint8)  # noise, so two images of a class differ
+    generator = np.random.default_rng(rng.getrandbits(32))
+    # A colour shift per image and noise per pixel: classes of nearby colours overlap a little.
+    noise = generator.integers(-50, 51, size=3) + generator.integers(-60, 61, size=(size, size, 3))
+    pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
     Image.fromarray(pixels, "RGB").convert(mode).save(path)
 
 
