@@ -102,7 +102,6 @@ class Run:
     miner_kwargs: dict = dataclasses.field(default_factory=dict)
     sampler: str = "m_per_class"
     paper_row: Optional[str] = None
-    embedding_size: Optional[int] = None  # when it differs from the setup's
     untrained: bool = False  # the "Pretrained" row: no training at all
 
 
@@ -142,7 +141,7 @@ class Variant:
     hardware: str
 
 
-# Settings of --smoke: the tiny layouts, a tiny random-init CNN, two iterations.
+# Settings of --smoke: the tiny layouts, a tiny random-init CNN, one iteration.
 SMOKE_SETUP = dict(backbone="tiny", embedding_size=16, image_size=16, resize=18, batch_size=8,
                    samples_per_class=4, epochs=1, repeats=1, patience=None)
 SMOKE_ITERATIONS = 1
@@ -196,11 +195,11 @@ class Script:
         p = argparse.ArgumentParser(prog=f"pml-rank reproduce {self.name}", description=self.title)
         p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
                        help="which table (data set) to reproduce (default: %(default)s)")
-        p.add_argument("--data-root", help="folder holding the data sets (see README: Reproducing "
-                       "the papers' tables); with --smoke, default: tiny generated copies")
+        p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
+                       "Real data sets); with --smoke, default: tiny generated copies")
         p.add_argument("--smoke", action="store_true",
                        help="seconds-long check of the whole pipeline: tiny copies of the data "
-                       "layouts, a tiny random-init CNN, two iterations; the numbers mean nothing")
+                       "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing")
         p.add_argument("--epochs", type=int, help="override the paper's number of epochs")
         p.add_argument("--batch-size", type=int, help="override the paper's batch size")
         p.add_argument("--image-size", type=int,
@@ -213,7 +212,7 @@ class Script:
                        help="no ImageNet weights (not the papers' setting)")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
+        p.add_argument("--out", default="pml-rank-results", help="folder for the JSON and PNG results")
         # For the tests: run every row with this loss (e.g. pml:ContrastiveLoss), no miner.
         p.add_argument("--loss", help=argparse.SUPPRESS)
         return p
@@ -338,10 +337,11 @@ def freeze_batchnorm(module):
     return module
 
 
-def _optimizer_factory(setup, embedder):
+def _optimizer_factory(setup, embedder=None):
     """``make_optimizer(parameters, lr)`` for `train_model`: the paper's optimizer, weight
-    decay, and a larger learning rate for the embedding layer where the paper uses one."""
-    embedder_ids = {id(p) for p in embedder.parameters()}
+    decay, and a larger learning rate for the embedding layer where the paper uses one
+    (`train_model` asks for the embedder's optimizer separately)."""
+    embedder_ids = {id(p) for p in embedder.parameters()} if embedder is not None else set()
 
     def make_optimizer(parameters, lr):
         parameters = list(parameters)
@@ -424,9 +424,8 @@ def run_variant(script, variant, args):
     return _run_standard(variant, setup, runs, args, pretrained)
 
 
-def _models(setup, run, pretrained):
-    models = build_models(setup.backbone, run.embedding_size if run.embedding_size and setup.backbone != "tiny"
-                          else setup.embedding_size, pretrained)
+def _models(setup, pretrained):
+    models = build_models(setup.backbone, setup.embedding_size, pretrained)
     if setup.freeze_batchnorm:
         freeze_batchnorm(models["trunk"])
     return models
@@ -453,7 +452,7 @@ def _run_standard(variant, setup, runs, args, pretrained):
     with tqdm(total=total, desc=f"{variant.dataset} training", unit="it") as bar:
         for run in runs:
             torch.manual_seed(args.seed)
-            models = _models(setup, run, pretrained)
+            models = _models(setup, pretrained)
             loss = miner = sampler = None
             if not run.untrained:
                 loss = find_component("losses", run.loss)(**run.loss_kwargs)
@@ -485,41 +484,37 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
     train_transform, eval_transform = image_transforms(setup)
     whole = spec.load(args.data_root, "train+test")
     _, test_indices = class_disjoint_split(whole.labels)
-    test_classes = {whole.labels[i] for i in test_indices}
-    dataset = TransformByClass(whole, train_transform, eval_transform, test_classes)
+    dataset = TransformByClass(whole, train_transform, eval_transform,
+                               eval_classes={whole.labels[i] for i in test_indices})
     train_items = len(whole) - len(test_indices)
     iterations = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4 partitions
+
+    def make_model():
+        # trunk and embedder as one module: the paper trains all of it with one learning rate
+        models = _models(setup, pretrained)
+        return torch.nn.Sequential(models["trunk"], models["embedder"])
+
     results = {}
     trained_runs = sum(not r.untrained for r in runs)
     with tqdm(total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
               desc=f"{variant.dataset} 4-fold training", unit="it") as bar:
         for run in runs:
-            def make_sampler(train_set, batch_size, model, run=run):
-                return _make_sampler(run, train_set.labels, batch_size, setup.samples_per_class,
-                                     model, train_set, args.seed)
-
             recipe = Recipe(
                 make_loss=lambda run=run: None if run.untrained else find_component("losses", run.loss)(
                     **run.loss_kwargs),
                 make_miner=(lambda run=run: find_component("miners", run.miner)(**run.miner_kwargs))
                 if run.miner else None,
-                make_sampler=make_sampler, name=run.label)
-            embedders = []
-
-            def make_trunk(run=run):
-                models = _models(setup, run, pretrained)
-                embedders.append(models["embedder"])
-                return models["trunk"]
-
-            protocol_results = []
-            for repeat in range(1 if run.untrained else setup.repeats):
-                protocol_results.append(run_protocol(
-                    dataset, recipe, make_trunk, make_embedder=lambda: embedders[-1],
-                    seed=args.seed + repeat, epochs=0 if run.untrained else setup.epochs,
-                    batch_size=setup.batch_size, iterations_per_epoch=iterations,
-                    make_optimizer=_OptimizerByModel(setup, embedders), lr=setup.lr, device=args.device,
-                    patience=setup.patience,
-                    on_iteration=_Progress(bar, setup.lr_drop)))
+                make_sampler=lambda train_set, batch_size, model, run=run: _make_sampler(
+                    run, train_set.labels, batch_size, setup.samples_per_class, model, train_set, args.seed),
+                name=run.label)
+            protocol_results = [
+                run_protocol(dataset, recipe, make_model, seed=args.seed + repeat,
+                             epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
+                             iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
+                             lr=setup.lr, device=args.device, patience=setup.patience,
+                             on_iteration=_Progress(bar, setup.lr_drop))
+                for repeat in range(1 if run.untrained else setup.repeats)
+            ]
             summary = summarize(protocol_results)
             results[run.label] = {kind: {short: tuple(100 * v for v in summary[kind][metric])
                                          for short, metric in _RC_METRICS}
@@ -528,17 +523,6 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
 
 
 _RC_METRICS = (("P@1", "precision_at_1"), ("RP", "r_precision"), ("MAP@R", "mean_average_precision_at_r"))
-
-
-class _OptimizerByModel:
-    """`make_optimizer` for `run_protocol`, which builds a fresh embedder per fold: the
-    latest one decides which parameters get the embedding layer's learning rate."""
-
-    def __init__(self, setup, embedders):
-        self.setup, self.embedders = setup, embedders
-
-    def __call__(self, parameters, lr):
-        return _optimizer_factory(self.setup, self.embedders[-1])(parameters, lr)
 
 
 # --------------------------------------------------------------------------- output
