@@ -37,6 +37,28 @@ def _cmd_speed(args):
     return 0
 
 
+def _cmd_bench(args):
+    import torch
+
+    from . import bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        contenders = bench.recipes(args.losses or None)
+    except KeyError as error:
+        print(f"pml-rank bench: {error.args[0]}", file=sys.stderr)
+        return 2
+    result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
+                             iterations_per_epoch=args.iterations, batch_size=args.batch_size,
+                             seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
+                             device=args.device, cache_dir=args.cache_dir, num_classes=args.classes)
+    print(bench.format_table(result))
+    for path in bench.write_all(result, args.out):
+        print(f"written: {path}")
+    return 0
+
+
 def _cmd_reproduce(args):
     from . import reproduce
 
@@ -80,6 +102,32 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
     p.set_defaults(run=_cmd_speed)
+
+    from .bench import DEFAULTS
+
+    p = commands.add_parser(
+        "bench",
+        help="every registered loss and PML's baselines under the Reality Check protocol "
+             "on the embedded glyph data set",
+    )
+    p.add_argument("losses", nargs="*",
+                   help="registered loss names and pml:<name> baselines (default: all registered "
+                        "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)")
+    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="data set (default: glyphs, no download)")
+    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="epochs per model (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"],
+                   help="iterations per epoch (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="default %(default)s")
+    p.add_argument("--seeds", type=int, default=DEFAULTS["seeds"],
+                   help="repeated runs for the confidence intervals (default %(default)s)")
+    p.add_argument("--embedding-size", type=int, default=DEFAULTS["embedding_size"], help="default %(default)s")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
+    p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
+    p.add_argument("--device", default=DEFAULTS["device"])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
+    p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
+    p.set_defaults(run=_cmd_bench)
 
     p = commands.add_parser(
         "reproduce", help="run a script of examples/ that reproduces a paper's table",

@@ -162,11 +162,24 @@ def _versions():
             "freetype": features.version("freetype2")}
 
 
-def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, **generate_kwargs):
+def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, num_classes=None, **generate_kwargs):
     """The glyph data set, generated once and then read from
     ``<cache_dir>/glyphs-<key>/`` (default ``~/.cache/pml-rank``, or ``$PML_RANK_CACHE``).
     The key hashes every generation parameter and the matplotlib, Pillow and FreeType
-    versions. Returns a `GlyphDataset`."""
+    versions. `num_classes` keeps only the first classes (labels below it), for quick
+    runs. Returns a `GlyphDataset`."""
+    dataset = _load_or_generate(cache_dir, size=size, variants=variants, seed=seed, **generate_kwargs)
+    if num_classes is None:
+        return dataset
+    if not 2 <= num_classes <= len(dataset.characters):
+        raise ValueError(f"load_glyphs: num_classes must be between 2 and {len(dataset.characters)}, "
+                         f"got {num_classes}")
+    keep = dataset.labels < num_classes
+    return GlyphDataset(dataset.images[keep], dataset.labels[keep], dataset.characters[:num_classes],
+                        [f for f, k in zip(dataset.fonts, keep) if k])
+
+
+def _load_or_generate(cache_dir, size, variants, seed, **generate_kwargs):
     params = dict(size=size, variants=variants, seed=seed, **generate_kwargs)
     key_source = json.dumps({"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True)
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]

@@ -22,16 +22,20 @@ class Recipe:
     Each field is a factory so every fold gets fresh objects:
         make_loss: ``() -> loss``.
         make_miner: ``() -> miner`` or None.
-        make_sampler: ``(train_set, batch_size, model) -> Sampler`` or None for the
-            default (`training.default_sampler`); `model` is ``embedder ∘ trunk``, for
-            samplers that mine with the current network.
+        make_sampler: called as ``make_sampler(train_set, batch_size=..., model=...,
+            device=..., iterations_per_epoch=..., seed=...)``, returns a `Sampler` (or
+            `BatchSampler`); None for the default (`training.default_sampler`). `model`
+            is ``embedder ∘ trunk``, for samplers that mine with the current network.
+            Accept ``**kwargs``: more keywords may be passed in later versions.
         name: label in tables and plots.
+        batches: how batches are made, in words, for tables ("8 classes x 4", ...).
     """
 
     make_loss: Callable
     make_miner: Optional[Callable] = None
     make_sampler: Optional[Callable] = None
     name: str = ""
+    batches: str = ""
 
 
 @dataclasses.dataclass
@@ -80,7 +84,10 @@ def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4
         embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
         sampler = None
         if recipe.make_sampler is not None and epochs > 0:
-            sampler = recipe.make_sampler(train_set, batch_size, torch.nn.Sequential(trunk, embedder))
+            sampler = recipe.make_sampler(
+                train_set, batch_size=batch_size, model=torch.nn.Sequential(trunk, embedder).to(device),
+                device=device, iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
+                seed=seed * 1000 + k)
         result = train_model(
             recipe.make_loss(), train_set, trunk=trunk, embedder=embedder,
             miner=recipe.make_miner() if recipe.make_miner is not None else None, sampler=sampler,

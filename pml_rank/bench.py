@@ -1,0 +1,324 @@
+"""`pml-rank bench`: every registered loss and PML's baselines under the Reality Check
+protocol (`pml_rank.evaluation`) on the embedded glyph data set, with the same trunk,
+optimizer, batch size and training budget for all.
+
+Each contender is a `Recipe`. Registered losses get their paper's miner and sampler from
+`PAPER_RECIPES` (looked up by name, ignored for names not registered); any other
+registered loss, a third party's included, trains with PML's `MPerClassSampler` and no
+miner, like the Reality Check paper's embedding losses. Two rows need no training:
+"raw input" (retrieval on the L2-normalised pixels) and "untrained" (the four fold
+networks at their random initialisation).
+"""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
+from .evaluation.training import default_sampler
+
+RAW_INPUT = "raw input"
+UNTRAINED = "untrained"
+PML_PREFIX = "pml:"
+
+DEFAULTS = dict(dataset="glyphs", epochs=4, iterations_per_epoch=25, batch_size=32, seeds=3,
+                embedding_size=64, lr=1e-3, num_folds=4, device="cpu")
+
+
+def m_per_class(m):
+    """Sampler factory: PML's `MPerClassSampler`, `m` samples of each class per batch."""
+
+    def make(train_set, batch_size, **_):
+        return default_sampler(train_set.labels, batch_size, m_per_class=m)
+
+    return make
+
+
+def hard_negative_classes(train_set, batch_size, model, device, iterations_per_epoch, seed, **_):
+    """N-pair batches (N classes x 2) by hard negative class mining with the network being
+    trained (`pml_rank.samplers.HardNegativeClassSampler`); PML's `MPerClassSampler` with
+    m=2 where that sampler is not installed."""
+    from .plugins import registry
+
+    sampler_class = registry.samplers().get("HardNegativeClassSampler")
+    if sampler_class is None:
+        return m_per_class(2)(train_set, batch_size)
+    sampler = sampler_class(train_set.labels, classes_per_batch=batch_size // 2,
+                            batches_per_epoch=iterations_per_epoch, seed=seed)
+    sampler.attach(model, train_set, device=device)
+    return sampler
+
+
+def batch_hard_miner():
+    from pytorch_metric_learning import miners
+
+    return miners.BatchHardMiner()
+
+
+# The paper's miner and sampler for pml-rank's own losses. Losses not named here train
+# with 4 samples per class and no miner.
+PAPER_RECIPES = {
+    "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner"),
+    "FastAPLoss": dict(batches="m=4 per class"),
+    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
+    "RaMBOAPLoss": dict(batches="m=4 per class, score memory"),
+    "RaMBORecallLoss": dict(batches="m=4 per class, score memory"),
+}
+
+# PML's own losses with their defaults, the baselines of the Reality Check paper.
+PML_BASELINES = {
+    "ContrastiveLoss": dict(batches="m=4 per class"),
+    "TripletMarginLoss": dict(batches="m=4 per class"),
+    "FastAPLoss": dict(batches="m=4 per class"),
+    "NPairsLoss": dict(make_sampler=m_per_class(2), batches="N classes x 2"),
+}
+
+
+def recipes(names=None):
+    """``{row name: Recipe}`` for the registered losses (by their registry name) and
+    PML's baselines (``pml:<name>``); `names` selects and orders a subset."""
+    from pytorch_metric_learning import losses as pml_losses
+
+    from .plugins import registry
+
+    available = {}
+    for name, cls in sorted(registry.losses().items()):
+        extra = PAPER_RECIPES.get(name, dict(batches="m=4 per class"))
+        available[name] = Recipe(make_loss=cls, name=name, **extra)
+    for name, extra in PML_BASELINES.items():
+        available[PML_PREFIX + name] = Recipe(make_loss=getattr(pml_losses, name), name=PML_PREFIX + name, **extra)
+    if names is None:
+        return available
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise KeyError(f"unknown loss {', '.join(unknown)}; available: {', '.join(available)}")
+    return {n: available[n] for n in names}
+
+
+def _glyphs(cache_dir=None, num_classes=None):
+    from .data import load_glyphs
+
+    return load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
+
+
+def _small_cnn(embedding_size):
+    from .data import SmallCNN
+
+    return lambda: SmallCNN(embedding_size=embedding_size)
+
+
+# Data sets the bench can run on: name -> (loader(cache_dir, num_classes), trunk factory
+# maker(embedding_size)). The glyphs need no download.
+DATASETS = {"glyphs": (_glyphs, _small_cnn)}
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Rows in order; ``runs[row]`` holds one ``{"concatenated", "separated"}`` dict per
+    seed, ``histories[row]`` the fold histories of every seed, ``seconds[row]`` the
+    training and evaluation time of the row."""
+
+    config: dict
+    rows: list
+    runs: dict
+    histories: dict
+    seconds: dict
+    batches: dict
+    total_seconds: float = 0.0
+
+    def summary(self):
+        return {row: summarize(self.runs[row]) for row in self.rows}
+
+
+def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=None, batch_size=None,
+              seeds=None, embedding_size=None, lr=None, num_folds=None, device=None, cache_dir=None,
+              num_classes=None, progress=True):
+    """Runs every contender (`recipes(losses)`) plus the raw input and untrained rows
+    with the same budget; returns a `BenchResult`. Arguments left at None take
+    `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...)."""
+    given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch,
+                 batch_size=batch_size, seeds=seeds, embedding_size=embedding_size, lr=lr,
+                 num_folds=num_folds, device=device)
+    config = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
+    config["num_classes"] = num_classes
+    if config["dataset"] not in DATASETS:
+        raise KeyError(f"unknown data set {config['dataset']}; available: {', '.join(DATASETS)}")
+    contenders = recipes(losses)
+    started = time.perf_counter()
+    load, trunk_for = DATASETS[config["dataset"]]
+    data = load(cache_dir, num_classes)
+    make_trunk = trunk_for(config["embedding_size"])
+    seed_list = list(range(config["seeds"]))
+    shared = dict(num_folds=config["num_folds"], batch_size=config["batch_size"],
+                  iterations_per_epoch=config["iterations_per_epoch"], lr=config["lr"],
+                  device=config["device"])
+
+    rows = [RAW_INPUT, UNTRAINED, *contenders]
+    runs, histories, seconds = {}, {}, {}
+    batches = {RAW_INPUT: "", UNTRAINED: "", **{n: r.batches for n, r in contenders.items()}}
+
+    t = time.perf_counter()
+    raw = raw_input_accuracy(data)
+    runs[RAW_INPUT] = [{"concatenated": raw, "separated": raw}]
+    histories[RAW_INPUT], seconds[RAW_INPUT] = [], time.perf_counter() - t
+
+    total = len(contenders) * len(seed_list) * config["num_folds"] * config["epochs"] * config["iterations_per_epoch"]
+    bar = tqdm(total=total, desc="pml-rank bench", unit="it", disable=not progress, dynamic_ncols=True,
+               mininterval=1.0)
+    # The untrained row: the same protocol with zero epochs (no loss is ever called).
+    untrained = Recipe(make_loss=lambda: None, name=UNTRAINED)
+    for name, recipe, epochs_here in [(UNTRAINED, untrained, 0),
+                                      *[(n, r, config["epochs"]) for n, r in contenders.items()]]:
+        t = time.perf_counter()
+        runs[name], histories[name] = [], []
+        for seed in seed_list:
+            bar.set_postfix_str(f"{name} seed {seed}")
+            result = run_protocol(data, recipe, make_trunk, seed=seed, epochs=epochs_here,
+                                  on_iteration=lambda trainer: bar.update(1), **shared)
+            runs[name].append({"concatenated": result.concatenated, "separated": result.separated})
+            histories[name].append(result.histories)
+        seconds[name] = time.perf_counter() - t
+    bar.close()
+    return BenchResult(config, rows, runs, histories, seconds, batches, time.perf_counter() - started)
+
+
+def _cell(mean, half_width):
+    if np.isnan(half_width):
+        return f"{100 * mean:.2f}"
+    return f"{100 * mean:.2f} ± {100 * half_width:.2f}"
+
+
+def format_table(result):
+    """The accuracy table as text, in percent: mean ± 95% CI half width over seeds."""
+    summary = result.summary()
+    header = ["", *[f"concat {SHORT_NAMES[m]}" for m in METRICS], *[f"sep {SHORT_NAMES[m]}" for m in METRICS],
+              "seconds"]
+    lines = [header]
+    for row in result.rows:
+        s = summary[row]
+        lines.append([row, *[_cell(*s["concatenated"][m]) for m in METRICS],
+                      *[_cell(*s["separated"][m]) for m in METRICS], f"{result.seconds[row]:.0f}"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in lines]
+    c = result.config
+    title = (f"Reality Check protocol on {c['dataset']}: {c['num_folds']}-fold CV over the first half of the "
+             f"classes, test on the second half; {c['seeds']} seed(s), {c['epochs']} epochs x "
+             f"{c['iterations_per_epoch']} iterations, batch {c['batch_size']}, embeddings "
+             f"{c['embedding_size']} (concatenated: {c['num_folds'] * c['embedding_size']}). "
+             f"Percent, mean ± 95% CI; {result.total_seconds:.0f} s in all.")
+    return "\n".join([title, *text])
+
+
+def write_csv(result, path):
+    """One line per row: mean and CI half width (fractions in [0, 1]) of every metric."""
+    summary = result.summary()
+    columns = ["row", "batches", "seeds", "seconds"]
+    for kind in ("concatenated", "separated"):
+        for m in METRICS:
+            columns += [f"{kind}_{m}", f"{kind}_{m}_ci95"]
+    lines = [",".join(columns)]
+    for row in result.rows:
+        cells = [row, result.batches[row], str(len(result.runs[row])), f"{result.seconds[row]:.1f}"]
+        for kind in ("concatenated", "separated"):
+            for m in METRICS:
+                mean, ci = summary[row][kind][m]
+                cells += [f"{mean:.6f}", "" if np.isnan(ci) else f"{ci:.6f}"]
+        lines.append(",".join(f'"{c}"' if "," in c else c for c in cells))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_json(result, path):
+    """Configuration, summary, every seed's accuracies and every fold's history."""
+    summary = result.summary()
+
+    def pair(value):
+        mean, ci = value
+        return {"mean": mean, "ci95": None if np.isnan(ci) else ci}
+
+    payload = {
+        "config": result.config, "total_seconds": result.total_seconds,
+        "rows": [{"row": row, "batches": result.batches[row], "seconds": result.seconds[row],
+                  "summary": {kind: {m: pair(summary[row][kind][m]) for m in METRICS}
+                              for kind in ("concatenated", "separated")},
+                  "runs": result.runs[row], "histories": result.histories[row]}
+                 for row in result.rows],
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def _mean_curve(histories, key):
+    """Mean over seeds and folds of `key` per epoch (folds that stopped early end sooner)."""
+    by_epoch = {}
+    for seed_histories in histories:
+        for fold in seed_histories:
+            for entry in fold:
+                if key in entry:
+                    by_epoch.setdefault(entry["epoch"], []).append(entry[key])
+    epochs = sorted(by_epoch)
+    return epochs, [float(np.mean(by_epoch[e])) for e in epochs]
+
+
+def write_png(result, path):
+    """Bar chart of MAP@R (concatenated and separated, with 95% CIs) beside the training
+    curves: validation MAP@R and training loss per epoch, mean over folds and seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result.summary()
+    metric = "mean_average_precision_at_r"
+    fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    y = np.arange(len(result.rows))
+    for offset, kind, color in ((-0.2, "concatenated", "tab:blue"), (0.2, "separated", "tab:orange")):
+        means = [100 * summary[r][kind][metric][0] for r in result.rows]
+        cis = [0 if np.isnan(summary[r][kind][metric][1]) else 100 * summary[r][kind][metric][1]
+               for r in result.rows]
+        bars.barh(y + offset, means, height=0.4, xerr=cis, color=color, capsize=3,
+                  label=f"{kind} ({result.config['num_folds']}x{result.config['embedding_size']}-dim)"
+                  if kind == "concatenated" else f"{kind} ({result.config['embedding_size']}-dim, mean)")
+    bars.set_yticks(y, result.rows)
+    bars.invert_yaxis()
+    bars.set_xlabel("MAP@R on held-out classes (%)")
+    bars.set_title(f"{result.config['dataset']}: mean ± 95% CI over {result.config['seeds']} seed(s)")
+    bars.legend(loc="lower right", fontsize=8)
+    bars.grid(axis="x", alpha=0.3)
+    trained = [r for r in result.rows if r not in (RAW_INPUT, UNTRAINED)]
+    for row in trained:
+        epochs, values = _mean_curve(result.histories[row], metric)
+        val.plot(epochs, [100 * v for v in values], marker="o", label=row)
+        epochs, values = _mean_curve(result.histories[row], "loss")
+        if values and values[0] != 0:
+            loss.plot(epochs, [v / values[0] for v in values], marker="o", label=row)
+    for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "--")):
+        val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style, label=row)
+    val.set(xlabel="epoch", ylabel="validation MAP@R (%)", title="validation fold (held-out training classes)")
+    loss.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss, relative")
+    for ax in (val, loss):
+        ax.grid(alpha=0.3)
+    val.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(result, folder):
+    """Writes ``bench.csv``, ``bench.json`` and ``bench.png`` into `folder`; returns the paths."""
+    folder = Path(folder)
+    return [write_csv(result, folder / "bench.csv"), write_json(result, folder / "bench.json"),
+            write_png(result, folder / "bench.png")]
