@@ -51,7 +51,7 @@ RUNS = (
     Run("RaMBORecallLoss", loss="RaMBORecallLoss"),
     Run("RaMBOAPLoss", loss="RaMBOAPLoss"),
     Run("FastAPLoss", loss="FastAPLoss"),
-    Run("NPairsMCLoss", loss="NPairsMCLoss", sampler="hard_negative_class_mined"),
+    Run("NPairsMCLoss", loss="NPairsMCLoss", sampler="hard_negative_class"),
 )
 
 # Columns: P@1, RP, MAP@R of the concatenated (512-d) embeddings, then of the separated (128-d).

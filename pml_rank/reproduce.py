@@ -91,8 +91,9 @@ def _paper_cell(cell):
 class Run:
     """One model (one row of ours). ``loss``, ``miner``: a registered name (``"AUCLoss"``)
     or a PML one (``"pml:BatchHardMiner"``). ``sampler``: ``"m_per_class"`` (PML's
-    `MPerClassSampler`), ``"hard_negative_class"`` (pml-rank's N-pair sampler drawing
-    random classes) or ``"hard_negative_class_mined"`` (the same, mining with the model).
+    `MPerClassSampler`, the setup's samples per class) or ``"hard_negative_class"``
+    (pml-rank's `HardNegativeClassSampler`, mining N-pair batches with the model, as
+    `pml-rank bench` builds it).
     ``paper_row``: the paper's row it reproduces, or None."""
 
     label: str
@@ -143,7 +144,7 @@ class Variant:
 
 # Settings of --smoke: the tiny layouts, a tiny random-init CNN, one iteration.
 SMOKE_SETUP = dict(backbone="tiny", embedding_size=16, image_size=16, resize=18, batch_size=8,
-                   samples_per_class=4, epochs=1, repeats=1, patience=None)
+                   samples_per_class=4, epochs=1, repeats=1, patience=None, lr=0.01)
 SMOKE_ITERATIONS = 1
 
 
@@ -168,7 +169,7 @@ class Script:
                 for kind, name in (("losses", run.loss), ("miners", run.miner)):
                     if name and not name.startswith("pml:"):
                         needed[kind].add(name)
-                if run.sampler.startswith("hard_negative_class"):
+                if run.sampler == "hard_negative_class":
                     needed["samplers"].add("HardNegativeClassSampler")
         return needed
 
@@ -267,16 +268,19 @@ def find_component(kind, name):
     return found[name]
 
 
-def _make_sampler(run, labels, batch_size, samples_per_class, model=None, dataset=None, seed=0):
-    if run.sampler == "m_per_class":
-        from .evaluation import default_sampler
+def make_recipe(run, setup):
+    """The `pml_rank.evaluation.Recipe` of a run: its loss, miner and sampler factories.
+    The samplers are `pml-rank bench`'s (`pml_rank.bench.m_per_class`,
+    `pml_rank.bench.hard_negative_classes`)."""
+    from .bench import hard_negative_classes, m_per_class
+    from .evaluation import Recipe
 
-        return default_sampler(labels, batch_size, m_per_class=samples_per_class)
-    sampler_cls = find_component("samplers", "HardNegativeClassSampler")
-    sampler = sampler_cls(labels, classes_per_batch=batch_size // 2, seed=seed)
-    if run.sampler == "hard_negative_class_mined":
-        sampler.attach(model, dataset)
-    return sampler
+    return Recipe(
+        make_loss=lambda: None if run.untrained else find_component("losses", run.loss)(**run.loss_kwargs),
+        make_miner=(lambda: find_component("miners", run.miner)(**run.miner_kwargs)) if run.miner else None,
+        make_sampler=hard_negative_classes if run.sampler == "hard_negative_class"
+        else m_per_class(setup.samples_per_class),
+        name=run.label)
 
 
 # --------------------------------------------------------------------------- data and models
@@ -414,7 +418,7 @@ def run_variant(script, variant, args):
             find_component("losses", run.loss)
             if run.miner:
                 find_component("miners", run.miner)
-            if run.sampler.startswith("hard_negative_class"):
+            if run.sampler == "hard_negative_class":
                 find_component("samplers", "HardNegativeClassSampler")
     pretrained = not (args.smoke or args.random_init)
     if pretrained:
@@ -453,15 +457,14 @@ def _run_standard(variant, setup, runs, args, pretrained):
         for run in runs:
             torch.manual_seed(args.seed)
             models = _models(setup, pretrained)
-            loss = miner = sampler = None
+            recipe, miner, sampler = make_recipe(run, setup), None, None
             if not run.untrained:
-                loss = find_component("losses", run.loss)(**run.loss_kwargs)
-                miner = find_component("miners", run.miner)(**run.miner_kwargs) if run.miner else None
-                model = torch.nn.Sequential(models["trunk"], models["embedder"])
-                sampler = _make_sampler(run, train_set.labels, setup.batch_size, setup.samples_per_class,
-                                        model, train_set, args.seed)
+                miner = recipe.make_miner() if recipe.make_miner else None
+                sampler = recipe.make_sampler(
+                    train_set, batch_size=setup.batch_size, device=args.device, iterations_per_epoch=iterations,
+                    model=torch.nn.Sequential(models["trunk"], models["embedder"]), seed=args.seed)
             trained = train_model(
-                loss, train_set, trunk=models["trunk"], embedder=models["embedder"], miner=miner,
+                recipe.make_loss(), train_set, trunk=models["trunk"], embedder=models["embedder"], miner=miner,
                 sampler=sampler, epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
                 iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
                 lr=setup.lr, device=args.device, seed=args.seed, on_iteration=_Progress(bar, setup.lr_drop))
@@ -478,7 +481,7 @@ def _run_standard(variant, setup, runs, args, pretrained):
 
 
 def _run_reality_check(variant, setup, runs, args, pretrained):
-    from .evaluation import Recipe, class_disjoint_split, run_protocol, summarize
+    from .evaluation import class_disjoint_split, run_protocol, summarize
 
     spec = DATASETS[variant.dataset]
     train_transform, eval_transform = image_transforms(setup)
@@ -499,14 +502,7 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
     with tqdm(total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
               desc=f"{variant.dataset} 4-fold training", unit="it") as bar:
         for run in runs:
-            recipe = Recipe(
-                make_loss=lambda run=run: None if run.untrained else find_component("losses", run.loss)(
-                    **run.loss_kwargs),
-                make_miner=(lambda run=run: find_component("miners", run.miner)(**run.miner_kwargs))
-                if run.miner else None,
-                make_sampler=lambda train_set, batch_size, model, run=run: _make_sampler(
-                    run, train_set.labels, batch_size, setup.samples_per_class, model, train_set, args.seed),
-                name=run.label)
+            recipe = make_recipe(run, setup)
             protocol_results = [
                 run_protocol(dataset, recipe, make_model, seed=args.seed + repeat,
                              epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
