@@ -16,7 +16,9 @@ category-based batches.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # rambo_retrieval, next to this file
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # to import rambo_retrieval, next to this file
 
 from rambo_retrieval import rambo_setup  # noqa: E402
 

@@ -363,12 +363,12 @@ class _Progress:
     paper's learning-rate drop."""
 
     def __init__(self, bar, lr_drop):
-        self.bar, self.lr_drop, self.dropped = bar, lr_drop, set()
+        self.bar, self.lr_drop = bar, lr_drop
 
     def __call__(self, trainer):
         self.bar.update(1)
-        if self.lr_drop and trainer.epoch > self.lr_drop[0] and id(trainer) not in self.dropped:
-            self.dropped.add(id(trainer))
+        if self.lr_drop and trainer.epoch > self.lr_drop[0] and not getattr(trainer, "_pml_rank_lr_dropped", False):
+            trainer._pml_rank_lr_dropped = True  # once per trainer (each fold has its own)
             for optimizer in trainer.optimizers.values():
                 for group in optimizer.param_groups:
                     group["lr"] *= self.lr_drop[1]
@@ -586,6 +586,9 @@ def format_result(script, variant, result, args):
         notes.append(BACKBONES[setup.backbone].note)
     if variant.setup.notes:
         notes.append(variant.setup.notes)
+    lines.append(f"Ours: {setup.backbone} + {setup.embedding_size}-d embedding, {setup.image_size}-px crops, "
+                 f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
+                 f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else ""))
     lines += [f"Note: {n}" for n in notes]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
