@@ -42,6 +42,10 @@ NPAIR_MC_NM = Run("NPairsMCLoss + hard negative classes", loss="NPairsMCLoss",
                   sampler="hard_negative_class", paper_row="60-pair-mc-nm")
 
 # The slides print methods as columns; here they are rows. Columns: NMI, then recall@K.
+# Our copy of the slides is an OCR'd text: triplet-nm's R@4 on CUB-200 is missing from it
+# ("-"), and three cells are split across columns there and joined here (Car-196 triplet
+# R@8 "84.1 8" = 84.18; 60-pair-mc R@8 ".60" after "91" = 91.60; Online product 60-pair-ovo
+# K=1 "60 71" = 60.71).
 CUB = PaperTable(SOURCE + ": CUB-200", ("NMI", "R@1", "R@2", "R@4", "R@8"), paper_rows("""
 triplet | 55.83 | 43.30 | 55.84 | 67.30 | 77.48
 triplet-nm | 57.87 | 46.47 | 58.58 | - | 80.17
