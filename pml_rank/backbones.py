@@ -1,0 +1,117 @@
+"""The papers' backbones from torchvision, with ImageNet weights read only from the local
+torch cache (``torch.hub.get_dir()/checkpoints``). Nothing is downloaded: when a weights
+file is absent, `WeightsNotFoundError` says which file to place where.
+
+PML trainers take ``models={"trunk": ..., "embedder": ...}``; `build_models` returns that
+pair: the trunk without its classifier (pooled features) and a linear embedder to the
+papers' embedding size.
+
+torchvision has no BN-Inception (Reality Check's trunk). Its closest model is GoogLeNet,
+which torchvision builds with batch normalisation after every convolution: Inception-v1
+blocks with BatchNorm, 1024 pooled features, 224-pixel inputs, as BN-Inception. We use it
+for the Reality Check tables and say so in the output.
+"""
+
+import dataclasses
+import os
+
+import torch
+import torchvision
+
+
+class WeightsNotFoundError(FileNotFoundError):
+    """Pretrained weights are not in the local torch cache. The message says which file to
+    place where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+    name: str
+    builder: str  # torchvision.models function
+    weights: str  # torchvision weights enum member, "ResNet50_Weights.IMAGENET1K_V1"
+    features: int  # size of the pooled features the embedder reads
+    note: str = ""
+
+    def weights_enum(self):
+        enum_name, member = self.weights.split(".")
+        return getattr(getattr(torchvision.models, enum_name), member)
+
+    def weights_file(self):
+        """Where torchvision's own cache would keep the weights file."""
+        url = self.weights_enum().url
+        return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(url))
+
+
+BACKBONES = {
+    b.name: b
+    for b in (
+        Backbone("resnet50", "resnet50", "ResNet50_Weights.IMAGENET1K_V1", 2048),
+        Backbone("googlenet", "googlenet", "GoogLeNet_Weights.IMAGENET1K_V1", 1024),
+        Backbone("bn-inception", "googlenet", "GoogLeNet_Weights.IMAGENET1K_V1", 1024,
+                 note="torchvision has no BN-Inception; GoogLeNet with BatchNorm stands in"),
+    )
+}
+
+
+def missing_weights_message(backbone):
+    path = backbone.weights_file()
+    url = backbone.weights_enum().url
+    return (
+        f"Pretrained ImageNet weights for {backbone.name} not found: {path}\n"
+        f"Place the file {os.path.basename(path)} there (it is torchvision's {backbone.weights}, "
+        f"published at {url}; copy it from a machine with network access). The folder is "
+        f"torch.hub.get_dir()/checkpoints: set TORCH_HOME to use another one. Or pass "
+        "--random-init to train from scratch (not the papers' setting). pml-rank never downloads."
+    )
+
+
+def require_weights(name):
+    """Raise `WeightsNotFoundError` unless the backbone's ImageNet weights are cached."""
+    backbone = BACKBONES[name]
+    if not os.path.isfile(backbone.weights_file()):
+        raise WeightsNotFoundError(missing_weights_message(backbone))
+
+
+def build_trunk(name, pretrained=True):
+    """A torchvision trunk whose output is its pooled features (the classifier replaced
+    by the identity). ``pretrained=True`` loads ImageNet weights from the local cache."""
+    if name not in BACKBONES:
+        raise ValueError(f"pml-rank: unknown backbone {name!r}; known: {', '.join(BACKBONES)}")
+    backbone = BACKBONES[name]
+    build = getattr(torchvision.models, backbone.builder)
+    options = {}
+    if backbone.builder == "googlenet":
+        # No auxiliary classifiers; torchvision's ImageNet GoogLeNet expects its input transform.
+        options = {"aux_logits": False, "init_weights": not pretrained, "transform_input": pretrained}
+    trunk = build(weights=None, **options)
+    if pretrained:
+        require_weights(name)
+        state = torch.load(backbone.weights_file(), map_location="cpu", weights_only=True)
+        state = {k: v for k, v in state.items() if not k.startswith(("aux1.", "aux2."))}
+        trunk.load_state_dict(state)
+    trunk.fc = torch.nn.Identity()
+    return trunk
+
+
+class TinyTrunk(torch.nn.Sequential):
+    """A few-thousand-parameter CNN for the examples' ``--smoke`` runs: they check the
+    whole pipeline in seconds, which a ResNet-50 cannot do on a CPU."""
+
+    features = 32
+
+    def __init__(self):
+        super().__init__(
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, self.features, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        )
+
+
+def build_models(name, embedding_size, pretrained=True):
+    """``{"trunk": ..., "embedder": Linear(features, embedding_size)}`` for PML trainers.
+    ``name="tiny"`` gives `TinyTrunk` (random init)."""
+    if name == "tiny":
+        trunk, features = TinyTrunk(), TinyTrunk.features
+    else:
+        trunk, features = build_trunk(name, pretrained), BACKBONES[name].features
+    return {"trunk": trunk, "embedder": torch.nn.Linear(features, embedding_size)}

@@ -1,0 +1,674 @@
+"""The machinery behind ``examples/``: each example script declares a paper's table (the
+paper's numbers, cited), the training setup the paper describes and the runs that
+reproduce its rows; `Script.main` trains, evaluates and prints our numbers beside the
+paper's. ``pml-rank reproduce NAME`` runs a script, ``pml-rank reproduce --list`` lists them.
+
+Training and evaluation are `pml_rank.evaluation`'s: `train_model` (PML's
+`MetricLossOnly` trainer, hooks and record-keeper) and `compute_embeddings` for the papers'
+standard protocol (train on the training classes, measure the test classes once), and
+`run_protocol` for the Reality Check protocol (4-fold cross-validation, concatenated and
+separated embeddings, mean and 95% confidence interval over runs).
+
+Losses, miners and samplers are looked up by name: pml-rank's through
+``pml_rank.registry`` (``"AUCLoss"``), PML's through its modules (``"pml:TripletMarginLoss"``),
+so a script fails with a clear message when a component it needs is not installed.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torchvision import transforms
+from tqdm import tqdm
+
+from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
+from .data.real import DATASETS, DataSetNotFoundError
+from .plugins import registry
+from .retrieval_metrics import retrieval_accuracy
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class MissingComponentError(LookupError):
+    """A loss, miner or sampler a script needs is not registered."""
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperTable:
+    """A table as the paper prints it, in percent. ``rows`` maps the paper's row label to
+    one number per metric (None where the paper has none)."""
+
+    source: str  # "Gajić et al., CVPR-W 2022, supplementary, table 1"
+    metrics: tuple  # the papers' column names: "R@1", "NMI", "P@1", "RP", "MAP@R"
+    rows: dict
+
+
+def paper_rows(text):
+    """Rows of a paper table written as in the paper, one per line: ``label | 58.19 |
+    86.36``; a cell may be ``68.13 ± 0.31`` (mean and confidence interval), or ``-`` / ``x``
+    where the paper has no number (``x``: the run diverged)."""
+    rows = {}
+    for line in text.strip().splitlines():
+        label, *cells = [c.strip() for c in line.split("|")]
+        rows[label] = tuple(_paper_cell(c) for c in cells)
+    return rows
+
+
+class PaperNumber(float):
+    """A number as the paper prints it: compares as a float, prints as written ("90.0")."""
+
+    def __new__(cls, text):
+        number = super().__new__(cls, text.strip().rstrip("?"))
+        number.text = text.strip()
+        return number
+
+    def __str__(self):
+        return self.text
+
+
+def _paper_cell(cell):
+    if cell == "x":
+        return "x (diverged)"
+    if cell in ("-", "—"):
+        return None
+    if "±" in cell:
+        mean, ci = cell.split("±")
+        return (PaperNumber(mean), PaperNumber(ci))
+    return PaperNumber(cell)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One model (one row of ours). ``loss``, ``miner``: a registered name (``"AUCLoss"``)
+    or a PML one (``"pml:BatchHardMiner"``). ``sampler``: ``"m_per_class"`` (PML's
+    `MPerClassSampler`, the setup's samples per class) or ``"hard_negative_class"``
+    (pml-rank's `HardNegativeClassSampler`, mining N-pair batches with the model, as
+    `pml-rank bench` builds it).
+    ``paper_row``: the paper's row it reproduces, or None."""
+
+    label: str
+    loss: str = ""
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)
+    miner: Optional[str] = None
+    miner_kwargs: dict = dataclasses.field(default_factory=dict)
+    sampler: str = "m_per_class"
+    paper_row: Optional[str] = None
+    untrained: bool = False  # the "Pretrained" row: no training at all
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The training setup a paper describes for one data set. What the paper (or our
+    notes of it) leaves open is our choice, and ``notes`` says so."""
+
+    backbone: str  # a key of pml_rank.backbones.BACKBONES
+    embedding_size: int
+    batch_size: int
+    samples_per_class: int
+    optimizer: str  # "adam" or "rmsprop"
+    lr: float
+    epochs: int
+    protocol: str = "standard"  # or "reality-check"
+    image_size: int = 224  # training crop and test centre crop
+    resize: int = 256
+    augmentation: str = "crop-flip"  # or "random-resized-crop" (Reality Check)
+    embedder_lr_factor: float = 1.0
+    weight_decay: float = 0.0
+    lr_drop: Optional[tuple] = None  # (after this epoch, multiply the learning rate by)
+    freeze_batchnorm: bool = False
+    patience: Optional[int] = None  # Reality Check: stop a fold after this many epochs without progress
+    repeats: int = 1  # Reality Check: repeated runs for the confidence interval
+    notes: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One data set of a script: the paper's table, the setup and the runs."""
+
+    dataset: str  # a key of pml_rank.data.real.DATASETS
+    table: PaperTable
+    setup: Setup
+    runs: tuple
+    hardware: str
+
+
+# Settings of --smoke: the tiny layouts, a tiny random-init CNN, one iteration.
+SMOKE_SETUP = dict(backbone="tiny", embedding_size=16, image_size=16, resize=18, batch_size=8,
+                   samples_per_class=4, epochs=1, repeats=1, patience=None, lr=0.01)
+SMOKE_ITERATIONS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    name: str
+    title: str
+    variants: dict  # {dataset name: Variant}, the first is the default
+    smoke_rows: Optional[tuple] = None  # rows --smoke runs (default: all), to keep it to seconds
+
+    # ---- what a script needs (for --list and for the tests)
+
+    def required_components(self, dataset=None):
+        """``{"losses": {...}, "miners": {...}, "samplers": {...}}``: the registered
+        (pml-rank or plugin) names the chosen variant, or every variant, needs."""
+        variants = [self.variants[dataset]] if dataset else self.variants.values()
+        needed = {"losses": set(), "miners": set(), "samplers": set()}
+        for variant in variants:
+            for run in variant.runs:
+                if run.untrained:
+                    continue
+                for kind, name in (("losses", run.loss), ("miners", run.miner)):
+                    if name and not name.startswith("pml:"):
+                        needed[kind].add(name)
+                if run.sampler == "hard_negative_class":
+                    needed["samplers"].add("HardNegativeClassSampler")
+        return needed
+
+    def missing_components(self, dataset=None):
+        found = {"losses": registry.losses(), "miners": registry.miners(), "samplers": registry.samplers()}
+        return sorted(name for kind, names in self.required_components(dataset).items()
+                      for name in names if name not in found[kind])
+
+    def describe(self):
+        """One paragraph for ``pml-rank reproduce --list``."""
+        lines = [f"{self.name}: {self.title}"]
+        for name, variant in self.variants.items():
+            layout = DATASETS[name].layout
+            lines.append(f"    --dataset {name}: {variant.table.source}; data: {layout.title} in "
+                         f"<data-root>/{layout.folder}; hardware: {variant.hardware}")
+        missing = self.missing_components()
+        if missing:
+            lines.append(f"    not runnable yet: needs {', '.join(missing)} (not registered)")
+        return "\n".join(lines)
+
+    # ---- the command line
+
+    def parser(self):
+        p = argparse.ArgumentParser(prog=f"pml-rank reproduce {self.name}", description=self.title)
+        p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
+                       help="which table (data set) to reproduce (default: %(default)s)")
+        p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
+                       "Real data sets); with --smoke, default: tiny generated copies")
+        p.add_argument("--smoke", action="store_true",
+                       help="seconds-long check of the whole pipeline: tiny copies of the data "
+                       "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing")
+        p.add_argument("--epochs", type=int, help="override the paper's number of epochs")
+        p.add_argument("--batch-size", type=int, help="override the paper's batch size")
+        p.add_argument("--image-size", type=int,
+                       help="override the training crop / test centre crop (the images are first "
+                       "resized to 256/224 of it)")
+        p.add_argument("--repeats", type=int,
+                       help="Reality Check: repeated runs for the confidence interval")
+        p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows (our labels)")
+        p.add_argument("--random-init", action="store_true",
+                       help="no ImageNet weights (not the papers' setting)")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", default="pml-rank-results", help="folder for the JSON and PNG results")
+        # For the tests: run every row with this loss (e.g. pml:ContrastiveLoss), no miner.
+        p.add_argument("--loss", help=argparse.SUPPRESS)
+        return p
+
+    def main(self, argv=None):
+        args = self.parser().parse_args(argv)
+        variant = self.variants[args.dataset]
+        try:
+            with tempfile.TemporaryDirectory(prefix="pml-rank-smoke-") as scratch:
+                if args.smoke and args.data_root is None:
+                    from .data.tiny_layouts import make_all
+
+                    args.data_root = make_all(scratch, size=SMOKE_SETUP["image_size"], only=[variant.dataset])
+                if args.data_root is None:
+                    raise DataSetNotFoundError(
+                        f"--data-root is required (or --smoke).\n"
+                        f"{variant_data_help(variant)}")
+                result = run_variant(self, variant, args)
+        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError) as error:
+            print(f"pml-rank reproduce {self.name}: {error}", file=sys.stderr)
+            return 2
+        print(format_result(self, variant, result, args))
+        path = write_result(self, variant, result, args)
+        print(f"written: {path} and {path.with_suffix('.png').name}")
+        return 0
+
+
+def variant_data_help(variant):
+    layout = DATASETS[variant.dataset].layout
+    return f"{layout.download}\nExpected layout:\n" + "\n".join(
+        f"    {line}" for line in layout.tree.format(root="<data-root>").splitlines())
+
+
+# --------------------------------------------------------------------------- components
+
+
+def find_component(kind, name):
+    """A class by name: ``"pml:X"`` from PML's module of that kind, else from pml-rank's
+    registry (built-ins and plugins)."""
+    if name.startswith("pml:"):
+        module = importlib.import_module(f"pytorch_metric_learning.{kind}")
+        cls = getattr(module, name[4:], None)
+        if cls is None:
+            raise MissingComponentError(f"pytorch_metric_learning.{kind} has no {name[4:]}")
+        return cls
+    found = getattr(registry, kind)()
+    if name not in found:
+        raise MissingComponentError(
+            f"the {kind[:-1] if kind != 'losses' else 'loss'} {name} is not registered, so this table "
+            f"cannot be reproduced here. It is part of pml-rank; `pml-rank list` shows what is "
+            f"installed (registered {kind}: {', '.join(sorted(found)) or 'none'}).")
+    return found[name]
+
+
+def make_recipe(run, setup):
+    """The `pml_rank.evaluation.Recipe` of a run: its loss, miner and sampler factories.
+    The samplers are `pml-rank bench`'s (`pml_rank.bench.m_per_class`,
+    `pml_rank.bench.hard_negative_classes`)."""
+    from .bench import hard_negative_classes, m_per_class
+    from .evaluation import Recipe
+
+    return Recipe(
+        make_loss=lambda: None if run.untrained else find_component("losses", run.loss)(**run.loss_kwargs),
+        make_miner=(lambda: find_component("miners", run.miner)(**run.miner_kwargs)) if run.miner else None,
+        make_sampler=hard_negative_classes if run.sampler == "hard_negative_class"
+        else m_per_class(setup.samples_per_class),
+        name=run.label)
+
+
+# --------------------------------------------------------------------------- data and models
+
+
+def image_transforms(setup):
+    """``(train, eval)`` transforms. crop-flip (RaMBO, AUC, FastAP, N-pair): resize to
+    ``resize``², random ``image_size`` crop and horizontal flip; test: centre crop.
+    random-resized-crop (Reality Check): shorter side to ``resize``, a random crop of
+    16-100% of the area with aspect 3/4-4/3 resized to ``image_size``, flip; test: shorter
+    side ``resize``, centre crop."""
+    normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    if setup.augmentation == "random-resized-crop":
+        train = [transforms.Resize(setup.resize),
+                 transforms.RandomResizedCrop(setup.image_size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3))]
+        test = [transforms.Resize(setup.resize), transforms.CenterCrop(setup.image_size)]
+    else:
+        train = [transforms.Resize((setup.resize, setup.resize)), transforms.RandomCrop(setup.image_size)]
+        test = [transforms.Resize((setup.resize, setup.resize)), transforms.CenterCrop(setup.image_size)]
+    return (transforms.Compose(train + [transforms.RandomHorizontalFlip()] + normalize),
+            transforms.Compose(test + normalize))
+
+
+class TransformByClass(torch.utils.data.Dataset):
+    """One data set whose items of ``eval_classes`` get the evaluation transform and the
+    others the training one. The Reality Check protocol splits a single data set into
+    training and test classes itself; this keeps augmentation off the test images."""
+
+    def __init__(self, dataset, train_transform, eval_transform, eval_classes):
+        self.dataset, self.labels = dataset, dataset.labels
+        self.train_transform, self.eval_transform = train_transform, eval_transform
+        self.eval_classes = set(int(c) for c in eval_classes)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        image, label = self.dataset[index]
+        transform = self.eval_transform if int(label) in self.eval_classes else self.train_transform
+        return transform(image), label
+
+
+def freeze_batchnorm(module):
+    """Replaces every BatchNorm2d by torchvision's FrozenBatchNorm2d (fixed statistics and
+    affine parameters), the Reality Check setting."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(child.num_features, child.eps)
+            frozen.weight.copy_(child.weight.detach())
+            frozen.bias.copy_(child.bias.detach())
+            frozen.running_mean.copy_(child.running_mean)
+            frozen.running_var.copy_(child.running_var)
+            setattr(module, name, frozen)
+        else:
+            freeze_batchnorm(child)
+    return module
+
+
+def _optimizer_factory(setup, embedder=None):
+    """``make_optimizer(parameters, lr)`` for `train_model`: the paper's optimizer, weight
+    decay, and a larger learning rate for the embedding layer where the paper uses one
+    (`train_model` asks for the embedder's optimizer separately)."""
+    embedder_ids = {id(p) for p in embedder.parameters()} if embedder is not None else set()
+
+    def make_optimizer(parameters, lr):
+        parameters = list(parameters)
+        if parameters and all(id(p) in embedder_ids for p in parameters):
+            lr = lr * setup.embedder_lr_factor
+        if setup.optimizer == "rmsprop":
+            return torch.optim.RMSprop(parameters, lr=lr, weight_decay=setup.weight_decay)
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=setup.weight_decay)
+
+    return make_optimizer
+
+
+class _Progress:
+    """Called after every training iteration: advances the tqdm bar and applies the
+    paper's learning-rate drop."""
+
+    def __init__(self, bar, lr_drop):
+        self.bar, self.lr_drop = bar, lr_drop
+
+    def __call__(self, trainer):
+        self.bar.update(1)
+        if self.lr_drop and trainer.epoch > self.lr_drop[0] and not getattr(trainer, "_pml_rank_lr_dropped", False):
+            trainer._pml_rank_lr_dropped = True  # once per trainer (each fold has its own)
+            for optimizer in trainer.optimizers.values():
+                for group in optimizer.param_groups:
+                    group["lr"] *= self.lr_drop[1]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def effective_setup(setup, args):
+    """The paper's setup with the command line's overrides (and --smoke's tiny settings)."""
+    changes = dict(SMOKE_SETUP) if args.smoke else {}
+    if args.epochs is not None:
+        changes["epochs"] = args.epochs
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.image_size is not None:
+        changes.update(image_size=args.image_size, resize=round(args.image_size * 256 / 224))
+    if args.repeats is not None:
+        changes["repeats"] = args.repeats
+    return dataclasses.replace(setup, **changes)
+
+
+def selected_runs(script, variant, args):
+    runs = list(variant.runs)
+    if args.smoke and script.smoke_rows and not args.only:
+        runs = [r for r in runs if r.label in script.smoke_rows]
+    if args.only:
+        unknown = set(args.only) - {r.label for r in runs}
+        if unknown:
+            raise MissingComponentError(f"no row labelled {sorted(unknown)}; rows: {[r.label for r in runs]}")
+        runs = [r for r in runs if r.label in args.only]
+    if args.loss:  # the tests' override
+        runs = [r if r.untrained else dataclasses.replace(
+            r, label=f"{r.label} [loss replaced by {args.loss}]", loss=args.loss, loss_kwargs={}, miner=None,
+            sampler="m_per_class") for r in runs]
+    return runs
+
+
+def run_variant(script, variant, args):
+    """Trains and measures every run of a variant; returns ``{run label: {metric: value
+    in %}}`` (Reality Check: ``{label: {"concatenated": {metric: (mean, ci)}, "separated":
+    ...}}``)."""
+    setup = effective_setup(variant.setup, args)
+    runs = selected_runs(script, variant, args)
+    for run in runs:  # fail before any training when a component is missing
+        if not run.untrained:
+            find_component("losses", run.loss)
+            if run.miner:
+                find_component("miners", run.miner)
+            if run.sampler == "hard_negative_class":
+                find_component("samplers", "HardNegativeClassSampler")
+    pretrained = not (args.smoke or args.random_init)
+    if pretrained:
+        require_weights(setup.backbone)  # before loading any data
+    if setup.protocol == "reality-check":
+        return _run_reality_check(variant, setup, runs, args, pretrained)
+    return _run_standard(variant, setup, runs, args, pretrained)
+
+
+def _models(setup, pretrained):
+    models = build_models(setup.backbone, setup.embedding_size, pretrained)
+    if setup.freeze_batchnorm:
+        freeze_batchnorm(models["trunk"])
+    return models
+
+
+def _iterations(setup, num_items, smoke):
+    if smoke:
+        return SMOKE_ITERATIONS
+    return max(num_items // setup.batch_size, 1)
+
+
+def _run_standard(variant, setup, runs, args, pretrained):
+    from .evaluation import compute_embeddings, train_model
+
+    spec = DATASETS[variant.dataset]
+    train_transform, eval_transform = image_transforms(setup)
+    train_set = spec.load(args.data_root, spec.train_split, train_transform)
+    query_set = spec.load(args.data_root, spec.query_split, eval_transform)
+    reference_set = (None if spec.reference_split == spec.query_split
+                     else spec.load(args.data_root, spec.reference_split, eval_transform))
+    iterations = _iterations(setup, len(train_set), args.smoke)
+    results = {}
+    total = iterations * setup.epochs * sum(not r.untrained for r in runs)
+    with tqdm(total=total, desc=f"{variant.dataset} training", unit="it") as bar:
+        for run in runs:
+            torch.manual_seed(args.seed)
+            models = _models(setup, pretrained)
+            recipe, miner, sampler = make_recipe(run, setup), None, None
+            if not run.untrained:
+                miner = recipe.make_miner() if recipe.make_miner else None
+                sampler = recipe.make_sampler(
+                    train_set, batch_size=setup.batch_size, device=args.device, iterations_per_epoch=iterations,
+                    model=torch.nn.Sequential(models["trunk"], models["embedder"]), seed=args.seed)
+            trained = train_model(
+                recipe.make_loss(), train_set, trunk=models["trunk"], embedder=models["embedder"], miner=miner,
+                sampler=sampler, epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
+                iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
+                lr=setup.lr, device=args.device, seed=args.seed, on_iteration=_Progress(bar, setup.lr_drop))
+            query, query_labels = compute_embeddings(trained.trunk, query_set, trained.embedder,
+                                                     args.device, normalize=True)
+            reference = reference_labels = None
+            if reference_set is not None:
+                reference, reference_labels = compute_embeddings(trained.trunk, reference_set, trained.embedder,
+                                                                 args.device, normalize=True)
+            accuracy = retrieval_accuracy(query, query_labels, reference, reference_labels,
+                                          metrics=variant.table.metrics, device=torch.device(args.device))
+            results[run.label] = {m: 100 * v for m, v in accuracy.items()}
+    return results
+
+
+def _run_reality_check(variant, setup, runs, args, pretrained):
+    from .evaluation import class_disjoint_split, run_protocol, summarize
+
+    spec = DATASETS[variant.dataset]
+    train_transform, eval_transform = image_transforms(setup)
+    whole = spec.load(args.data_root, "train+test")
+    _, test_indices = class_disjoint_split(whole.labels)
+    dataset = TransformByClass(whole, train_transform, eval_transform,
+                               eval_classes={whole.labels[i] for i in test_indices})
+    train_items = len(whole) - len(test_indices)
+    iterations = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4 partitions
+
+    def make_model():
+        # trunk and embedder as one module: the paper trains all of it with one learning rate
+        models = _models(setup, pretrained)
+        return torch.nn.Sequential(models["trunk"], models["embedder"])
+
+    results = {}
+    trained_runs = sum(not r.untrained for r in runs)
+    with tqdm(total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
+              desc=f"{variant.dataset} 4-fold training", unit="it") as bar:
+        for run in runs:
+            recipe = make_recipe(run, setup)
+            protocol_results = [
+                run_protocol(dataset, recipe, make_model, seed=args.seed + repeat,
+                             epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
+                             iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
+                             lr=setup.lr, device=args.device, patience=setup.patience,
+                             on_iteration=_Progress(bar, setup.lr_drop))
+                for repeat in range(1 if run.untrained else setup.repeats)
+            ]
+            summary = summarize(protocol_results)
+            results[run.label] = {kind: {short: tuple(100 * v for v in summary[kind][metric])
+                                         for short, metric in _RC_METRICS}
+                                  for kind in ("concatenated", "separated")}
+    return results
+
+
+_RC_METRICS = (("P@1", "precision_at_1"), ("RP", "r_precision"), ("MAP@R", "mean_average_precision_at_r"))
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _cell(value):
+    if value is None:
+        return "—"
+    if isinstance(value, tuple):
+        mean, ci = value
+        return f"{mean:.2f} ± {ci:.2f}" if ci == ci else f"{mean:.2f}"  # nan CI with one run
+    return f"{value:.2f}"
+
+
+def _paper_cell_text(value):
+    if value is None:
+        return "—"
+    if isinstance(value, tuple):
+        return f"{value[0]} ± {value[1]}"
+    return str(value)
+
+
+def format_result(script, variant, result, args):
+    """Our numbers beside the paper's: every paper row (ours filled in where we ran it)
+    and every row of ours without a paper counterpart."""
+    table, setup = variant.table, effective_setup(variant.setup, args)
+    reality_check = setup.protocol == "reality-check"
+    ours_by_paper_row = {r.paper_row: r.label for r in selected_runs(script, variant, args)
+                         if r.paper_row and r.label in result}
+    header = ["row"]
+    kinds = ("concatenated", "separated") if reality_check else (None,)
+    for kind in kinds:
+        for metric in table.metrics:
+            prefix = f"{kind[:6]}. " if kind else ""
+            header += [f"{prefix}{metric} ours", f"{prefix}{metric} paper"]
+    rows = []
+
+    def ours_for(label, index, kind):
+        if label is None:
+            return None
+        values = result[label][kind] if kind else result[label]
+        return values.get(table.metrics[index])
+
+    for paper_row, numbers in table.rows.items():
+        label = ours_by_paper_row.get(paper_row)
+        cells = [paper_row + (f"  [ours: {label}]" if label else "")]
+        for k, kind in enumerate(kinds):
+            paper_numbers = numbers[k * len(table.metrics):(k + 1) * len(table.metrics)] if reality_check else numbers
+            for i, paper_value in enumerate(paper_numbers):
+                cells += [_cell(ours_for(label, i, kind)), _paper_cell_text(paper_value)]
+        rows.append(cells)
+    for label in result:
+        if label in ours_by_paper_row.values():
+            continue
+        cells = [f"{label}  [ours only]"]
+        for kind in kinds:
+            for i in range(len(table.metrics)):
+                cells += [_cell(ours_for(label, i, kind)), "—"]
+        rows.append(cells)
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = [f"{script.title}", f"{table.source}; in %. Paper numbers are the authors' (cited), "
+             "'ours' is this run" + (" (--smoke: meaningless numbers)" if args.smoke else "") + "."]
+    notes = []
+    if BACKBONES.get(setup.backbone) and BACKBONES[setup.backbone].note:
+        notes.append(BACKBONES[setup.backbone].note)
+    if variant.setup.notes:
+        notes.append(variant.setup.notes)
+    lines.append(f"Ours: {setup.backbone} + {setup.embedding_size}-d embedding, {setup.image_size}-px crops, "
+                 f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
+                 f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else ""))
+    lines += [f"Note: {n}" for n in notes]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def write_result(script, variant, result, args):
+    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, the setup) and
+    a PNG beside it; returns the JSON path."""
+    setup = effective_setup(variant.setup, args)
+    path = Path(args.out) / f"reproduce-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "script": script.name, "dataset": variant.dataset, "paper": variant.table.source,
+        "metrics": list(variant.table.metrics), "paper_rows": variant.table.rows, "ours": result,
+        "setup": dataclasses.asdict(setup), "smoke": args.smoke, "seed": args.seed,
+    }
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    plot_result(script, variant, result, args, path.with_suffix(".png"))
+    return path
+
+
+def plot_result(script, variant, result, args, path):
+    """Bar chart, one panel per metric: each of our rows beside the paper's number for
+    the row it reproduces (Reality Check: concatenated embeddings, with the 95% CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = variant.table
+    reality_check = variant.setup.protocol == "reality-check"
+    paper_row_of = {r.label: r.paper_row for r in selected_runs(script, variant, args)}
+    labels = list(result)
+    fig, axes = plt.subplots(1, len(table.metrics), figsize=(3 + 2.2 * len(table.metrics), 0.5 * len(labels) + 2),
+                             squeeze=False, sharey=True)
+    for i, (metric, ax) in enumerate(zip(table.metrics, axes[0])):
+        ours = [result[label]["concatenated" if reality_check else metric] for label in labels]
+        ours = [v[metric] if reality_check else v for v in ours]
+        paper = [table.rows.get(paper_row_of.get(label), ())[i:i + 1] for label in labels]
+        paper = [p[0] if p and p[0] is not None and not isinstance(p[0], str) else None for p in paper]
+        positions = range(len(labels))
+
+        def bars(values, offset, name, color):
+            means = [(v[0] if isinstance(v, tuple) else v) if v is not None else 0 for v in values]
+            errors = [v[1] if isinstance(v, tuple) and v[1] == v[1] else 0 for v in values]
+            ax.barh([p + offset for p in positions], means, height=0.38, xerr=errors, label=name, color=color)
+
+        bars(ours, -0.2, "ours", "tab:blue")
+        bars(paper, 0.2, "paper", "tab:gray")
+        ax.set_title(metric + (" (concatenated)" if reality_check else ""))
+        ax.set_xlim(0, 100)
+        ax.set_yticks(list(positions), labels, fontsize=8)
+    axes[0][0].invert_yaxis()
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{table.source}" + ("  [--smoke: meaningless numbers]" if args.smoke else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def script_files(examples_dir=EXAMPLES_DIR):
+    """``{name: path}`` of the example scripts that declare a ``SCRIPT``."""
+    if not examples_dir.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(examples_dir.glob("*.py")) if "SCRIPT = Script(" in p.read_text()}
+
+
+def load_script(path):
+    """Imports an example script file and returns its `Script`."""
+    spec = importlib.util.spec_from_file_location(f"pml_rank_example_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SCRIPT
+
+
+def examples_missing_message():
+    return (f"the example scripts are not at {EXAMPLES_DIR}: they ship with the source checkout "
+            "(git clone), not with the installed package. Run from a clone.")
+
