@@ -9,9 +9,10 @@ import torch
 def paired_indices(labels):
     """One (anchor, positive) pair per class with two or more samples: its first and
     second sample in the batch, classes in ascending label order."""
+    values = labels.tolist()
     pairs = []
-    for label in sorted(set(labels.tolist())):
-        members = [i for i, value in enumerate(labels.tolist()) if value == label]
+    for label in sorted(set(values)):
+        members = [i for i, value in enumerate(values) if value == label]
         if len(members) >= 2:
             pairs.append((members[0], members[1]))
     return pairs
@@ -24,12 +25,12 @@ def npairs_loss(embeddings, labels, mode="mc", l2_reg_weight=0.0, normalize=Fals
     normalisation). ``normalize`` uses unit-length f in the inner products."""
     pairs = paired_indices(labels)
     f = embeddings / embeddings.norm(dim=1, keepdim=True) if normalize else embeddings
+    anchors = f[[anchor for anchor, _ in pairs]]
+    positives = f[[positive for _, positive in pairs]]
     per_anchor = []
-    for i, (anchor, positive) in enumerate(pairs):
-        positive_similarity = f[anchor] @ f[positive]
-        differences = torch.stack([f[anchor] @ f[other_positive] - positive_similarity
-                                   for j, (_, other_positive) in enumerate(pairs) if j != i]
-                                  + [f.new_full((), -math.inf)])  # exp(-inf) = 0 when N = 1
+    for i in range(len(pairs)):
+        similarities = positives @ anchors[i]  # f_iᵀf_j⁺ for every j
+        differences = torch.cat([similarities[:i], similarities[i + 1:]]) - similarities[i]
         if mode == "mc":
             per_anchor.append(torch.log(1 + torch.exp(differences).sum()))
         elif mode == "ovo":
@@ -37,7 +38,7 @@ def npairs_loss(embeddings, labels, mode="mc", l2_reg_weight=0.0, normalize=Fals
         else:
             raise ValueError(f"unknown mode {mode}")
     loss = torch.stack(per_anchor).mean() if per_anchor else embeddings.sum() * 0
-    penalty = sum(embedding @ embedding for embedding in embeddings) / len(embeddings)
+    penalty = (embeddings ** 2).sum(dim=1).mean()
     return loss + l2_reg_weight * penalty
 
 
