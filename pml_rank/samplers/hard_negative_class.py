@@ -77,9 +77,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         if not classes_per_batch <= candidate_classes <= num_classes:
             raise ValueError(f"{self._name}: candidate_classes={candidate_classes} must be between "
                              f"classes_per_batch ({classes_per_batch}) and the number of classes ({num_classes})")
-        if not 1 <= examples_per_class <= counts.min():
-            raise ValueError(f"{self._name}: examples_per_class={examples_per_class} must be between 1 and "
-                             f"the size of the smallest class ({counts.min()})")
+        if examples_per_class not in (1, 2):
+            raise ValueError(f"{self._name}: examples_per_class={examples_per_class} must be 1 or 2")
         if batches_per_epoch is None:
             batches_per_epoch = max(1, len(labels) // (2 * classes_per_batch))
         if batches_per_epoch < 1:
@@ -89,8 +88,10 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         if refresh_every < 1:
             raise ValueError(f"{self._name}: refresh_every={refresh_every} must be at least 1")
 
-        by_class = np.argsort(inverse, kind="stable")
-        self.members = [torch.from_numpy(m) for m in np.split(by_class, np.cumsum(counts)[:-1])]
+        # Class c's examples are by_class[class_starts[c]:class_starts[c] + class_sizes[c]].
+        self._by_class = np.argsort(inverse, kind="stable")
+        self._class_sizes = counts
+        self._class_starts = np.cumsum(counts) - counts
         self.classes_per_batch = classes_per_batch
         self.candidate_classes = candidate_classes
         self.examples_per_class = examples_per_class
@@ -104,7 +105,7 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self._attached_trainer = None
         self._class_embeddings = None
         # Batch count at which each class was last embedded (never: far in the past).
-        self._embedded_at = torch.full((num_classes,), -2**62, dtype=torch.long)
+        self._embedded_at = np.full(num_classes, -2**62, dtype=np.int64)
         c_f.add_to_recordable_attributes(
             self, list_of_names=["mining_seconds", "mined_batches", "embedded_examples"])
 
@@ -115,14 +116,15 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(
-            int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0]))
+        # NumPy rather than torch: per-batch work is many tiny operations, and NumPy's
+        # per-call overhead is several times lower.
+        rng = np.random.default_rng([self.seed, self.epoch])
         self.epoch += 1
         for _ in range(self.batches_per_epoch):
             # Lazily, one batch at a time, so that each batch is mined with the model
             # as it is when the DataLoader asks for it.
             start = time.perf_counter()
-            batch = self._mine_batch(generator)
+            batch = self._mine_batch(rng)
             self.mining_seconds += time.perf_counter() - start
             self.mined_batches += 1
             yield from batch.tolist()
@@ -169,37 +171,37 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     # --- mining --------------------------------------------------------------------------
 
-    def _mine_batch(self, generator):
-        num_classes = len(self.members)
+    def _mine_batch(self, rng):
+        num_classes = len(self._class_sizes)
         if self._embed_fn is None:
-            chosen = torch.randperm(num_classes, generator=generator)[:self.classes_per_batch]
+            chosen = rng.choice(num_classes, self.classes_per_batch, replace=False)
         else:
-            candidates = torch.randperm(num_classes, generator=generator)[:self.candidate_classes]
-            class_embeddings = self._candidate_embeddings(candidates, generator)
+            candidates = rng.choice(num_classes, self.candidate_classes, replace=False)
+            class_embeddings = self._candidate_embeddings(candidates, rng)
             similarities = self.distance(class_embeddings)
             if not self.distance.is_inverted:
                 similarities = -similarities
-            chosen = candidates[greedy_hard_negative_classes(similarities, self.classes_per_batch, generator)]
-        return torch.cat([self._draw(c, 2, generator) for c in chosen.tolist()])
+            chosen = candidates[greedy_hard_negative_classes(similarities.cpu().numpy(), self.classes_per_batch, rng)]
+        return self._draw(chosen, 2, rng).ravel()
 
-    def _candidate_embeddings(self, candidates, generator):
+    def _candidate_embeddings(self, candidates, rng):
         """g_c for each candidate, re-embedding the stale ones."""
         batch_number = self.mined_batches
         stale = candidates[self._embedded_at[candidates] <= batch_number - self.refresh_every]
         if len(stale) > 0:
-            examples = torch.cat([self._draw(c, self.examples_per_class, generator) for c in stale.tolist()])
+            examples = torch.from_numpy(self._draw(stale, self.examples_per_class, rng).ravel())
             embeddings = self._embed(examples)
             check_embeddings(self._name, embeddings=embeddings)
             if embeddings.ndim != 2 or len(embeddings) != len(examples):
                 raise ValueError(f"{self._name}: the model returned shape {tuple(embeddings.shape)} for "
                                  f"{len(examples)} examples; expected ({len(examples)}, dim)")
             if self._class_embeddings is None:
-                self._class_embeddings = embeddings.new_zeros(len(self.members), embeddings.shape[1])
-            self._class_embeddings[stale.to(embeddings.device)] = (
+                self._class_embeddings = embeddings.new_zeros(len(self._class_sizes), embeddings.shape[1])
+            self._class_embeddings[torch.from_numpy(stale).to(embeddings.device)] = (
                 embeddings.reshape(len(stale), self.examples_per_class, -1).mean(dim=1))
             self._embedded_at[stale] = batch_number
             self.embedded_examples += len(examples)
-        return self._class_embeddings[candidates.to(self._class_embeddings.device)]
+        return self._class_embeddings[torch.from_numpy(candidates).to(self._class_embeddings.device)]
 
     def _embed(self, indices):
         modes = [(m, m.training) for module in self._eval_modules for m in module.modules()]
@@ -214,28 +216,30 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             for module, training in modes:
                 module.training = training
 
-    def _draw(self, class_position, count, generator):
-        members = self.members[class_position]
-        return members[torch.randperm(len(members), generator=generator)[:count]]
+    def _draw(self, classes, count, rng):
+        """(len(classes), count) dataset indices, `count` (1 or 2) distinct examples of
+        each class, uniformly: a first one, then one of the others."""
+        sizes = self._class_sizes[classes]
+        offsets = [rng.integers(sizes)]
+        if count == 2:
+            offsets.append((offsets[0] + 1 + rng.integers(sizes - 1)) % sizes)
+        return self._by_class[self._class_starts[classes][:, None] + np.stack(offsets, axis=1)]
 
 
-def greedy_hard_negative_classes(similarities, n, generator=None):
-    """Step 2 of hard negative class mining on a (C, C) matrix of similarities between
+def greedy_hard_negative_classes(similarities, n, rng=None):
+    """Step 2 of hard negative class mining on a (C, C) array of similarities between
     candidate classes (row: the selected class, column: the candidate): start from a
     random class, then repeatedly add the unselected class c maximising
-    max over selected s of similarities[s, c], ties broken at random. Returns the
-    selected positions, in selection order."""
-    num_candidates = len(similarities)
-    taken = torch.zeros(num_candidates, dtype=torch.bool, device=similarities.device)
-    first = int(torch.randint(num_candidates, (1,), generator=generator))
-    selected = [first]
-    taken[first] = True
-    violation = similarities[first].clone()  # max over the selected classes, per candidate
+    max over selected s of similarities[s, c], ties broken at random. ``rng`` is a
+    NumPy Generator or a seed. Returns the selected positions, in selection order."""
+    similarities = np.asarray(similarities)
+    rng = np.random.default_rng(rng)
+    selected = [int(rng.integers(len(similarities)))]
+    violation = similarities[selected[0]].astype(np.float64)  # max over the selected, per candidate
     for _ in range(n - 1):
-        available = violation.masked_fill(taken, -float("inf"))
-        ties = (available == available.max()).nonzero().squeeze(1).cpu()
-        pick = int(ties[torch.randint(len(ties), (1,), generator=generator)])
+        violation[selected] = -np.inf
+        ties = np.flatnonzero(violation == violation.max())
+        pick = int(ties[rng.integers(len(ties))])
         selected.append(pick)
-        taken[pick] = True
-        violation = torch.maximum(violation, similarities[pick])
-    return torch.tensor(selected)
+        np.maximum(violation, similarities[pick], out=violation)
+    return np.array(selected)
