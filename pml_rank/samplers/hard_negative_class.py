@@ -239,7 +239,7 @@ def greedy_hard_negative_classes(similarities, n, rng=None):
     for _ in range(n - 1):
         violation[selected] = -np.inf
         ties = np.flatnonzero(violation == violation.max())
-        pick = int(ties[rng.integers(len(ties))])
+        pick = int(ties[rng.integers(len(ties))] if len(ties) > 1 else ties[0])
         selected.append(pick)
         np.maximum(violation, similarities[pick], out=violation)
     return np.array(selected)
