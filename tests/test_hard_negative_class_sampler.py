@@ -63,6 +63,14 @@ def test_mined_batches_hold_n_classes_with_two_examples_each(examples_per_class)
     assert sampler.embedded_examples > 0
 
 
+def test_the_two_examples_of_a_class_are_any_two_distinct_ones():
+    labels = [0, 0, 0, 1, 1, 1, 2, 2]
+    pairs = {tuple(batch[2 * k:2 * k + 2]) for batch in batches(
+        HardNegativeClassSampler(labels, 2, batches_per_epoch=300)) for k in range(2)}
+    assert {pair for pair in pairs if labels[pair[0]] == 0} == {
+        (a, b) for a in range(3) for b in range(3) if a != b}
+
+
 def test_a_dataloader_with_batch_size_2n_yields_the_batches():
     labels = uneven_labels(2)
     dataset = torch.utils.data.TensorDataset(torch.arange(len(labels)), torch.tensor(labels))

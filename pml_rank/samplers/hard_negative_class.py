@@ -47,7 +47,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
     its trunk and embedder) or as a PML hook, ``end_of_iteration_hook=sampler.
     end_of_iteration_hook``; or pass ``embed_fn``, a callable mapping a LongTensor of
     dataset indices to their embeddings. Embedding runs under ``torch.no_grad()`` with
-    the model in eval mode; every module's mode is restored afterwards.
+    the model in eval mode; every module's mode is restored afterwards (an ``embed_fn``
+    gets only ``no_grad``: it owns its model's mode).
 
     Batches are reproducible for a given ``seed``, epoch and model: each pass draws
     from a generator seeded with (seed, epoch). The epoch advances by one per pass;
