@@ -249,6 +249,8 @@ def test_registered_as_a_sampler():
     assert pml_rank.registry.samplers()["HardNegativeClassSampler"] is HardNegativeClassSampler
 
 
+# PML's own progress bar formats the loss tensor with requires_grad.
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 def test_trains_inside_pml_metric_loss_only_attached_by_the_hook(caplog):
     caplog.set_level(logging.WARNING)
     torch.manual_seed(0)
