@@ -81,9 +81,36 @@ class SpeedCase:
         return {name: factory for name, factory in named.items() if factory is not None}
 
 
+def _npairs_pml():
+    """PML's NPairsLoss set up to compute NPairsMCLoss's default function: the paper's
+    unnormalised inner product and the same L2 penalty from PML's own regularizer."""
+    from pytorch_metric_learning import distances, losses, regularizers
+
+    return losses.NPairsLoss(distance=distances.DotProductSimilarity(normalize_embeddings=False),
+                             embedding_regularizer=regularizers.LpRegularizer(power=2),
+                             embedding_reg_weight=0.002)
+
+
+def _npairs_reference(mode):
+    def make():
+        from .references.npairs import npairs_loss
+
+        return lambda embeddings, labels: npairs_loss(embeddings, labels, mode, l2_reg_weight=0.002)
+
+    return make
+
+
 # Losses with a PML equivalent and/or a reference. Any other registered loss is timed
 # alone against the floor. Keep entries alphabetical.
-CASES = {}
+CASES = {
+    "NPairsMCLoss": SpeedCase(ours=registered("NPairsMCLoss"), pml=_npairs_pml,
+                              reference=_npairs_reference("mc"),
+                              inputs=labelled_batch(per_class=2)),
+    # PML has no one-vs-one N-pair loss: its NPairsLoss (same pairs, softmax) is the nearest.
+    "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml,
+                               reference=_npairs_reference("ovo"),
+                               inputs=labelled_batch(per_class=2)),
+}
 
 
 def case_for(name):

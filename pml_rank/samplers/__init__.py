@@ -1,3 +1,5 @@
 """pml-rank's samplers, one module per paper. Everything in __all__ is registered as a plugin component."""
 
-__all__ = []
+from .hard_negative_class import HardNegativeClassSampler
+
+__all__ = ["HardNegativeClassSampler"]
