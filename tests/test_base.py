@@ -32,3 +32,33 @@ def test_integer_embeddings_are_a_type_error():
 
 def test_finite_input_passes_through():
     assert _Toy()(torch.ones(2, 3), torch.arange(2)).item() == 6
+
+
+def test_half_precision_is_computed_in_float32_and_the_gradient_keeps_the_input_dtype():
+    seen = []
+
+    class _Spy(_Toy):
+        def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+            seen.append((embeddings.dtype, ref_emb is embeddings))
+            gram = (embeddings @ ref_emb.T).sum()  # 1.08e6: beyond float16's 65504
+            return {"loss": {"losses": gram, "indices": None, "reduction_type": "already_reduced"}}
+
+    for dtype in (torch.float16, torch.bfloat16):
+        embeddings = torch.full((2, 3), 300.0, dtype=dtype, requires_grad=True)
+        loss = _Spy()(embeddings, torch.arange(2))
+        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        loss.backward()
+        assert embeddings.grad.dtype == dtype
+    assert seen == [(torch.float32, True), (torch.float32, True)]
+
+
+def test_a_loss_that_overflows_on_finite_input_is_an_error_naming_the_scale():
+    class _Gram(_Toy):
+        def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+            gram = (embeddings @ ref_emb.T).sum()
+            return {"loss": {"losses": gram, "indices": None, "reduction_type": "already_reduced"}}
+
+    embeddings = torch.full((2, 3), 1e20)
+    with pytest.raises(ValueError, match=r"_Gram: the loss overflowed to inf .* largest norm is 1\.73e\+20"):
+        _Gram()(embeddings, torch.arange(2))
+    assert torch.isfinite(_Gram()(embeddings / 1e20, torch.arange(2)))

@@ -28,18 +28,21 @@ def _losses():
     return sorted(pml_rank.registry.losses())
 
 
-def _batch(step, per_class):
+def _batch(step, name):
     """The whole batch of one step. Classes are spread over both ranks, so positives
-    and negatives cross the rank boundary."""
+    and negatives cross the rank boundary, except for the N-pair losses: they take
+    each class's first two samples as (anchor, positive), and PML's wrapper puts a
+    rank's own rows first, so a pair split over two ranks would swap roles on one of
+    them. N-pair batches therefore keep each class on one rank, as the
+    HardNegativeClassSampler's batches of whole pairs do."""
     generator = torch.Generator().manual_seed(1000 + step)
     size = WORLD_SIZE * PER_RANK
     embeddings = torch.randn(size, 8, generator=generator, dtype=torch.float64)
-    labels = (torch.arange(size) // per_class)[torch.randperm(size, generator=generator)]
+    if name.startswith("NPairs"):
+        labels = torch.arange(size) // 2
+    else:
+        labels = (torch.arange(size) // 4)[torch.randperm(size, generator=generator)]
     return embeddings, labels
-
-
-def _per_class(name):
-    return 2 if name.startswith("NPairs") else 4
 
 
 def _free_port():
@@ -58,7 +61,7 @@ def _worker(rank, port, names, out_dir):
             wrapped = DistributedLossWrapper(pml_rank.registry.losses()[name]())
             steps = []
             for step in range(STEPS):
-                embeddings, labels = _batch(step, _per_class(name))
+                embeddings, labels = _batch(step, name)
                 own = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
                 mine = embeddings[own].clone().requires_grad_()
                 loss = wrapped(mine, labels[own])
@@ -81,7 +84,7 @@ def distributed_results(tmp_path_factory):
 def test_two_gloo_processes_equal_one_process_on_the_whole_batch(name, distributed_results):
     single = pml_rank.registry.losses()[name]()
     for step in range(STEPS):
-        embeddings, labels = _batch(step, _per_class(name))
+        embeddings, labels = _batch(step, name)
         embeddings.requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the wrapper is not involved here
