@@ -1,0 +1,221 @@
+"""Blackbox-differentiable ranking (RaMBO: Rolínek et al., *Optimizing Rank-Based Metrics
+with Blackbox Differentiation*, CVPR 2020, Algorithm 1) and the AP losses built on it.
+
+This is the one place in pml-rank that ranks. Conventions:
+
+- Ranks run along the last dimension, 1 = highest score, and `blackbox_rank` returns
+  them divided by the sequence length, as the authors' code does, so that the paper's
+  λ values carry over.
+- Ties are ranked by position: of two equal scores the one with the lower index ranks
+  higher (a stable sort). In the backward pass, ties among perturbed scores keep their
+  forward order. Everything is deterministic.
+- Cost: one sort (values and permutation) plus a scatter per ranking, in the forward
+  pass and again in the backward pass. The backward pass sorts the perturbed scores in
+  forward order, which is nearly sorted already and sorts faster. The rank among the
+  positives is a cumulative count in sorted order (`rank_within`), never a second sort.
+
+**Scale of the incoming gradient.** Algorithm 1 is not homogeneous: the gradient of
+k·L with λ is k times the gradient of L with k·λ. Anything that multiplies the loss
+(PML's `DistributedLossWrapper` multiplies it by the world size, trainers' loss weights,
+mixed-precision gradient scalers) would silently change λ. The losses here therefore
+record, in the backward pass, the factor k = ∂(objective)/∂(loss) that reached them
+(`LossScale`) and perturb with λ·g/k, returning k times Algorithm 1's gradient of the
+loss itself: λ means what it means for the bare loss, whatever multiplies it, and a
+loss weight scales the gradient and nothing else. With k = 1 (a bare ``loss.backward()``)
+this is exactly Algorithm 1. `blackbox_rank` without a `loss_scale` is plain Algorithm 1.
+"""
+
+import torch
+
+__all__ = [
+    "LossScale",
+    "apc_loss",
+    "average_precision_loss",
+    "blackbox_rank",
+    "map_loss",
+    "rank_within",
+    "sort_ranks",
+]
+
+
+def sort_ranks(scores):
+    """Integer ranks along the last dimension (1 = highest, ties by position) and the
+    descending order, from one stable sort and one scatter."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return _ranks_from_order(order), order
+
+
+def _ranks_from_order(order):
+    # The inverse permutation: the element at sorted position j gets rank j + 1.
+    positions = torch.arange(1, order.shape[-1] + 1, device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions)
+
+
+def rank_within(mask, order):
+    """Rank of every element among the elements where `mask` is true (1 = highest,
+    0 where `mask` is false), given the descending `order` of the whole sequence:
+    a cumulative count of `mask` in sorted order, scattered back."""
+    count_in_sorted = mask.gather(-1, order).cumsum(-1)
+    return torch.zeros_like(count_in_sorted).scatter_(-1, order, count_in_sorted) * mask
+
+
+class LossScale:
+    """Records k = ∂(training objective)/∂(loss) during the backward pass, so that a
+    ranker upstream of the loss can undo it (see the module docstring).
+
+    ``loss = scale.attach(loss)`` is the identity in the forward pass; in the backward
+    pass it stores the incoming gradient. Autograd runs it before any node the loss
+    depends on, so the rankers read the value before they need it.
+    """
+
+    def __init__(self):
+        self.value = None
+
+    def attach(self, loss):
+        return _RecordScale.apply(loss, self)
+
+    def factor(self):
+        return 1.0 if self.value is None else float(self.value)
+
+
+class _RecordScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if grad_output.numel() != 1:
+            raise ValueError(f"LossScale: the loss must be a scalar, got shape {tuple(grad_output.shape)}")
+        ctx.scale.value = grad_output.detach().reshape(())
+        return grad_output, None
+
+
+class _BlackboxRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, lambda_val, loss_scale):
+        ranks, order = sort_ranks(scores)
+        ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
+        ctx.save_for_backward(scores, ranks, order)
+        ctx.mark_non_differentiable(order)
+        return ranks.to(scores.dtype) / scores.shape[-1], order
+
+    @staticmethod
+    def backward(ctx, grad_ranks, _grad_order):
+        scores, ranks, order = ctx.saved_tensors
+        k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
+        if k == 0:
+            return torch.zeros_like(scores), None, None
+        # Algorithm 1 on the loss itself: perturb by λ·g/k, return k·(−(rk − rk_λ)/λ).
+        perturbed_in_order = (scores + (ctx.lambda_val / k) * grad_ranks).gather(-1, order)
+        resorted = torch.sort(perturbed_in_order, dim=-1, descending=True, stable=True).indices
+        perturbed_ranks = _ranks_from_order(order.gather(-1, resorted))
+        n = scores.shape[-1]
+        grad = (perturbed_ranks - ranks).to(scores.dtype) * (k / (ctx.lambda_val * n))
+        return grad, None, None
+
+
+def _check_lambda(owner, lambda_val):
+    if not isinstance(lambda_val, (int, float)) or not lambda_val > 0 or lambda_val == float("inf"):
+        raise ValueError(f"{owner}: lambda_val must be a finite number > 0, got {lambda_val!r}")
+
+
+def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
+    """Ranks of `scores` along the last dimension (1 = highest) divided by the sequence
+    length, differentiable by RaMBO's Algorithm 1 with interpolation strength
+    `lambda_val`. With `loss_scale` (a `LossScale` attached to the final loss), λ is
+    independent of what multiplies that loss. With `return_order`, also returns the
+    descending order (not differentiable), for `rank_within`."""
+    _check_lambda("blackbox_rank", lambda_val)
+    if not torch.is_tensor(scores) or not torch.is_floating_point(scores) or scores.ndim == 0:
+        raise TypeError("blackbox_rank: scores must be a floating-point tensor with at least one dimension")
+    ranks, order = _BlackboxRank.apply(scores, float(lambda_val), loss_scale)
+    return (ranks, order) if return_order else ranks
+
+
+def shift_by_margin(scores, positives, margin):
+    """Eq. 14: positives shifted down by margin/2, negatives up by margin/2."""
+    if margin == 0:
+        return scores
+    half = margin / 2
+    return scores + torch.where(positives, -half, half).to(scores.dtype)
+
+
+def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None):
+    """Per sequence (last dimension): the mean precision at its positives (eq. 21,
+    margin by eq. 14-15), and whether it has any positive. Sequences without a
+    positive get 0."""
+    shifted = shift_by_margin(scores, positives, margin)
+    ranks, order = blackbox_rank(shifted, lambda_val, loss_scale, return_order=True)
+    # rk(y+) / rk(y), both as counts: the normalised rank times the length.
+    positive_ranks = rank_within(positives, order).to(scores.dtype)
+    precision = torch.where(positives, positive_ranks / (ranks * scores.shape[-1]), 0)
+    num_positives = positives.sum(-1)
+    has_positive = num_positives > 0
+    return precision.sum(-1) / num_positives.clamp(min=1), has_positive
+
+
+def _check_targets(owner, scores, targets):
+    if not torch.is_tensor(targets) or targets.shape != scores.shape:
+        shape = tuple(targets.shape) if torch.is_tensor(targets) else type(targets).__name__
+        raise ValueError(f"{owner}: targets must have the shape of scores {tuple(scores.shape)}, got {shape}")
+    if targets.dtype != torch.bool:
+        if not bool(((targets == 0) | (targets == 1)).all()):
+            raise ValueError(f"{owner}: targets must be 0/1 or boolean")
+        targets = targets.bool()
+    return targets
+
+
+def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
+    from .losses.base import check_embeddings
+
+    _check_lambda(owner, lambda_val)
+    check_embeddings(owner, scores=scores)
+    targets = _check_targets(owner, scores, targets)
+    precision, has_positive = precision_at_positives(scores, targets, lambda_val, margin, loss_scale)
+    if not bool(has_positive.any()):
+        return (scores * 0).sum()
+    return 1 - precision[has_positive].mean()
+
+
+def average_precision_loss(scores, targets, lambda_val=0.5, margin=0.15):
+    """Eq. 22: 1 − AP, averaged over the sequences along the last dimension that have a
+    positive (0 when none has). `targets` are 0/1 or boolean, shaped like `scores`.
+    Defaults are the paper's detection values (sec. 5.2)."""
+    scale = LossScale()
+    return scale.attach(_ap_loss("average_precision_loss", scores, targets, lambda_val, margin, scale))
+
+
+def map_loss(scores, targets, lambda_val=0.5, margin=0.15, apc_weight=1 / 3):
+    """The classification / detection loss of sec. 4.6 and 5.2 for `scores` and 0/1
+    `targets` of shape [batch, classes]:
+
+        (1 − apc_weight) · L_mAP + apc_weight · L_APC
+
+    L_mAP ranks each class's column over the batch and averages 1 − AP over the classes
+    present in the batch (eq. 22 and 6); L_APC ranks all batch × classes scores as one
+    sequence (eq. 23). The paper weights mAP:APC 2:1 (apc_weight = 1/3), with λ = 0.5
+    and margin 0.15. The weighting is part of the loss, as in the authors' code: it
+    scales the gradient reaching each ranking, while a factor on the whole loss does
+    not change λ (see the module docstring).
+    """
+    if not torch.is_tensor(scores) or scores.ndim != 2:
+        shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+        raise ValueError(f"map_loss: scores must have shape [batch, classes], got {shape}")
+    if not 0 <= apc_weight <= 1:
+        raise ValueError(f"map_loss: apc_weight must be in [0, 1], got {apc_weight!r}")
+    scale = LossScale()
+    per_class = _ap_loss("map_loss", scores.T, targets.T if torch.is_tensor(targets) else targets,
+                         lambda_val, margin, scale)
+    across_classes = _ap_loss("map_loss", scores.reshape(-1), targets.reshape(-1),
+                              lambda_val, margin, scale)
+    return scale.attach((1 - apc_weight) * per_class + apc_weight * across_classes)
+
+
+def apc_loss(scores, targets, lambda_val=0.5, margin=0.15):
+    """Eq. 23: 1 − AP of all scores ranked as one sequence (any shape)."""
+    if not torch.is_tensor(scores):
+        raise TypeError(f"apc_loss: scores must be a tensor, got {type(scores).__name__}")
+    flat_targets = targets.reshape(-1) if torch.is_tensor(targets) else targets
+    return average_precision_loss(scores.reshape(-1), flat_targets, lambda_val, margin)
