@@ -12,7 +12,7 @@ This is the one place in pml-rank that ranks. Conventions:
 - Cost: one sort (values and permutation) plus a scatter per ranking, in the forward
   pass and again in the backward pass. The backward pass sorts the perturbed scores in
   forward order, which is nearly sorted already and sorts faster. The rank among the
-  positives is a cumulative count in sorted order (`rank_within`), never a second sort.
+  positives is a cumulative count in sorted order (`positive_ranks`), never a second sort.
 
 **Scale of the incoming gradient.** Algorithm 1 is not homogeneous: the gradient of
 k·L with λ is k times the gradient of L with k·λ. Anything that multiplies the loss
@@ -33,30 +33,25 @@ __all__ = [
     "average_precision_loss",
     "blackbox_rank",
     "map_loss",
-    "rank_within",
-    "sort_ranks",
+    "descending_order",
+    "positive_ranks",
 ]
 
 
-def sort_ranks(scores):
-    """Integer ranks along the last dimension (1 = highest, ties by position) and the
-    descending order, from one stable sort and one scatter."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    return _ranks_from_order(order), order
+def descending_order(scores):
+    """The permutation sorting the last dimension in descending order; ties keep their
+    positions' order (a stable sort)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
-def _ranks_from_order(order):
-    # The inverse permutation: the element at sorted position j gets rank j + 1.
-    positions = torch.arange(1, order.shape[-1] + 1, device=order.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, positions)
-
-
-def rank_within(mask, order):
-    """Rank of every element among the elements where `mask` is true (1 = highest,
-    0 where `mask` is false), given the descending `order` of the whole sequence:
-    a cumulative count of `mask` in sorted order, scattered back."""
-    count_in_sorted = mask.gather(-1, order).cumsum(-1)
-    return torch.zeros_like(count_in_sorted).scatter_(-1, order, count_in_sorted) * mask
+def positive_ranks(positives, order):
+    """Every positive element, as an index tuple (like ``positives.nonzero(as_tuple=True)``,
+    listed in ranking order), and its rank among the positives of its sequence
+    (1 = highest): a cumulative count in sorted order, no second sort."""
+    in_order = positives.gather(-1, order)
+    counts = in_order.cumsum(-1)
+    where = in_order.nonzero(as_tuple=True)
+    return where[:-1] + (order[where],), counts[where]
 
 
 class LossScale:
@@ -95,24 +90,32 @@ class _RecordScale(torch.autograd.Function):
 class _BlackboxRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, lambda_val, loss_scale):
-        ranks, order = sort_ranks(scores)
+        order = descending_order(scores)
+        n = scores.shape[-1]
+        # The inverse permutation: the element at sorted position j gets rank (j + 1) / n.
+        positions = torch.arange(1, n + 1, dtype=scores.dtype, device=scores.device).div_(n).expand_as(order)
+        ranks = torch.empty_like(scores).scatter_(-1, order, positions)
         ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
-        ctx.save_for_backward(scores, ranks, order)
+        ctx.save_for_backward(scores, order)
         ctx.mark_non_differentiable(order)
-        return ranks.to(scores.dtype) / scores.shape[-1], order
+        return ranks, order
 
     @staticmethod
     def backward(ctx, grad_ranks, _grad_order):
-        scores, ranks, order = ctx.saved_tensors
+        scores, order = ctx.saved_tensors
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
             return torch.zeros_like(scores), None, None
         # Algorithm 1 on the loss itself: perturb by λ·g/k, return k·(−(rk − rk_λ)/λ).
-        perturbed_in_order = (scores + (ctx.lambda_val / k) * grad_ranks).gather(-1, order)
-        resorted = torch.sort(perturbed_in_order, dim=-1, descending=True, stable=True).indices
-        perturbed_ranks = _ranks_from_order(order.gather(-1, resorted))
+        # The perturbed scores are sorted in forward order (nearly sorted, faster), so
+        # the element at forward position i moves to the position q where moved[q] = i:
+        # its rank changes by q − i.
+        perturbed_in_order = torch.add(scores, grad_ranks, alpha=ctx.lambda_val / k).gather(-1, order)
+        moved = descending_order(perturbed_in_order)
         n = scores.shape[-1]
-        grad = (perturbed_ranks - ranks).to(scores.dtype) * (k / (ctx.lambda_val * n))
+        positions = torch.arange(n, dtype=scores.dtype, device=scores.device)
+        change = (positions - moved.to(scores.dtype)).mul_(k / (ctx.lambda_val * n))
+        grad = torch.empty_like(scores).scatter_(-1, order.gather(-1, moved), change)
         return grad, None, None
 
 
@@ -126,7 +129,7 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     length, differentiable by RaMBO's Algorithm 1 with interpolation strength
     `lambda_val`. With `loss_scale` (a `LossScale` attached to the final loss), λ is
     independent of what multiplies that loss. With `return_order`, also returns the
-    descending order (not differentiable), for `rank_within`."""
+    descending order (not differentiable), for `positive_ranks`."""
     _check_lambda("blackbox_rank", lambda_val)
     if not torch.is_tensor(scores) or not torch.is_floating_point(scores) or scores.ndim == 0:
         raise TypeError("blackbox_rank: scores must be a floating-point tensor with at least one dimension")
@@ -146,14 +149,17 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     """Per sequence (last dimension): the mean precision at its positives (eq. 21,
     margin by eq. 14-15), and whether it has any positive. Sequences without a
     positive get 0."""
+    batch_shape, n = scores.shape[:-1], scores.shape[-1]
+    scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     shifted = shift_by_margin(scores, positives, margin)
     ranks, order = blackbox_rank(shifted, lambda_val, loss_scale, return_order=True)
-    # rk(y+) / rk(y), both as counts: the normalised rank times the length.
-    positive_ranks = rank_within(positives, order).to(scores.dtype)
-    precision = torch.where(positives, positive_ranks / (ranks * scores.shape[-1]), 0)
+    (sequence, element), among_positives = positive_ranks(positives, order)
+    # rk(y+) / rk(y) as counts: the normalised rank times the length.
+    precision = among_positives.to(scores.dtype) / (ranks[sequence, element] * n)
+    summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
     num_positives = positives.sum(-1)
-    has_positive = num_positives > 0
-    return precision.sum(-1) / num_positives.clamp(min=1), has_positive
+    mean = summed / num_positives.clamp(min=1)
+    return mean.view(batch_shape), (num_positives > 0).view(batch_shape)
 
 
 def _check_targets(owner, scores, targets):
@@ -171,7 +177,8 @@ def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
     from .losses.base import check_embeddings
 
     _check_lambda(owner, lambda_val)
-    check_embeddings(owner, scores=scores)
+    if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
+        check_embeddings(owner, scores=scores)
     targets = _check_targets(owner, scores, targets)
     precision, has_positive = precision_at_positives(scores, targets, lambda_val, margin, loss_scale)
     if not bool(has_positive.any()):
