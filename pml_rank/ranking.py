@@ -90,33 +90,37 @@ class _RecordScale(torch.autograd.Function):
 class _BlackboxRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, lambda_val, loss_scale):
-        order = descending_order(scores)
+        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
         n = scores.shape[-1]
         # The inverse permutation: the element at sorted position j gets rank (j + 1) / n.
         positions = torch.arange(1, n + 1, dtype=scores.dtype, device=scores.device).div_(n).expand_as(order)
         ranks = torch.empty_like(scores).scatter_(-1, order, positions)
         ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
-        ctx.save_for_backward(scores, order)
+        ctx.save_for_backward(values, order)
         ctx.mark_non_differentiable(order)
         return ranks, order
 
     @staticmethod
     def backward(ctx, grad_ranks, _grad_order):
-        scores, order = ctx.saved_tensors
+        values, order = ctx.saved_tensors
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
-            return torch.zeros_like(scores), None, None
+            return torch.zeros_like(values), None, None
         # Algorithm 1 on the loss itself: perturb by λ·g/k, return k·(−(rk − rk_λ)/λ).
-        # The perturbed scores are sorted in forward order (nearly sorted, faster), so
-        # the element at forward position i moves to the position q where moved[q] = i:
-        # its rank changes by q − i.
-        perturbed_in_order = torch.add(scores, grad_ranks, alpha=ctx.lambda_val / k).gather(-1, order)
-        moved = descending_order(perturbed_in_order)
-        n = scores.shape[-1]
-        positions = torch.arange(n, dtype=scores.dtype, device=scores.device)
-        change = (positions - moved.to(scores.dtype)).mul_(k / (ctx.lambda_val * n))
-        grad = torch.empty_like(scores).scatter_(-1, order.gather(-1, moved), change)
-        return grad, None, None
+        # Everything happens in forward (sorted) order, where rk is the position + 1.
+        step = grad_ranks.gather(-1, order).mul_(ctx.lambda_val / k)
+        n = values.shape[-1]
+        change = _rank_change(values, step).to(values.dtype).mul_(k / (ctx.lambda_val * n))
+        return torch.empty_like(change).scatter_(-1, order, change), None, None
+
+
+def _rank_change(values, step):
+    """rk(y + step) − rk(y) in sorted order, for `values` sorted descending: a stable sort
+    of the perturbed values, which are nearly sorted (and sort faster). The element at
+    position i moves to the position q where `moved[q] = i`; ties keep forward order."""
+    moved = descending_order(values + step)
+    positions = torch.arange(values.shape[-1], device=values.device).expand_as(moved)
+    return torch.empty_like(moved).scatter_(-1, moved, positions - moved)
 
 
 def _check_lambda(owner, lambda_val):

@@ -49,8 +49,8 @@ class _RaMBOLoss(RankLossBase):
 
     def scores_and_positives(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """Similarities [queries, references] (the query itself left out when the batch is
-        its own reference set), which references are positives, and each column's index
-        into the references (memory included). Stores the references in the memory."""
+        its own reference set, see `without_self`), which references are positives, and
+        whether the query was left out. Stores the references in the memory."""
         owner = type(self).__name__
         c_f.labels_required(labels)
         if indices_tuple is not None:
@@ -66,13 +66,26 @@ class _RaMBOLoss(RankLossBase):
         matrix = self.distance(embeddings, all_refs)
         scores = matrix if self.distance.is_inverted else -matrix
         positives = labels[:, None] == all_ref_labels[None, :]
-        columns = torch.arange(len(all_refs), device=scores.device).expand_as(scores)
         if exclude_self:
-            keep = ~torch.eye(*scores.shape, dtype=torch.bool, device=scores.device)
-            queries, length = len(scores), scores.shape[1] - 1
-            scores, positives, columns = (x[keep].view(queries, length) for x in (scores, positives, columns))
+            scores, positives = without_self(scores), without_self(positives)
         self.num_pos_pairs = int(positives.sum())
-        return scores, positives, columns
+        return scores, positives, exclude_self
+
+
+def without_self(matrix):
+    """Drops entry (i, i) of every row of a [queries, references] matrix whose first
+    columns are the queries themselves. Strided views instead of a boolean mask: in
+    the flattened square block, the entries between two diagonal entries are one
+    view row."""
+    queries = len(matrix)
+    square, rest = matrix[:, :queries], matrix[:, queries:]
+    off_diagonal = square.flatten()[1:].view(queries - 1, queries + 1)[:, :-1].reshape(queries, queries - 1)
+    return torch.cat([off_diagonal, rest], dim=1) if rest.shape[1] else off_diagonal
+
+
+def reference_index(queries, columns, exclude_self):
+    """Column index after `without_self` -> index into the references."""
+    return columns + (columns >= queries) if exclude_self else columns
 
 
 class RaMBORecallLoss(_RaMBOLoss):
@@ -101,7 +114,8 @@ class RaMBORecallLoss(_RaMBOLoss):
         self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        scores, positives, columns = self.scores_and_positives(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        scores, positives, exclude_self = self.scores_and_positives(
+            embeddings, labels, indices_tuple, ref_emb, ref_labels)
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         shifted = shift_by_margin(scores, positives, self.margin)
@@ -113,7 +127,7 @@ class RaMBORecallLoss(_RaMBOLoss):
         losses = torch.log1p(negatives_above)
         if self.weighting == "loglog":
             losses = torch.log1p(losses)
-        return {"loss": {"losses": losses, "indices": (queries, columns[queries, refs]), "reduction_type": "pos_pair"}}
+        return {"loss": {"losses": losses, "indices": (queries, reference_index(queries, refs, exclude_self)), "reduction_type": "pos_pair"}}
 
 
 class RaMBOAPLoss(_RaMBOLoss):
