@@ -32,11 +32,7 @@ class ScoreMemory(torch.nn.Module):
         """The given references followed by the stored ones (which carry no gradient)."""
         if len(self) == 0:
             return embeddings, labels
-        if self.embeddings.shape[1] != embeddings.shape[1]:
-            raise ValueError(
-                f"{self.owner}: embedding size {embeddings.shape[1]} differs from the "
-                f"{self.embeddings.shape[1]} stored in the memory; call reset_memory() first"
-            )
+        self._check_size(embeddings)
         stored = self.embeddings.to(embeddings.device, embeddings.dtype)
         return (torch.cat([embeddings, stored]),
                 torch.cat([labels, self.labels.to(labels.device, labels.dtype)]))
@@ -46,9 +42,9 @@ class ScoreMemory(torch.nn.Module):
         if self.size == 0:
             return
         embeddings, labels = embeddings.detach(), labels.detach()
-        if len(self) and self.embeddings.shape[1] != embeddings.shape[1]:
-            self.reset()
-        if len(self) == 0:
+        if len(self):
+            self._check_size(embeddings)
+        else:
             self.embeddings = embeddings.new_zeros(0, embeddings.shape[1])
             self.labels = labels.new_zeros(0)
         sizes = torch.cat([self.batch_sizes.to(labels.device), torch.tensor([len(labels)], device=labels.device)])
@@ -57,6 +53,13 @@ class ScoreMemory(torch.nn.Module):
         self.embeddings = torch.cat([self.embeddings.to(embeddings), embeddings])[dropped:]
         self.labels = torch.cat([self.labels.to(labels), labels])[dropped:]
         self.batch_sizes = kept
+
+    def _check_size(self, embeddings):
+        if self.embeddings.shape[1] != embeddings.shape[1]:
+            raise ValueError(
+                f"{self.owner}: embedding size {embeddings.shape[1]} differs from the "
+                f"{self.embeddings.shape[1]} stored in the memory; call reset_memory() first"
+            )
 
     def reset(self):
         self.embeddings = torch.zeros(0, 0, device=self.embeddings.device)
