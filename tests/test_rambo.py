@@ -1,9 +1,8 @@
 """RaMBORecallLoss and RaMBOAPLoss: values and gradients against the straightforward
 reference, score memory, state_dict, PML integration, DistributedLossWrapper, errors."""
 
+import importlib.util
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -254,36 +253,40 @@ def _two_steps(loss, batches, rank=None, world_size=1):
     return results
 
 
-def _distributed_worker(rank, world_size, port, loss_class, batches, out):
+LOSS_CLASSES = (RaMBORecallLoss, RaMBOAPLoss)
+
+
+def _distributed_worker(rank, world_size, port, batches, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        loss = DistributedLossWrapper(loss_class(memory_size=1))
-        torch.save(_two_steps(loss, batches, rank, world_size), f"{out}/{rank}.pt")
+        for loss_class in LOSS_CLASSES:
+            loss = DistributedLossWrapper(loss_class(memory_size=1))
+            torch.save(_two_steps(loss, batches, rank, world_size), f"{out}/{loss_class.__name__}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
-def test_two_processes_equal_one_process_on_the_whole_batch(loss_class, tmp_path):
+def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     """Each process's gradient, averaged over processes as DDP does, equals one process's
     gradient on the whole batch: λ is not multiplied by the world size. Two steps, so
     the memory takes part too."""
     world_size = 2
     batches = [batch(24, seed=30), batch(24, seed=31)]
-    mp.spawn(_distributed_worker, args=(world_size, free_port(), loss_class, batches, str(tmp_path)),
+    mp.spawn(_distributed_worker, args=(world_size, free_port(), batches, str(tmp_path)),
              nprocs=world_size, join=True)
-    one_process = _two_steps(loss_class(memory_size=1), batches)
-    per_rank = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world_size)]
-    for step, (value, grad) in enumerate(one_process):
-        for rank in range(world_size):
-            # PML's wrapper returns world_size × the loss of the gathered batch.
-            assert torch.allclose(per_rank[rank][step][0], world_size * value, atol=1e-12)
-        averaged = torch.cat([per_rank[rank][step][1] / world_size for rank in range(world_size)])
-        assert torch.allclose(averaged, grad, atol=1e-12)
-    # The check can fail: training one process with λ × world_size gives other gradients.
-    doubled = _two_steps(loss_class(memory_size=1, lambda_val=0.2 * world_size), batches)
-    assert not torch.allclose(doubled[0][1], one_process[0][1], atol=1e-6)
+    for loss_class in LOSS_CLASSES:
+        one_process = _two_steps(loss_class(memory_size=1), batches)
+        per_rank = [torch.load(tmp_path / f"{loss_class.__name__}-{rank}.pt") for rank in range(world_size)]
+        for step, (value, grad) in enumerate(one_process):
+            for rank in range(world_size):
+                # PML's wrapper returns world_size × the loss of the gathered batch.
+                assert torch.allclose(per_rank[rank][step][0], world_size * value, atol=1e-12)
+            averaged = torch.cat([per_rank[rank][step][1] / world_size for rank in range(world_size)])
+            assert torch.allclose(averaged, grad, atol=1e-12)
+        # The check can fail: one process with λ × world_size gives other gradients.
+        doubled = _two_steps(loss_class(memory_size=1, lambda_val=0.2 * world_size), batches)
+        assert not torch.allclose(doubled[0][1], one_process[0][1], atol=1e-6)
 
 
 # `pml-rank speed` wiring and the Table 6 example.
@@ -296,12 +299,16 @@ def test_speed_cases_run_with_their_references():
     assert ap["size_name"] == "scores"
 
 
-def test_table6_example_runs_in_smoke_mode(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "rambo_speed_table6.py"), "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "paper CPU" in result.stdout and "ours / reference" in result.stdout
+def test_table6_example_runs_in_smoke_mode(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("rambo_speed_table6", ROOT / "examples" / "rambo_speed_table6.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        speed.CASES.pop(example.CASE, None)
+    out = capsys.readouterr().out
+    assert "paper CPU" in out and "ours / reference" in out
     assert (tmp_path / "rambo_table6.json").exists() and (tmp_path / "rambo_table6.png").exists()
