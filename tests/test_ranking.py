@@ -204,3 +204,15 @@ def test_map_loss_wants_a_batch_of_class_scores():
         ranking.map_loss(seeded(5), torch.zeros(5))
     with pytest.raises(ValueError, match="map_loss: apc_weight must be in"):
         ranking.map_loss(seeded(5, 2), torch.zeros(5, 2), apc_weight=1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(3000,), (1, 3000), (4, 750)])
+def test_descending_order_is_a_stable_descending_sort(dtype, shape):
+    """One CPU sequence is sorted by integer keys; ties, signed zeros and infinities
+    must come out as a stable float sort puts them."""
+    x = torch.randint(-3, 4, shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    flat = x.view(-1)
+    flat[::7], flat[::11], flat[::13] = -0.0, 1e-30, -1e-30
+    flat[::17], flat[::19] = float("inf"), -float("inf")
+    assert torch.equal(ranking.descending_order(x), torch.sort(x, dim=-1, descending=True, stable=True).indices)
