@@ -107,7 +107,8 @@ class _RecordScale(torch.autograd.Function):
 class _BlackboxRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, lambda_val, loss_scale):
-        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        order = descending_order(scores)
+        values = scores.gather(-1, order)
         n = scores.shape[-1]
         # The inverse permutation: the element at sorted position j gets rank (j + 1) / n.
         positions = torch.arange(1, n + 1, dtype=scores.dtype, device=scores.device).div_(n).expand_as(order)
