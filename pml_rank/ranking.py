@@ -41,10 +41,13 @@ __all__ = [
 def descending_order(scores):
     """The permutation sorting the last dimension in descending order; ties keep their
     positions' order (a stable sort)."""
-    if scores.shape[:-1].numel() == 1 and scores.device.type == "cpu" and scores.dtype in _SAME_WIDTH_INT:
-        # One sequence on the CPU: PyTorch sorts 1-D integers with a radix sort, several
-        # times faster than a float sort, so sort order-preserving integer keys instead.
-        return torch.sort(_descending_keys(scores.reshape(-1)), stable=True).indices.view(scores.shape)
+    if scores.device.type == "cpu" and scores.dtype in _SAME_WIDTH_INT:
+        # PyTorch sorts integers faster than floats on the CPU (one sequence: with a
+        # radix sort, several times faster), so sort order-preserving integer keys.
+        keys = _descending_keys(scores)
+        if scores.shape[:-1].numel() == 1:
+            return torch.sort(keys.reshape(-1), stable=True).indices.view(scores.shape)
+        return torch.sort(keys, dim=-1, stable=True).indices
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
@@ -66,7 +69,7 @@ def positive_ranks(positives, order):
     listed in ranking order), and its rank among the positives of its sequence
     (1 = highest): a cumulative count in sorted order, no second sort."""
     in_order = positives.gather(-1, order)
-    counts = in_order.cumsum(-1)
+    counts = in_order.cumsum(-1, dtype=torch.int32)
     where = in_order.nonzero(as_tuple=True)
     return where[:-1] + (order[where],), counts[where]
 
