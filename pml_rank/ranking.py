@@ -25,6 +25,8 @@ loss weight scales the gradient and nothing else. With k = 1 (a bare ``loss.back
 this is exactly Algorithm 1. `blackbox_rank` without a `loss_scale` is plain Algorithm 1.
 """
 
+import math
+
 import torch
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "map_loss",
     "descending_order",
     "positive_ranks",
+    "ranks_of_positives",
 ]
 
 
@@ -71,7 +74,7 @@ def positive_ranks(positives, order):
     in_order = positives.gather(-1, order)
     counts = in_order.cumsum(-1, dtype=torch.int32)
     where = in_order.nonzero(as_tuple=True)
-    return where[:-1] + (order[where],), counts[where]
+    return where[:-1] + (order[where],), counts[where].long()
 
 
 class LossScale:
@@ -162,6 +165,81 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     return (ranks, order) if return_order else ranks
 
 
+def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
+    """For sequences `scores` [sequences, n] and a boolean mask `positives`: the index
+    (sequence, element) of every positive, its blackbox rank divided by n (differentiable
+    by Algorithm 1 with respect to all scores) and its rank among the positives (an
+    integer, not differentiated). Ranks and gradients are those of `blackbox_rank`.
+
+    A loss of these ranks sends an incoming gradient to the positives only, so
+    Algorithm 1's perturbed ranking moves only them. With few positives per sequence
+    (on average at most log2 n) the ranks are therefore counted, O(positives · n), instead
+    of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
+    everything (`blackbox_rank`, `positive_ranks`)."""
+    _check_lambda("ranks_of_positives", lambda_val)
+    sequences, n = scores.shape
+    if int(positives.sum()) <= sequences * math.log2(max(n, 2)):
+        ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
+        return (sequence, element), ranks, among
+    ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
+    index, among = positive_ranks(positives, order)
+    return index, ranks[index], among
+
+
+def _above(row_values, values, elements):
+    """[k, n] mask: which elements of each row rank above the row's element `elements`
+    (value `values`): larger, or equal at a lower position (as the stable sort)."""
+    positions = torch.arange(row_values.shape[-1], device=row_values.device)
+    values = values[:, None]
+    return (row_values > values) | ((row_values == values) & (positions < elements[:, None]))
+
+
+def _chunks(count, n, budget=1 << 22):
+    """Slices of at most `budget` // n positives, to bound the [positives, n] masks."""
+    step = max(1, budget // max(n, 1))
+    return [slice(start, start + step) for start in range(0, count, step)]
+
+
+class _CountedRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, positives, lambda_val, loss_scale):
+        sequence, element = positives.nonzero(as_tuple=True)
+        above = torch.empty(len(sequence), dtype=torch.long, device=scores.device)
+        among = torch.empty_like(above)
+        for part in _chunks(len(sequence), scores.shape[-1]):
+            rows, elements = sequence[part], element[part]
+            higher = _above(scores[rows], scores[rows, elements], elements)
+            above[part] = higher.sum(-1)
+            among[part] = (higher & positives[rows]).sum(-1)
+        ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
+        ctx.save_for_backward(scores, sequence, element)
+        ctx.mark_non_differentiable(among, sequence, element)
+        return (above + 1).to(scores.dtype) / scores.shape[-1], among + 1, sequence, element
+
+    @staticmethod
+    def backward(ctx, grad_ranks, *_):
+        scores, sequence, element = ctx.saved_tensors
+        k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
+        if k == 0:
+            return torch.zeros_like(scores), None, None, None
+        # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: the
+        # positive p climbs by the elements that pass above it minus those it leaves
+        # behind, and every other element moves by minus the positives crossing it.
+        perturbed = scores.index_put((sequence, element), scores[sequence, element] + grad_ranks * (ctx.lambda_val / k))
+        change = torch.zeros_like(scores)
+        own = torch.empty_like(grad_ranks)
+        for part in _chunks(len(sequence), scores.shape[-1]):
+            rows, elements = sequence[part], element[part]
+            before = _above(scores[rows], scores[rows, elements], elements)
+            new_values, new_rows = perturbed[rows, elements][:, None], perturbed[rows]
+            after = (new_rows > new_values) | ((new_rows == new_values) & before)
+            crossings = after.to(scores.dtype) - before.to(scores.dtype)
+            own[part] = crossings.sum(-1)
+            change.index_add_(0, rows, crossings, alpha=-1)
+        change[sequence, element] = own
+        return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None
+
+
 def shift_by_margin(scores, positives, margin):
     """Eq. 14: positives shifted down by margin/2, negatives up by margin/2."""
     if margin == 0:
@@ -177,10 +255,9 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     batch_shape, n = scores.shape[:-1], scores.shape[-1]
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     shifted = shift_by_margin(scores, positives, margin)
-    ranks, order = blackbox_rank(shifted, lambda_val, loss_scale, return_order=True)
-    (sequence, element), among_positives = positive_ranks(positives, order)
+    (sequence, element), ranks, among_positives = ranks_of_positives(shifted, positives, lambda_val, loss_scale)
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
-    precision = among_positives.to(scores.dtype) / (ranks[sequence, element] * n)
+    precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
     num_positives = positives.sum(-1)
     mean = summed / num_positives.clamp(min=1)

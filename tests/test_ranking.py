@@ -216,3 +216,48 @@ def test_descending_order_is_a_stable_descending_sort(dtype, shape):
     flat[::7], flat[::11], flat[::13] = -0.0, 1e-30, -1e-30
     flat[::17], flat[::19] = float("inf"), -float("inf")
     assert torch.equal(ranking.descending_order(x), torch.sort(x, dim=-1, descending=True, stable=True).indices)
+
+
+def sorted_ranks_of_positives(scores, positives, lambda_val):
+    """`ranks_of_positives` through the sorting path."""
+    ranks, order = ranking.blackbox_rank(scores, lambda_val, return_order=True)
+    index, among = ranking.positive_ranks(positives, order)
+    return index, ranks[index], among
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(seed):
+    """Few positives per sequence are ranked by counting crossings; the result must be
+    the sorting path's exactly, ties included (integer scores and steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (6, 25), generator=gen).double()
+    positives = torch.rand(6, 25, generator=gen) < 0.15
+    incoming = torch.randint(-2, 3, (int(positives.sum()),), generator=gen).double()
+    results = []
+    for path in (ranking._CountedRanks.apply, None):
+        x = scores.clone().requires_grad_()
+        if path is None:
+            index, ranks, among = sorted_ranks_of_positives(x, positives, 1.0)
+        else:
+            ranks, among, *index = path(x, positives, 1.0, None)
+        # The same incoming gradient per positive, whatever order each path lists them in.
+        per_element = torch.zeros(6, 25, dtype=torch.float64)
+        per_element[positives] = incoming
+        (ranks * per_element[tuple(index)]).sum().backward()
+        dense_ranks = torch.zeros(6, 25, dtype=torch.float64).index_put(tuple(index), ranks.detach())
+        dense_among = torch.zeros(6, 25, dtype=torch.long).index_put(tuple(index), among)
+        results.append((dense_ranks, dense_among, x.grad))
+    for counted, sorted_ in zip(*results):
+        assert torch.equal(counted, sorted_)
+
+
+def test_ranks_of_positives_counts_when_positives_are_few():
+    scores = seeded(8, 64)
+    positives = targets_like(scores, 0.03)
+    assert positives.sum() <= 8 * 6  # the counting path
+    index, ranks, among = ranking.ranks_of_positives(scores, positives, 0.5)
+    expected_index, expected_ranks, expected_among = sorted_ranks_of_positives(scores, positives, 0.5)
+    order = torch.argsort(index[0] * 64 + index[1])
+    expected_order = torch.argsort(expected_index[0] * 64 + expected_index[1])
+    assert torch.equal(ranks[order], expected_ranks[expected_order])
+    assert torch.equal(among[order], expected_among[expected_order])

@@ -16,7 +16,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from ..memory import ScoreMemory
-from ..ranking import LossScale, _check_lambda, blackbox_rank, positive_ranks, precision_at_positives, shift_by_margin
+from ..ranking import LossScale, _check_lambda, precision_at_positives, ranks_of_positives, shift_by_margin
 from .base import RankLossBase
 
 
@@ -119,10 +119,10 @@ class RaMBORecallLoss(_RaMBOLoss):
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         shifted = shift_by_margin(scores, positives, self.margin)
-        ranks, order = blackbox_rank(shifted, self.lambda_val, self._loss_scale, return_order=True)
+        (queries, refs), ranks, among_positives = ranks_of_positives(
+            shifted, positives, self.lambda_val, self._loss_scale)
         # r = rank among all − rank among positives (eq. 17), as counts.
-        (queries, refs), among_positives = positive_ranks(positives, order)
-        negatives_above = ranks[queries, refs] * scores.shape[-1] - among_positives.to(scores.dtype)
+        negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
         self.mean_negatives_above = float(negatives_above.detach().mean())
         losses = torch.log1p(negatives_above)
         if self.weighting == "loglog":
