@@ -173,12 +173,13 @@ def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
-    (on average at most log2 n) the ranks are therefore counted, O(positives · n), instead
+    (on average at most log2 n, and fewer than 128) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `positive_ranks`)."""
     _check_lambda("ranks_of_positives", lambda_val)
     sequences, n = scores.shape
-    if int(positives.sum()) <= sequences * math.log2(max(n, 2)):
+    per_sequence = positives.sum(-1)
+    if int(per_sequence.sum()) <= sequences * math.log2(max(n, 2)) and int(per_sequence.max()) < 128:
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
@@ -194,10 +195,14 @@ def _above(row_values, values, elements):
     return (row_values > values) | ((row_values == values) & (positions < elements[:, None]))
 
 
-def _chunks(count, n, budget=1 << 22):
+def _chunks(count, n, budget=1 << 24):
     """Slices of at most `budget` // n positives, to bound the [positives, n] masks."""
     step = max(1, budget // max(n, 1))
     return [slice(start, start + step) for start in range(0, count, step)]
+
+
+def _count(mask):
+    return mask.view(torch.uint8).sum(-1, dtype=torch.int64)
 
 
 class _CountedRanks(torch.autograd.Function):
@@ -209,8 +214,8 @@ class _CountedRanks(torch.autograd.Function):
         for part in _chunks(len(sequence), scores.shape[-1]):
             rows, elements = sequence[part], element[part]
             higher = _above(scores[rows], scores[rows, elements], elements)
-            above[part] = higher.sum(-1)
-            among[part] = (higher & positives[rows]).sum(-1)
+            above[part] = _count(higher)
+            among[part] = _count(higher & positives[rows])
         ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
         ctx.save_for_backward(scores, sequence, element)
         ctx.mark_non_differentiable(among, sequence, element)
@@ -225,18 +230,21 @@ class _CountedRanks(torch.autograd.Function):
         # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: the
         # positive p climbs by the elements that pass above it minus those it leaves
         # behind, and every other element moves by minus the positives crossing it.
+        # Crossings are ±1 bytes; a row's sum fits: ranks_of_positives counts only
+        # with fewer than 128 positives per row.
         perturbed = scores.index_put((sequence, element), scores[sequence, element] + grad_ranks * (ctx.lambda_val / k))
-        change = torch.zeros_like(scores)
-        own = torch.empty_like(grad_ranks)
+        change = torch.zeros(scores.shape, dtype=torch.int8, device=scores.device)
+        own = torch.empty(len(sequence), dtype=torch.long, device=scores.device)
         for part in _chunks(len(sequence), scores.shape[-1]):
             rows, elements = sequence[part], element[part]
             before = _above(scores[rows], scores[rows, elements], elements)
             new_values, new_rows = perturbed[rows, elements][:, None], perturbed[rows]
             after = (new_rows > new_values) | ((new_rows == new_values) & before)
-            crossings = after.to(scores.dtype) - before.to(scores.dtype)
-            own[part] = crossings.sum(-1)
-            change.index_add_(0, rows, crossings, alpha=-1)
-        change[sequence, element] = own
+            left_behind = before.view(torch.int8) - after.view(torch.int8)
+            own[part] = -left_behind.sum(-1, dtype=torch.int64)
+            change.index_add_(0, rows, left_behind)
+        change = change.to(scores.dtype)
+        change[sequence, element] = own.to(scores.dtype)
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None
 
 
