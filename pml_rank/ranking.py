@@ -173,78 +173,94 @@ def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
-    (on average at most log2 n, and fewer than 128) the ranks are therefore counted, O(positives · n), instead
+    (at most log2 n) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `positive_ranks`)."""
     _check_lambda("ranks_of_positives", lambda_val)
     sequences, n = scores.shape
     per_sequence = positives.sum(-1)
-    if int(per_sequence.sum()) <= sequences * math.log2(max(n, 2)) and int(per_sequence.max()) < 128:
-        ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
-        return (sequence, element), ranks, among
+    if int(per_sequence.max()) <= math.log2(max(n, 2)):
+        ranks, among = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
+        nonzero = positives.nonzero(as_tuple=True)  # the order _Slots lists them in
+        return nonzero, ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
     index, among = positive_ranks(positives, order)
     return index, ranks[index], among
 
 
-def _above(row_values, values, elements):
-    """[k, n] mask: which elements of each row rank above the row's element `elements`
-    (value `values`): larger, or equal at a lower position (as the stable sort)."""
-    positions = torch.arange(row_values.shape[-1], device=row_values.device)
-    values = values[:, None]
-    return (row_values > values) | ((row_values == values) & (positions < elements[:, None]))
+def _above(scores, values, elements):
+    """[sequences, slots, n] mask: which elements of each sequence rank above the element
+    at position `elements` [sequences, slots] with value `values`: larger, or equal at a
+    lower position (as the stable sort). NaN values (padding) have nothing above."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    scores, values = scores[:, None, :], values[:, :, None]
+    return (scores > values) | ((scores == values) & (positions < elements[:, :, None]))
 
 
-def _chunks(count, n, budget=1 << 24):
-    """Slices of at most `budget` // n positives, to bound the [positives, n] masks."""
-    step = max(1, budget // max(n, 1))
-    return [slice(start, start + step) for start in range(0, count, step)]
+class _Slots:
+    """The positives of each sequence side by side: [sequences, slots] tensors padded with
+    NaN values, so that every comparison broadcasts over the sequence's n elements."""
 
+    def __init__(self, positives):
+        self.sequence, self.element = positives.nonzero(as_tuple=True)  # by sequence, then position
+        per_sequence = positives.sum(-1)
+        first = per_sequence.cumsum(0) - per_sequence
+        self.slot = torch.arange(len(self.sequence), device=positives.device) - first[self.sequence]
+        self.shape = (len(positives), int(per_sequence.max()) if len(positives) else 0)
+        self.elements = self.spread(self.element, 0)
 
-def _count(mask):
-    return mask.view(torch.uint8).sum(-1, dtype=torch.int64)
+    def spread(self, per_positive, pad):
+        out = per_positive.new_full(self.shape, pad)
+        out[self.sequence, self.slot] = per_positive
+        return out
+
+    def gather(self, per_slot):
+        return per_slot[self.sequence, self.slot]
+
+    def chunks(self, n, budget=1 << 24):
+        """Slices of sequences with at most `budget` slot-element pairs."""
+        step = max(1, budget // max(1, self.shape[1] * n))
+        return [slice(start, start + step) for start in range(0, self.shape[0], step)]
 
 
 class _CountedRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, positives, lambda_val, loss_scale):
-        sequence, element = positives.nonzero(as_tuple=True)
-        above = torch.empty(len(sequence), dtype=torch.long, device=scores.device)
+        slots = _Slots(positives)
+        values = slots.spread(scores[slots.sequence, slots.element], float("nan"))
+        above = torch.empty(slots.shape, dtype=torch.long, device=scores.device)
         among = torch.empty_like(above)
-        for part in _chunks(len(sequence), scores.shape[-1]):
-            rows, elements = sequence[part], element[part]
-            higher = _above(scores[rows], scores[rows, elements], elements)
-            above[part] = _count(higher)
-            among[part] = _count(higher & positives[rows])
-        ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
-        ctx.save_for_backward(scores, sequence, element)
-        ctx.mark_non_differentiable(among, sequence, element)
-        return (above + 1).to(scores.dtype) / scores.shape[-1], among + 1, sequence, element
+        for part in slots.chunks(scores.shape[-1]):
+            higher = _above(scores[part], values[part], slots.elements[part])
+            above[part] = torch.count_nonzero(higher, -1)
+            among[part] = torch.count_nonzero(higher & positives[part, None, :], -1)
+        ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
+        ctx.save_for_backward(scores, values)
+        ranks = (slots.gather(above) + 1).to(scores.dtype) / scores.shape[-1]
+        return ranks, slots.gather(among) + 1
 
     @staticmethod
-    def backward(ctx, grad_ranks, *_):
-        scores, sequence, element = ctx.saved_tensors
+    def backward(ctx, grad_ranks, _grad_among):
+        scores, values = ctx.saved_tensors
+        slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
             return torch.zeros_like(scores), None, None, None
-        # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: the
-        # positive p climbs by the elements that pass above it minus those it leaves
-        # behind, and every other element moves by minus the positives crossing it.
-        # Crossings are ±1 bytes; a row's sum fits: ranks_of_positives counts only
-        # with fewer than 128 positives per row.
-        perturbed = scores.index_put((sequence, element), scores[sequence, element] + grad_ranks * (ctx.lambda_val / k))
-        change = torch.zeros(scores.shape, dtype=torch.int8, device=scores.device)
-        own = torch.empty(len(sequence), dtype=torch.long, device=scores.device)
-        for part in _chunks(len(sequence), scores.shape[-1]):
-            rows, elements = sequence[part], element[part]
-            before = _above(scores[rows], scores[rows, elements], elements)
-            new_values, new_rows = perturbed[rows, elements][:, None], perturbed[rows]
-            after = (new_rows > new_values) | ((new_rows == new_values) & before)
-            left_behind = before.view(torch.int8) - after.view(torch.int8)
-            own[part] = -left_behind.sum(-1, dtype=torch.int64)
-            change.index_add_(0, rows, left_behind)
-        change = change.to(scores.dtype)
-        change[sequence, element] = own.to(scores.dtype)
+        # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: a
+        # positive moves down by the elements that pass above it and up by those it
+        # leaves behind; every other element moves by the positives that cross it.
+        step = slots.spread(grad_ranks * (ctx.lambda_val / k), 0)
+        new_values = values + step
+        perturbed = scores.index_put((slots.sequence, slots.element), slots.gather(new_values))
+        change = torch.empty_like(scores)
+        own = torch.empty(slots.shape, dtype=scores.dtype, device=scores.device)
+        for part in slots.chunks(scores.shape[-1]):
+            before = _above(scores[part], values[part], slots.elements[part])
+            rows, new = perturbed[part, None, :], new_values[part, :, None]
+            after = (rows > new) | ((rows == new) & before)
+            own[part] = torch.count_nonzero(after, -1) - torch.count_nonzero(before, -1)
+            change[part] = torch.count_nonzero(before, 1) - torch.count_nonzero(after, 1)
+        change[slots.sequence, slots.element] = slots.gather(own)
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None
 
 
