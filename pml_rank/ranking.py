@@ -229,19 +229,20 @@ class _CountedRanks(torch.autograd.Function):
         slots = _Slots(positives)
         values = slots.spread(scores[slots.sequence, slots.element], float("nan"))
         above = torch.empty(slots.shape, dtype=torch.long, device=scores.device)
-        among = torch.empty_like(above)
         for part in slots.chunks(scores.shape[-1]):
-            higher = _above(scores[part], values[part], slots.elements[part])
-            above[part] = torch.count_nonzero(higher, -1)
-            among[part] = torch.count_nonzero(higher & positives[part, None, :], -1)
+            above[part] = torch.count_nonzero(_above(scores[part], values[part], slots.elements[part]), -1)
+        # The rank among positives compares the slots with each other (padding: NaN).
+        pairs = (values[:, :, None] < values[:, None, :]) | (
+            (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :]))
+        among = torch.count_nonzero(pairs, -1)
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
-        ctx.save_for_backward(scores, values)
+        ctx.save_for_backward(scores, values, above)
         ranks = (slots.gather(above) + 1).to(scores.dtype) / scores.shape[-1]
         return ranks, slots.gather(among) + 1
 
     @staticmethod
     def backward(ctx, grad_ranks, _grad_among):
-        scores, values = ctx.saved_tensors
+        scores, values, above = ctx.saved_tensors
         slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
@@ -258,8 +259,10 @@ class _CountedRanks(torch.autograd.Function):
             before = _above(scores[part], values[part], slots.elements[part])
             rows, new = perturbed[part, None, :], new_values[part, :, None]
             after = (rows > new) | ((rows == new) & before)
-            own[part] = torch.count_nonzero(after, -1) - torch.count_nonzero(before, -1)
-            change[part] = torch.count_nonzero(before, 1) - torch.count_nonzero(after, 1)
+            own[part] = torch.count_nonzero(after, -1) - above[part]
+            # At most log2 n slots: the per-element sums fit in a byte.
+            left_behind = before.view(torch.int8) - after.view(torch.int8)
+            change[part] = left_behind.sum(1, dtype=torch.int8)
         change[slots.sequence, slots.element] = slots.gather(own)
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None
 
