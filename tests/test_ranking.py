@@ -239,8 +239,7 @@ def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(s
         if path is None:
             index, ranks, among = sorted_ranks_of_positives(x, positives, 1.0)
         else:
-            ranks, among = path(x, positives, 1.0, None)
-            index = positives.nonzero(as_tuple=True)
+            ranks, among, *index = path(x, positives, 1.0, None)
         # The same incoming gradient per positive, whatever order each path lists them in.
         per_element = torch.zeros(6, 25, dtype=torch.float64)
         per_element[positives] = incoming
