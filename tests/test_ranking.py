@@ -261,3 +261,13 @@ def test_ranks_of_positives_counts_when_positives_are_few():
     expected_order = torch.argsort(expected_index[0] * 64 + expected_index[1])
     assert torch.equal(ranks[order], expected_ranks[expected_order])
     assert torch.equal(among[order], expected_among[expected_order])
+
+
+def test_sorting_one_sequence_leaves_the_thread_count_alone():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ranking.descending_order(seeded(1000, dtype=torch.float32))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
