@@ -125,7 +125,7 @@ class _RecordScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, scale):
         ctx.scale = scale
-        return loss.view_as(loss)
+        return loss.clone()  # not a view: PML trainers scale the loss in place
 
     @staticmethod
     def backward(ctx, grad_output):

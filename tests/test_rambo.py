@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pytorch_metric_learning import reducers
+from pytorch_metric_learning import reducers, trainers
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
 import pml_rank
@@ -218,6 +218,35 @@ def test_loss_weights_scale_the_gradient_not_lambda(loss_class, k):
 def test_registered_and_installed_under_their_names():
     assert pml_rank.registry.losses()["RaMBORecallLoss"] is RaMBORecallLoss
     assert pml_rank.registry.losses()["RaMBOAPLoss"] is RaMBOAPLoss
+
+
+def test_recall_loss_trains_inside_pml_metric_loss_only():
+    """A PML trainer with a loss weight (which must not shift λ) and the memory on:
+    the recall loss of the whole data set goes down."""
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(8).repeat_interleave(16)
+    data = (torch.randn(8, 16, generator=gen) * 2)[labels] + torch.randn(len(labels), 16, generator=gen) * 1.5
+    dataset = torch.utils.data.TensorDataset(data, labels)
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    evaluate = RaMBORecallLoss(memory_size=0)
+
+    def full_loss():
+        with torch.no_grad():
+            return evaluate(trunk(data), labels).item()
+
+    before = full_loss()
+    trainer = trainers.MetricLossOnly(
+        models={"trunk": trunk, "embedder": torch.nn.Identity()},
+        optimizers={"trunk_optimizer": torch.optim.Adam(trunk.parameters(), lr=1e-2)},
+        batch_size=32,
+        loss_funcs={"metric_loss": RaMBORecallLoss(memory_size=3)},
+        loss_weights={"metric_loss": 2.0},
+        dataset=dataset,
+        dataloader_num_workers=0,
+    )
+    trainer.train(num_epochs=4)
+    assert full_loss() < 0.8 * before
 
 
 # DistributedLossWrapper: λ must mean the same with and without it.

@@ -271,3 +271,17 @@ def test_sorting_one_sequence_leaves_the_thread_count_alone():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_loss_scaled_in_place_keeps_lambda():
+    """PML trainers multiply the loss by its weight in place."""
+    scores, targets = seeded(80), targets_like(seeded(80))
+    _, plain = grad_of(lambda y: ranking.average_precision_loss(y, targets), scores)
+
+    def scaled_in_place(y):
+        loss = ranking.average_precision_loss(y, targets)
+        loss *= 3
+        return loss
+
+    _, scaled = grad_of(scaled_in_place, scores)
+    assert torch.allclose(scaled, 3 * plain, atol=1e-12)
