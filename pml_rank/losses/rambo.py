@@ -4,7 +4,7 @@ with Blackbox Differentiation*, CVPR 2020): the recall loss (eq. 16-20) and the 
 
 Each query (embedding) ranks every reference by similarity: the batch itself without
 the query, or `ref_emb` when given, followed by the memory of the last `memory_size`
-batches. The ranking is differentiated by `pml_rank.ranking.blackbox_rank`.
+batches. Ranks come from `pml_rank.ranking` and are differentiated by Algorithm 1.
 
 Defaults are the paper's CUB-200 values: λ = 0.2 and margin 0.02 (Table 9), a memory of
 3 batches (appendix A). λ means the same whatever multiplies the loss (world size in
