@@ -15,7 +15,7 @@ This is the one place in pml-rank that ranks. Conventions:
   integer keys (faster; a radix sort for one sequence). The rank among the positives is
   a cumulative count in sorted order (`positive_ranks`), never a second sort.
 - The losses need ranks at the positives only (`ranks_of_positives`). When every
-  sequence has few positives (at most log2 n, as in in-batch retrieval), Algorithm 1
+  sequence has few positives (at most log2(n) / 2, as in in-batch retrieval), Algorithm 1
   moves only them, and their ranks and the perturbed ranking are counted by comparing
   each positive with its sequence, O(positives · n), instead of sorting every row,
   O(n log n): the same ranks and gradients, ties included.
@@ -198,13 +198,13 @@ def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
-    (at most log2 n) the ranks are therefore counted, O(positives · n), instead
+    (at most log2(n) / 2) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `positive_ranks`)."""
     _check_lambda("ranks_of_positives", lambda_val)
     sequences, n = scores.shape
     per_sequence = positives.sum(-1)
-    if int(per_sequence.max()) <= math.log2(max(n, 2)):
+    if int(per_sequence.max()) <= math.log2(max(n, 2)) / 2:  # measured break-even, n = 511 to 8191
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
@@ -286,7 +286,7 @@ class _CountedRanks(torch.autograd.Function):
             rows, new = perturbed[part, None, :], new_values[part, :, None]
             after = (rows > new) | ((rows == new) & before)
             own[part] = torch.count_nonzero(after, -1) - above[part]
-            # At most log2 n slots: the per-element sums fit in a byte.
+            # At most log2(n) / 2 slots: the per-element sums fit in a byte.
             left_behind = before.view(torch.int8) - after.view(torch.int8)
             change[part] = left_behind.sum(1, dtype=torch.int8)
         change[slots.sequence, slots.element] = slots.gather(own)

@@ -13,7 +13,7 @@ from pytorch_metric_learning import reducers, trainers
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
 import pml_rank
-from pml_rank import speed
+from pml_rank import ranking, speed
 from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
 from pml_rank.references import rambo as reference
 
@@ -66,6 +66,22 @@ def test_ap_loss_equals_reference(settings):
     loss = RaMBOAPLoss(memory_size=0, **settings)
     ours = value_and_grad(lambda e: loss(e, labels), embeddings)
     ref = value_and_grad(lambda e: reference_for(loss)(e, labels), embeddings)
+    assert torch.allclose(ours[0], ref[0], atol=1e-12)
+    assert torch.allclose(ours[1], ref[1], atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_counted_ranks_equal_reference(loss_class, monkeypatch):
+    """3 positives per row among 127 references: at most log2(127) / 2, so the ranks are
+    counted, not sorted (the spy proves it)."""
+    calls = []
+    counted = ranking._CountedRanks.apply
+    monkeypatch.setattr(ranking._CountedRanks, "apply", lambda *args: calls.append(1) or counted(*args))
+    embeddings, labels = batch(128, seed=9)[0], torch.arange(128) // 4
+    loss = loss_class(memory_size=0, lambda_val=0.5, margin=0.05)
+    ours = value_and_grad(lambda e: loss(e, labels), embeddings)
+    ref = value_and_grad(lambda e: reference_for(loss)(e, labels), embeddings)
+    assert calls
     assert torch.allclose(ours[0], ref[0], atol=1e-12)
     assert torch.allclose(ours[1], ref[1], atol=1e-12)
 
