@@ -125,7 +125,8 @@ def test_memory_equals_one_call_on_the_concatenated_references(loss_class):
         value = loss(embeddings, labels)
         earlier = batches[max(0, step - tau):step]
         if earlier:
-            memory = dict(memory_emb=torch.cat([e for e, _ in earlier]), memory_labels=torch.cat([l for _, l in earlier]))
+            memory = dict(memory_emb=torch.cat([e for e, _ in earlier]),
+                          memory_labels=torch.cat([l for _, l in earlier]))
         else:
             memory = {}  # the first call: an empty memory
         ref = value_and_grad(lambda e: reference_for(loss)(e, labels, **memory), embeddings)

@@ -127,7 +127,8 @@ class RaMBORecallLoss(_RaMBOLoss):
         losses = torch.log1p(negatives_above)
         if self.weighting == "loglog":
             losses = torch.log1p(losses)
-        return {"loss": {"losses": losses, "indices": (queries, reference_index(queries, refs, exclude_self)), "reduction_type": "pos_pair"}}
+        indices = (queries, reference_index(queries, refs, exclude_self))
+        return {"loss": {"losses": losses, "indices": indices, "reduction_type": "pos_pair"}}
 
 
 class RaMBOAPLoss(_RaMBOLoss):
