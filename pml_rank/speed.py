@@ -57,6 +57,49 @@ def registered(name, **kwargs):
     return make
 
 
+def labelled_scores(positive_rate):
+    """Inputs for sequence losses: one sequence of `size` scores, a fraction
+    `positive_rate` of them relevant (`dim` is ignored)."""
+
+    def make(size, dim, generator, device):
+        scores = torch.randn(size, generator=generator).to(device)
+        targets = torch.rand(size, generator=generator) < positive_rate
+        return scores.requires_grad_(), targets.to(device)
+
+    return make
+
+
+def sort_floor():
+    """One sort forward and its scatter backward: no ranking loss can be cheaper."""
+
+    def floor(scores, targets):
+        return torch.sort(scores, descending=True).values.sum()
+
+    return floor
+
+
+def rambo_reference(name, **kwargs):
+    """Factory for a function of `pml_rank.references.rambo`, called as ``fn(*inputs)``."""
+
+    def make():
+        from .references import rambo
+
+        return lambda *inputs: getattr(rambo, name)(*inputs, **kwargs)
+
+    return make
+
+
+def rambo_ranking(name, **kwargs):
+    """Factory for a loss function of `pml_rank.ranking`, called as ``fn(*inputs)``."""
+
+    def make():
+        from . import ranking
+
+        return lambda *inputs: getattr(ranking, name)(*inputs, **kwargs)
+
+    return make
+
+
 @dataclasses.dataclass
 class SpeedCase:
     """How to time one loss. Each contender is a zero-argument factory returning a
@@ -110,6 +153,16 @@ CASES = {
     "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml,
                                reference=_npairs_reference("ovo"),
                                inputs=labelled_batch(per_class=2)),
+    # The AP loss on one sequence of scores (paper Table 6), 10% positives. The memory
+    # is off in the recall case: the reference has none.
+    "RaMBOAPLoss": SpeedCase(
+        ours=rambo_ranking("average_precision_loss", lambda_val=0.5, margin=0.15),
+        reference=rambo_reference("average_precision_loss", lambda_val=0.5, margin=0.15),
+        floor=sort_floor, inputs=labelled_scores(positive_rate=0.1),
+        size_name="scores", default_sizes=(100_000, 1_000_000)),
+    "RaMBORecallLoss": SpeedCase(
+        ours=registered("RaMBORecallLoss", memory_size=0),
+        reference=rambo_reference("recall_loss", lambda_val=0.2, margin=0.02)),
 }
 
 

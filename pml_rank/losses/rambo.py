@@ -1,0 +1,157 @@
+"""RaMBO losses for in-batch retrieval (Rolínek et al., *Optimizing Rank-Based Metrics
+with Blackbox Differentiation*, CVPR 2020): the recall loss (eq. 16-20) and the AP loss
+(eq. 21-22), with margin (eq. 14-15) and score memory (sec. 4.3).
+
+Each query (embedding) ranks every reference by similarity: the batch itself without
+the query, or `ref_emb` when given, followed by the memory of the last `memory_size`
+batches. Ranks come from `pml_rank.ranking` and are differentiated by Algorithm 1.
+
+Defaults are the paper's CUB-200 values: λ = 0.2 and margin 0.02 (Table 9), a memory of
+3 batches (appendix A). λ means the same whatever multiplies the loss (world size in
+`DistributedLossWrapper`, trainers' loss weights): see `pml_rank.ranking`.
+"""
+
+import torch
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.utils import common_functions as c_f
+
+from ..memory import ScoreMemory
+from ..ranking import LossScale, _check_lambda, precision_at_positives, ranks_of_positives, shift_by_margin
+from .base import RankLossBase
+
+
+class _RaMBOLoss(RankLossBase):
+    def __init__(self, lambda_val, margin, memory_size, **kwargs):
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        _check_lambda(owner, lambda_val)
+        if not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
+            raise ValueError(f"{owner}: margin must be a finite number >= 0, got {margin!r}")
+        self.lambda_val = float(lambda_val)
+        self.margin = float(margin)
+        self.memory = ScoreMemory(memory_size, owner=owner)
+        self.memory_size = memory_size
+        self.add_to_recordable_attributes(list_of_names=["lambda_val", "margin", "memory_size"], is_stat=False)
+        self.add_to_recordable_attributes(list_of_names=["num_pos_pairs"], is_stat=True)
+        self._loss_scale = None
+
+    def get_default_distance(self):
+        return CosineSimilarity()
+
+    def reset_memory(self):
+        self.memory.reset()
+
+    def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
+        # The scale probe sits on the final loss, after the reducer and any regularizer.
+        self._loss_scale = LossScale()
+        loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        return self._loss_scale.attach(loss) if torch.is_tensor(loss) else loss
+
+    def scores_and_positives(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        """Similarities [queries, references] (the query itself left out when the batch is
+        its own reference set, see `without_self`), which references are positives, and
+        whether the query was left out. Stores the references in the memory."""
+        owner = type(self).__name__
+        c_f.labels_required(labels)
+        if indices_tuple is not None:
+            raise ValueError(
+                f"{owner}: ranks every pair itself and takes no indices_tuple (miners); "
+                "with DistributedLossWrapper use efficient=False"
+            )
+        if ref_labels is None:
+            raise ValueError(f"{owner}: ref_emb needs ref_labels")
+        exclude_self = ref_emb is embeddings  # PML passes the batch itself when no ref_emb is given
+        all_refs, all_ref_labels = self.memory.extend(ref_emb, ref_labels)
+        self.memory.push(ref_emb, ref_labels)
+        matrix = self.distance(embeddings, all_refs)
+        scores = matrix if self.distance.is_inverted else -matrix
+        positives = labels[:, None] == all_ref_labels[None, :]
+        if exclude_self:
+            scores, positives = without_self(scores), without_self(positives)
+        self.num_pos_pairs = int(positives.sum())
+        return scores, positives, exclude_self
+
+
+def without_self(matrix):
+    """Drops entry (i, i) of every row of a [queries, references] matrix whose first
+    columns are the queries themselves. Strided views instead of a boolean mask: in
+    the flattened square block, the entries between two diagonal entries are one
+    view row."""
+    queries = len(matrix)
+    square, rest = matrix[:, :queries], matrix[:, queries:]
+    off_diagonal = square.flatten()[1:].view(queries - 1, queries + 1)[:, :-1].reshape(queries, queries - 1)
+    return torch.cat([off_diagonal, rest], dim=1) if rest.shape[1] else off_diagonal
+
+
+def reference_index(queries, columns, exclude_self):
+    """Column index after `without_self` -> index into the references."""
+    return columns + (columns >= queries) if exclude_self else columns
+
+
+class RaMBORecallLoss(_RaMBOLoss):
+    """Recall loss (eq. 20): the mean over positive pairs of ℓ(r) (`weighting="log"`) or
+    ℓ(ℓ(r)) (`"loglog"`), ℓ(k) = log(1 + k), where r is the number of negatives ranked
+    above the positive after the margin shift (eq. 14, 17).
+
+    Args:
+        lambda_val: interpolation strength λ of the blackbox gradient (Table 9: CUB-200
+            0.2, In-shop 0.2, Online Products 4).
+        margin: α; positives are shifted down and negatives up by α/2 (Table 9: CUB-200
+            0.02, In-shop 0.05, Online Products 0.02).
+        weighting: "log" (w_K ≈ 1/K) or "loglog" (w_K ≈ 1/(K log K)).
+        memory_size: τ, the number of previous batches kept in the score memory
+            (appendix A: 3; 0 disables it).
+
+    Per-pair losses go through PML's reducer (MeanReducer by default, the paper's mean
+    over positive pairs), with indices (query, reference).
+    """
+
+    def __init__(self, lambda_val=0.2, margin=0.02, weighting="log", memory_size=3, **kwargs):
+        super().__init__(lambda_val, margin, memory_size, **kwargs)
+        if weighting not in ("log", "loglog"):
+            raise ValueError(f"RaMBORecallLoss: weighting must be 'log' or 'loglog', got {weighting!r}")
+        self.weighting = weighting
+        self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        scores, positives, exclude_self = self.scores_and_positives(
+            embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        if self.num_pos_pairs == 0:
+            return self.zero_losses()
+        shifted = shift_by_margin(scores, positives, self.margin)
+        (queries, refs), ranks, among_positives = ranks_of_positives(
+            shifted, positives, self.lambda_val, self._loss_scale)
+        # r = rank among all − rank among positives (eq. 17), as counts.
+        negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
+        self.mean_negatives_above = float(negatives_above.detach().mean())
+        losses = torch.log1p(negatives_above)
+        if self.weighting == "loglog":
+            losses = torch.log1p(losses)
+        indices = (queries, reference_index(queries, refs, exclude_self))
+        return {"loss": {"losses": losses, "indices": indices, "reduction_type": "pos_pair"}}
+
+
+class RaMBOAPLoss(_RaMBOLoss):
+    """AP loss for in-batch retrieval (eq. 21-22): per query, 1 − the mean precision at
+    its positives; queries without a positive are left out.
+
+    Args:
+        lambda_val, margin, memory_size: as for `RaMBORecallLoss`. The defaults are the
+            retrieval values (Table 9, CUB-200, and appendix A); the paper used the AP
+            loss for detection with λ = 0.5, margin 0.15 and τ = 7 on classifier scores
+            (see `pml_rank.ranking.map_loss`), not on cosine similarities.
+
+    Per-query losses go through PML's reducer ("element" reduction, indices = queries).
+    """
+
+    def __init__(self, lambda_val=0.2, margin=0.02, memory_size=3, **kwargs):
+        super().__init__(lambda_val, margin, memory_size, **kwargs)
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        scores, positives, _ = self.scores_and_positives(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        if self.num_pos_pairs == 0:
+            return self.zero_losses()
+        precision, has_positive = precision_at_positives(
+            scores, positives, self.lambda_val, self.margin, self._loss_scale)
+        queries = has_positive.nonzero(as_tuple=True)[0]
+        return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
