@@ -2,12 +2,25 @@
 appended to the references every current query is ranked against. Gradients flow only
 through the current batch.
 
-The memory lives in module buffers, so ``state_dict()`` saves it, ``load_state_dict()``
-restores it (whatever its fill level), and ``.to(device)`` moves it. Batches may change
-size from one call to the next; the first calls work with a partly filled memory.
+The memory is part of the module's state: ``state_dict()`` saves it (as the module's
+extra state), ``load_state_dict()`` restores it whatever its fill level, and
+``.to(device)`` moves it. Batches may change size from one call to the next; the first
+calls work with a partly filled memory.
+
+The stored tensors are kept out of the module's attributes and buffers on purpose: PML's
+logging hooks (record-keeper) record every tensor they find in a loss module's buffers
+at every logged iteration, which would copy the whole memory into the logs (and fails
+on an empty one).
 """
 
 import torch
+
+
+class _Stored:
+    """The memory's tensors, in a holder that logging hooks do not walk into."""
+
+    def __init__(self, embeddings, labels, batch_sizes):
+        self.embeddings, self.labels, self.batch_sizes = embeddings, labels, batch_sizes
 
 
 class ScoreMemory(torch.nn.Module):
@@ -19,10 +32,12 @@ class ScoreMemory(torch.nn.Module):
             raise ValueError(f"{owner}: memory_size must be an integer >= 0, got {size!r}")
         self.size = size
         self.owner = owner
-        # All stored batches concatenated, oldest first, and each batch's length.
-        self.register_buffer("embeddings", torch.zeros(0, 0))
-        self.register_buffer("labels", torch.zeros(0, dtype=torch.long))
-        self.register_buffer("batch_sizes", torch.zeros(0, dtype=torch.long))
+        self.reset()
+
+    # All stored batches concatenated, oldest first, and each batch's length.
+    embeddings = property(lambda self: self._stored.embeddings)
+    labels = property(lambda self: self._stored.labels)
+    batch_sizes = property(lambda self: self._stored.batch_sizes)
 
     def __len__(self):
         """Number of stored batches."""
@@ -44,15 +59,14 @@ class ScoreMemory(torch.nn.Module):
         embeddings, labels = embeddings.detach(), labels.detach()
         if len(self):
             self._check_size(embeddings)
+            old_embeddings, old_labels = self.embeddings.to(embeddings), self.labels.to(labels)
         else:
-            self.embeddings = embeddings.new_zeros(0, embeddings.shape[1])
-            self.labels = labels.new_zeros(0)
+            old_embeddings, old_labels = embeddings.new_zeros(0, embeddings.shape[1]), labels.new_zeros(0)
         sizes = torch.cat([self.batch_sizes.to(labels.device), torch.tensor([len(labels)], device=labels.device)])
         kept = sizes[-self.size:]
         dropped = int(sizes.sum() - kept.sum())
-        self.embeddings = torch.cat([self.embeddings.to(embeddings), embeddings])[dropped:]
-        self.labels = torch.cat([self.labels.to(labels), labels])[dropped:]
-        self.batch_sizes = kept
+        self._stored = _Stored(torch.cat([old_embeddings, embeddings])[dropped:],
+                               torch.cat([old_labels, labels])[dropped:], kept)
 
     def _check_size(self, embeddings):
         if self.embeddings.shape[1] != embeddings.shape[1]:
@@ -62,17 +76,23 @@ class ScoreMemory(torch.nn.Module):
             )
 
     def reset(self):
-        self.embeddings = torch.zeros(0, 0, device=self.embeddings.device)
-        self.labels = torch.zeros(0, dtype=torch.long, device=self.labels.device)
-        self.batch_sizes = torch.zeros(0, dtype=torch.long, device=self.batch_sizes.device)
+        device = self._stored.embeddings.device if hasattr(self, "_stored") else None
+        self._stored = _Stored(torch.zeros(0, 0, device=device),
+                               torch.zeros(0, dtype=torch.long, device=device),
+                               torch.zeros(0, dtype=torch.long, device=device))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The stored tensors' shapes depend on the fill level: take the saved shapes.
-        for name in ("embeddings", "labels", "batch_sizes"):
-            saved = state_dict.get(prefix + name)
-            if saved is not None:
-                self._buffers[name] = torch.empty_like(saved, device=self._buffers[name].device)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def get_extra_state(self):
+        return {"embeddings": self.embeddings, "labels": self.labels, "batch_sizes": self.batch_sizes}
+
+    def set_extra_state(self, state):
+        device = self.embeddings.device
+        self._stored = _Stored(*(state[k].to(device) for k in ("embeddings", "labels", "batch_sizes")))
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(device), .cuda(), .double() reach the stored tensors too.
+        stored = self._stored
+        self._stored = _Stored(fn(stored.embeddings), fn(stored.labels), fn(stored.batch_sizes))
+        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self):
         return f"size={self.size}, stored_batches={len(self)}"

@@ -358,3 +358,31 @@ def test_table6_example_runs_in_smoke_mode(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "paper CPU" in out and "ours / reference" in out
     assert (tmp_path / "rambo_table6.json").exists() and (tmp_path / "rambo_table6.png").exists()
+
+
+def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_path):
+    """PML's record-keeper hooks record every tensor in a loss's buffers each logged
+    iteration; the memory must not be among them (an empty one crashed them)."""
+    from pytorch_metric_learning.utils import logging_presets
+
+    from pml_rank.evaluation.training import make_record_keeper
+
+    class _Trainer:  # just what end_of_iteration_hook reads
+        def __init__(self, loss):
+            self.iteration = 0
+            self.loss_funcs = {"metric_loss": loss}
+            self.mining_funcs, self.models, self.optimizers = {}, {}, {}
+            self.loss_tracker = type("T", (), {"losses": {"total_loss": 0.5}, "loss_weights": {}})()
+
+        def get_global_iteration(self):
+            return 1
+
+    for memory_size, calls in [(0, 1), (2, 3)]:
+        loss = RaMBORecallLoss(memory_size=memory_size)
+        for seed in range(calls):
+            loss(*batch(seed=seed))
+        keeper = make_record_keeper(tmp_path / str(memory_size))
+        logging_presets.HookContainer(keeper, log_freq=1).end_of_iteration_hook(_Trainer(loss))
+        recorded = str(dict(keeper.record_writer.records))
+        assert "lambda_val" in recorded and "embeddings" not in recorded
+        assert "memory._extra_state" in loss.state_dict()
