@@ -278,3 +278,29 @@ def test_trains_inside_pml_metric_loss_only_attached_by_the_hook(caplog):
         assert len(batch_labels) == 2 * n and len(set(batch_labels)) == n
     assert sampler._attached_trainer is trainer and sampler.embedded_examples > 0
     assert trunk.training
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+def test_ranks_get_disjoint_shards_of_the_same_global_batches(with_model):
+    labels, vectors, _ = mutual_hard_negatives()
+    world = 3
+
+    def make(**kwargs):
+        sampler = HardNegativeClassSampler(labels, 6, candidate_classes=12, batches_per_epoch=5, seed=4, **kwargs)
+        return attached(sampler, vectors) if with_model else sampler
+
+    full = [i for i in make()]
+    shards = [list(make(num_replicas=world, rank=rank)) for rank in range(world)]
+    assert all(len(shard) == len(full) // world == len(make(num_replicas=world, rank=0)) for shard in shards)
+    per_rank = 2 * 6 // world
+    for b in range(5):
+        pieces = [shard[b * per_rank:(b + 1) * per_rank] for shard in shards]
+        assert sum(pieces, []) == full[b * 12:(b + 1) * 12]  # together: the global batch
+        for piece in pieces:  # each: whole pairs
+            classes = [labels[i] for i in piece]
+            assert classes[0::2] == classes[1::2]
+
+
+def test_shards_must_divide_the_classes():
+    with pytest.raises(ValueError, match="classes_per_batch=6 must be a multiple of num_replicas=4"):
+        HardNegativeClassSampler(uneven_labels(), 6, num_replicas=4, rank=0)

@@ -1,6 +1,7 @@
 """Hard negative class mining for N-pair batches (Sohn, NIPS 2016, slide "Hard Negative
 class mining")."""
 
+import copy
 import time
 
 import numpy as np
@@ -52,13 +53,23 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     Batches are reproducible for a given ``seed``, epoch and model: each pass draws
     from a generator seeded with (seed, epoch). The epoch advances by one per pass;
-    :meth:`set_epoch` sets it, as for ``DistributedSampler``.
+    :meth:`set_epoch` sets it, as for ``DistributedSampler``. :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore the epoch, the cache and the counters, so
+    a run resumed from a checkpoint mines the batches the uninterrupted run would.
+
+    Distributed training: with ``num_replicas`` processes (default: the world size of
+    an initialised ``torch.distributed`` group, else 1), every process mines the same
+    global batch (same seed, same model weights under DDP) and yields only its own
+    ``classes_per_batch / num_replicas`` classes, both examples of each: shards never
+    overlap and never split a pair. Use ``batch_size = 2 * classes_per_batch /
+    num_replicas`` per process.
     """
 
     _name = "HardNegativeClassSampler"  # for error messages
 
     def __init__(self, labels, classes_per_batch, candidate_classes=None, examples_per_class=1,
-                 batches_per_epoch=None, refresh_every=None, distance=None, embed_fn=None, seed=0):
+                 batches_per_epoch=None, refresh_every=None, distance=None, embed_fn=None, seed=0,
+                 num_replicas=None, rank=None):
         labels = np.asarray(labels.cpu() if torch.is_tensor(labels) else labels)
         if labels.ndim != 1:
             raise ValueError(f"{self._name}: labels must be one-dimensional, got shape {labels.shape}")
@@ -78,6 +89,12 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         if not classes_per_batch <= candidate_classes <= num_classes:
             raise ValueError(f"{self._name}: candidate_classes={candidate_classes} must be between "
                              f"classes_per_batch ({classes_per_batch}) and the number of classes ({num_classes})")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        num_replicas = num_replicas or (torch.distributed.get_world_size() if distributed else 1)
+        rank = (torch.distributed.get_rank() if distributed else 0) if rank is None else rank
+        if classes_per_batch % num_replicas or not 0 <= rank < num_replicas:
+            raise ValueError(f"{self._name}: classes_per_batch={classes_per_batch} must be a multiple of "
+                             f"num_replicas={num_replicas}, and rank={rank} in [0, {num_replicas})")
         if examples_per_class not in (1, 2):
             raise ValueError(f"{self._name}: examples_per_class={examples_per_class} must be 1 or 2")
         if batches_per_epoch is None:
@@ -100,6 +117,7 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self.refresh_every = refresh_every
         self.distance = DotProductSimilarity(normalize_embeddings=False) if distance is None else distance
         self.seed = seed
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
         self._embed_fn = embed_fn
         self._eval_modules = []
@@ -111,10 +129,20 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             self, list_of_names=["mining_seconds", "mined_batches", "embedded_examples"])
 
     def __len__(self):
-        return self.batches_per_epoch * 2 * self.classes_per_batch
+        return self.batches_per_epoch * 2 * self.classes_per_batch // self.num_replicas
 
     def set_epoch(self, epoch):
         self.epoch = epoch
+
+    _STATE = ("epoch", "mining_seconds", "mined_batches", "embedded_examples",
+              "_embedded_at", "_class_embeddings")
+
+    def state_dict(self):
+        return {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
+
+    def load_state_dict(self, state):
+        for name in self._STATE:
+            setattr(self, name, copy.deepcopy(state[name]))
 
     def __iter__(self):
         # NumPy rather than torch: per-batch work is many tiny operations, and NumPy's
@@ -128,7 +156,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             batch = self._mine_batch(rng)
             self.mining_seconds += time.perf_counter() - start
             self.mined_batches += 1
-            yield from batch.tolist()
+            shard = len(batch) // self.num_replicas
+            yield from batch[self.rank * shard:(self.rank + 1) * shard].tolist()
 
     # --- attaching a model -------------------------------------------------------------
 
