@@ -57,6 +57,29 @@ def registered(name, **kwargs):
     return make
 
 
+def pml_loss(name, **kwargs):
+    """Factory for PML's own loss `name`, called as ``loss(embeddings, labels)``."""
+
+    def make():
+        from pytorch_metric_learning import losses
+
+        return getattr(losses, name)(**kwargs)
+
+    return make
+
+
+def reference(module, function, **kwargs):
+    """Factory for ``pml_rank.references.<module>.<function>(embeddings, labels, **kwargs)``."""
+
+    def make():
+        import functools
+        import importlib
+
+        return functools.partial(getattr(importlib.import_module(f"pml_rank.references.{module}"), function), **kwargs)
+
+    return make
+
+
 @dataclasses.dataclass
 class SpeedCase:
     """How to time one loss. Each contender is a zero-argument factory returning a
@@ -83,7 +106,14 @@ class SpeedCase:
 
 # Losses with a PML equivalent and/or a reference. Any other registered loss is timed
 # alone against the floor. Keep entries alphabetical.
-CASES = {}
+CASES = {
+    "FastAPLoss": SpeedCase(
+        ours=registered("FastAPLoss"),
+        pml=pml_loss("FastAPLoss"),
+        reference=reference("fastap", "fast_ap_loss"),
+        reference_max_size=1024,
+    ),
+}
 
 
 def case_for(name):
@@ -134,13 +164,16 @@ def peak_memory(fn, inputs, device):
 
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _run(fn, inputs)
-    events = sorted(
-        (e for e in prof.events() if e.self_cpu_memory_usage),
-        key=lambda e: e.time_range.start,
+    # The raw allocation records, not the per-op totals: an op's self memory is net of
+    # what it frees, so a temporary allocated and freed inside one Python-level op (a
+    # custom autograd.Function) would vanish from the peak.
+    records = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
     )
     current = peak = 0
-    for event in events:
-        current += event.self_cpu_memory_usage
+    for record in records:
+        current += record.nbytes()
         peak = max(peak, current)
     return peak
 

@@ -1,3 +1,5 @@
 """pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
 
-__all__ = []
+from .fastap import FastAPLoss
+
+__all__ = ["FastAPLoss"]
