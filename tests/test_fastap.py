@@ -1,6 +1,9 @@
 """FastAPLoss against PML's FastAPLoss and the loop-over-bins reference from the paper."""
 
+import importlib.util
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +219,43 @@ def test_registered_and_never_replacing_pmls_fast_ap(monkeypatch):
         monkeypatch.delattr(f"{module}.{name}")
     assert "pytorch_metric_learning.losses.FastAPLoss" in report["clashes"]
     assert pml_losses.FastAPLoss is pml_fast_ap
+
+
+def _example():
+    path = Path(__file__).parent.parent / "examples" / "fastap_hierarchical_sampling.py"
+    spec = importlib.util.spec_from_file_location("fastap_hierarchical_sampling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hierarchical_sampler_draws_categories_then_classes_then_samples():
+    example = _example()
+    args = example.parse_args(["--smoke"])
+    data, classes, categories = example.synthetic_hierarchy(
+        args.categories, args.classes_per_category, 2 * args.per_class, args.dim, seed=0)
+    batches = list(example.hierarchical_batches(classes, categories, args))
+    pairs = args.categories * (args.categories - 1) // 2
+    assert len(batches) == pairs * args.batches_per_pair
+    seen_pairs = set()
+    for batch in batches:
+        batch = torch.as_tensor(batch)
+        assert len(batch) == args.batch_size
+        batch_categories = categories[batch].unique()
+        assert len(batch_categories) == args.categories_per_batch
+        seen_pairs.add(tuple(batch_categories.tolist()))
+        assert (classes[batch].bincount()[classes[batch].unique()] == args.per_class).all()
+    assert len(seen_pairs) == pairs  # every pair of categories gets its batches
+
+
+def test_example_smoke_run(tmp_path):
+    results = _example().main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "fastap_sampling.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "fastap_sampling.json").read_text())
+    hierarchical = saved["category-based (HierarchicalSampler)"]
+    random_classes = saved["random classes (MPerClassSampler)"]
+    # Category-based batches are made of hard (same-category) negatives.
+    assert hierarchical["same_category_negative_share"] > random_classes["same_category_negative_share"]
+    for result in (hierarchical, random_classes):
+        assert 0 <= result["test_precision_at_1"] <= 1 and 0 <= result["final_loss"] <= 1
+    assert results["args"]["smoke"] is True
