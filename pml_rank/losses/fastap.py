@@ -8,6 +8,8 @@ pass applies the paper's analytic gradient through a custom autograd function. M
 stays a few N x M matrices whatever `num_bins` is.
 """
 
+import numbers
+
 import torch
 from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
@@ -38,7 +40,7 @@ class FastAPLoss(RankLossBase):
     def __init__(self, num_bins=10, **kwargs):
         super().__init__(**kwargs)
         c_f.assert_distance_type(self, LpDistance, normalize_embeddings=True, p=2, power=2)
-        if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 1:
+        if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Integral) or num_bins < 1:
             raise ValueError(f"FastAPLoss: num_bins must be a positive integer, got {num_bins!r}")
         self.num_bins = int(num_bins)
         self.add_to_recordable_attributes(list_of_names=["num_bins"], is_stat=False)
@@ -46,7 +48,7 @@ class FastAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        positive, excluded, exclude_self = self.pair_masks(labels, indices_tuple, ref_labels)
+        positive, excluded, exclude_self = self._pair_masks(labels, indices_tuple, ref_labels)
         num_positives = positive.sum(1)
         has_positive = num_positives > 0
         if self.collect_stats:
@@ -68,7 +70,7 @@ class FastAPLoss(RankLossBase):
         }
 
     @staticmethod
-    def pair_masks(labels, indices_tuple, ref_labels):
+    def _pair_masks(labels, indices_tuple, ref_labels):
         """(positive mask, mask of pairs left out of the histograms or None, whether the
         diagonal is left out). As in PML, a sample is not its own positive when the
         reference labels are the labels themselves."""
