@@ -52,3 +52,20 @@ def test_speed_case_with_all_contenders_reports_every_ratio(monkeypatch):
 def test_unknown_loss_is_a_clear_error(capsys):
     assert cli.main(["speed", "NoSuchLoss"]) == 2
     assert "unknown loss NoSuchLoss" in capsys.readouterr().err
+
+
+class _TemporaryInsideFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        temporary = torch.ones(1 << 20)  # 4 MB, freed before the op returns
+        return x * temporary[:1].sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_peak_memory_sees_temporaries_freed_inside_a_custom_function():
+    x = torch.randn(8, requires_grad=True)
+    peak = speed.peak_memory(lambda e: _TemporaryInsideFunction.apply(e).sum(), (x,), torch.device("cpu"))
+    assert peak >= 4 * 2**20

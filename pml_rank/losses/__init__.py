@@ -1,6 +1,7 @@
 """pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
 
+from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
 
-__all__ = ["NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]
+__all__ = ["FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]

@@ -1,0 +1,193 @@
+"""FastAP: Cakir et al., "Deep Metric Learning to Rank" (CVPR 2019).
+
+The same function as the authors' code and PML's `FastAPLoss` (which builds a
+(num_bins+1) x N x N pulse tensor and differentiates it with autograd). Here each
+distance falls into at most two adjacent triangular bins, so its bin index and weight
+are computed once, the histograms are accumulated with `index_add_`, and the backward
+pass applies the paper's analytic gradient through a custom autograd function. Memory
+stays a few N x M matrices whatever `num_bins` is.
+"""
+
+import numbers
+
+import torch
+from pytorch_metric_learning.distances import LpDistance
+from pytorch_metric_learning.utils import common_functions as c_f
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch.autograd.function import once_differentiable
+
+from .base import RankLossBase
+
+# Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
+MAX_DISTANCE = 4.0
+
+
+class FastAPLoss(RankLossBase):
+    """FastAP loss: 1 - mean over queries (with at least one positive) of the
+    histogram-approximated average precision.
+
+    Args:
+        num_bins: number of bins of [0, 4]; there are num_bins + 1 bin centres
+            0, 4/num_bins, ..., 4 (the paper's and PML's default is 10).
+
+    Every sample is a query that retrieves the rest of the batch (or `ref_emb`). With an
+    `indices_tuple`, its pairs (converted with PML's `convert_to_pairs`) are each query's
+    positives and negatives instead of all other samples; PML's `FastAPLoss` uses a miner
+    only to weight queries. float16 / bfloat16 embeddings are computed, and their losses
+    returned, in float32; float64 stays float64.
+    """
+
+    def __init__(self, num_bins=10, **kwargs):
+        super().__init__(**kwargs)
+        c_f.assert_distance_type(self, LpDistance, normalize_embeddings=True, p=2, power=2)
+        if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Integral) or num_bins < 1:
+            raise ValueError(f"FastAPLoss: num_bins must be a positive integer, got {num_bins!r}")
+        self.num_bins = int(num_bins)
+        self.add_to_recordable_attributes(list_of_names=["num_bins"], is_stat=False)
+        self.add_to_recordable_attributes(list_of_names=["num_queries"], is_stat=True)
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        positive, excluded, exclude_self = self._pair_masks(labels, indices_tuple, ref_labels)
+        num_positives = positive.sum(1)
+        has_positive = num_positives > 0
+        if self.collect_stats:
+            self.num_queries = int(has_positive.sum())
+        if not bool(has_positive.any()):
+            return self.zero_losses()
+        # At least float32: in float16 / bfloat16, bin counts beyond 2048 / 256 are inexact.
+        dtype = torch.promote_types(embeddings.dtype, torch.float32)
+        queries = self.distance.normalize(embeddings.to(dtype), dim=1)
+        references = queries if ref_emb is embeddings else self.distance.normalize(ref_emb.to(dtype), dim=1)
+        ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self,
+                                  num_positives, self.num_bins)
+        return {
+            "loss": {
+                "losses": 1 - ap[has_positive],
+                "indices": torch.where(has_positive)[0],
+                "reduction_type": "element",
+            }
+        }
+
+    @staticmethod
+    def _pair_masks(labels, indices_tuple, ref_labels):
+        """(positive mask, mask of pairs left out of the histograms or None, whether the
+        diagonal is left out). As in PML, a sample is not its own positive when the
+        reference labels are the labels themselves."""
+        if indices_tuple is None:
+            positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+            exclude_self = ref_labels is labels
+            if exclude_self:
+                positive.fill_diagonal_(False)
+            return positive, None, exclude_self
+        a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
+        shape = (len(labels), len(ref_labels))
+        positive = torch.zeros(shape, dtype=torch.bool, device=labels.device)
+        positive[a1, p] = True
+        excluded = torch.ones(shape, dtype=torch.bool, device=labels.device)
+        excluded[a1, p] = False
+        excluded[a2, n] = False
+        return positive, excluded, False
+
+    def get_default_distance(self):
+        return LpDistance(power=2)
+
+
+def _leave_out(pairs, excluded, exclude_self):
+    """Zero, in place, the entries of a queries x references matrix that are no pair."""
+    if exclude_self:
+        pairs.diagonal().zero_()
+    if excluded is not None:
+        pairs.masked_fill_(excluded, 0)
+
+
+def _soft_histograms(flat_bin, lower_weight, upper_weight, num_queries, num_centres):
+    """Per-query histograms: each pair adds `lower_weight` to its lower bin centre and
+    `upper_weight` to the next one. `flat_bin` is the lower centre's index in the
+    flattened (num_queries, num_centres) histogram, never a row's last centre."""
+    hist = lower_weight.new_zeros(num_queries * num_centres)
+    hist.index_add_(0, flat_bin.reshape(-1), lower_weight.reshape(-1))
+    hist[1:].index_add_(0, flat_bin.reshape(-1), upper_weight.reshape(-1))
+    return hist.view(num_queries, num_centres)
+
+
+def _tail_sum(x):
+    """Σ_{k ≥ l} x_k along the last dimension."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+class FastAPFunction(torch.autograd.Function):
+    """FastAP of every query (0 for a query without positives) with the paper's analytic
+    gradient. `queries` (N x D) and `references` (M x D) are L2-normalised float32;
+    `positive` (N x M, bool) marks positive pairs, `excluded` (N x M, bool or None) and
+    `exclude_self` (the diagonal) the pairs that are neither positive nor negative."""
+
+    @staticmethod
+    def forward(ctx, queries, references, positive, excluded, exclude_self, num_positives, num_bins):
+        n = queries.shape[0]
+        num_centres = num_bins + 1
+        delta = MAX_DISTANCE / num_bins
+        # Position of each distance 2 - 2 cos on the bin axis, in units of delta. Rounding
+        # can push a distance just outside [0, 4]; clamping keeps its whole unit of mass.
+        per_unit = 2.0 / delta
+        position = torch.addmm(queries.new_tensor(per_unit), queries, references.T, alpha=-per_unit)
+        position.clamp_(0, num_bins)
+        flat_bin = position.to(torch.int32).clamp_(max=num_bins - 1)  # lower bin (position >= 0)
+        upper_weight = position.sub_(flat_bin)  # triangular kernels: 1 - frac below, frac above
+        lower_weight = 1 - upper_weight
+        _leave_out(lower_weight, excluded, exclude_self)
+        _leave_out(upper_weight, excluded, exclude_self)
+        flat_bin += torch.arange(0, n * num_centres, num_centres, dtype=torch.int32,
+                                 device=flat_bin.device).unsqueeze(1)
+
+        all_hist = _soft_histograms(flat_bin, lower_weight, upper_weight, n, num_centres)
+        positive_pairs = positive.view(-1).nonzero().squeeze(1)
+        flat_bin = flat_bin.view(-1)
+        pos_hist = _soft_histograms(flat_bin[positive_pairs], lower_weight.view(-1)[positive_pairs],
+                                    upper_weight.view(-1)[positive_pairs], n, num_centres)
+        del lower_weight, upper_weight, position
+
+        pos_cum = pos_hist.cumsum(1)
+        inv_cum = all_hist.cumsum(1)
+        inv_cum = torch.where(inv_cum > 0, inv_cum.reciprocal(), 0.0)  # empty prefix: term is 0
+        scale = 1.0 / num_positives.clamp(min=1).to(queries.dtype)
+        ap = (pos_hist * pos_cum * inv_cum).sum(1) * scale
+
+        # Route positive pairs to the second half of the backward's slope table.
+        flat_bin[positive_pairs] += n * num_centres
+        flat_bin = flat_bin.view(positive.shape)
+        ctx.save_for_backward(queries, references, flat_bin, excluded, pos_hist, pos_cum,
+                              inv_cum, all_hist, scale)
+        ctx.exclude_self = exclude_self
+        ctx.delta = delta
+        ctx.same = references is queries
+        return ap
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ap):
+        queries, references, flat_bin, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale = ctx.saved_tensors
+        # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
+        #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
+        #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
+        inv_sq = inv_cum * inv_cum
+        d_pos = pos_cum * inv_cum + _tail_sum(pos_hist * (all_hist.cumsum(1) - pos_cum) * inv_sq)
+        d_neg = -_tail_sum(pos_hist * pos_cum * inv_sq)
+        # A pair in bin l moves weight from centre l to l + 1 as its distance grows:
+        # dAP/dd = (dAP/dh_{l+1} - dAP/dh_l) / Δ. Also fold in d(distance)/d(cos) = -2.
+        weight = (grad_ap * scale * (-2.0 / ctx.delta)).unsqueeze(1)
+        table = torch.stack([d_neg, d_pos]) * weight
+        table = torch.nn.functional.pad(table.diff(dim=2), (0, 1))
+        # d loss / d cos(query, reference); index_select takes int32 indices as they are.
+        grad_cos = table.view(-1).index_select(0, flat_bin.view(-1)).view(flat_bin.shape)
+        _leave_out(grad_cos, excluded, ctx.exclude_self)
+
+        grad_queries = grad_references = None
+        if ctx.same:
+            grad_queries = (grad_cos + grad_cos.T) @ queries
+        else:
+            if ctx.needs_input_grad[0]:
+                grad_queries = grad_cos @ references
+            if ctx.needs_input_grad[1]:
+                grad_references = grad_cos.T @ queries
+        return grad_queries, grad_references, None, None, None, None, None
