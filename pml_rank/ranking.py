@@ -31,7 +31,6 @@ loss weight scales the gradient and nothing else. With k = 1 (a bare ``loss.back
 this is exactly Algorithm 1. `blackbox_rank` without a `loss_scale` is plain Algorithm 1.
 """
 
-import contextlib
 import math
 
 import torch
@@ -56,27 +55,9 @@ def descending_order(scores):
         # radix sort, several times faster), so sort order-preserving integer keys.
         keys = _descending_keys(scores)
         if scores.shape[:-1].numel() == 1:
-            with _one_thread():
-                return torch.sort(keys.reshape(-1), stable=True).indices.view(scores.shape)
+            return torch.sort(keys.reshape(-1), stable=True).indices.view(scores.shape)
         return torch.sort(keys, dim=-1, stable=True).indices
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """PyTorch parallelises the radix sort with OpenMP; when the cores are busy (data
-    loader workers, other jobs) its threads wait on each other and it runs several
-    times slower than on one thread (measured: 0.24 s vs 0.03 s for 1M keys on two
-    shared cores), while one thread loses little on idle cores."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64}

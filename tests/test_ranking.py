@@ -264,16 +264,6 @@ def test_ranks_of_positives_counts_when_positives_are_few():
     assert torch.equal(among[order], expected_among[expected_order])
 
 
-def test_sorting_one_sequence_leaves_the_thread_count_alone():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        ranking.descending_order(seeded(1000, dtype=torch.float32))
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_a_loss_scaled_in_place_keeps_lambda():
     """PML trainers multiply the loss by its weight in place."""
     scores, targets = seeded(80), targets_like(seeded(80))
