@@ -81,9 +81,20 @@ class SpeedCase:
         return {name: factory for name, factory in named.items() if factory is not None}
 
 
+def auc_reference():
+    """AUC-BH's Algorithm 1 as a loop, with AUCLoss's default step and slope."""
+    from .losses.auc import AUCLoss
+    from .references.auc import auc_bh_loss
+
+    defaults = AUCLoss()
+    return lambda embeddings, labels: auc_bh_loss(embeddings, labels, defaults.step, defaults.slope)
+
+
 # Losses with a PML equivalent and/or a reference. Any other registered loss is timed
 # alone against the floor. Keep entries alphabetical.
-CASES = {}
+CASES = {
+    "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference),
+}
 
 
 def case_for(name):

@@ -1,3 +1,5 @@
 """pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
 
-__all__ = []
+from .auc import AUCLoss
+
+__all__ = ["AUCLoss"]
