@@ -281,33 +281,64 @@ def map_at_r(model, features, labels):
     return calculator.get_accuracy(embeddings, labels)["mean_average_precision_at_r"]
 
 
-def test_training_with_batch_hard_miner_raises_map_at_r_on_held_out_digits(tmp_path):
-    """AUCLoss + BatchHardMiner in PML's MetricLossOnly on scikit-learn's digits: train
-    on 0-4, evaluate on 5-9 against the same network untrained."""
+def digit_pairs(images, digits, generator, per_class=16):
+    """Two digit images side by side, class ``10 * left + right``: 100 classes."""
+    features, labels = [], []
+    for left in range(10):
+        for right in range(10):
+            pick = [(digits == d).nonzero().squeeze(1) for d in (left, right)]
+            chosen = [p[torch.randint(len(p), (per_class,), generator=generator)] for p in pick]
+            features.append(torch.cat([images[chosen[0]], images[chosen[1]]], dim=1))
+            labels += [10 * left + right] * per_class
+    return torch.cat(features), torch.tensor(labels)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: with the cores shared, a second thread only adds waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_training_with_batch_hard_miner_raises_map_at_r_on_held_out_classes(one_thread):
+    """AUCLoss + BatchHardMiner in PML's MetricLossOnly on scikit-learn's digits.
+
+    Classes are pairs of digits side by side; training sees the 50 pairs with an even
+    digit sum made from one half of the images, evaluation the 50 pairs with an odd sum
+    made from the other half (held-out classes and held-out images), against the same
+    network untrained. (Training on digits 0-4 and evaluating on 5-9 lowers MAP@R for
+    every loss we tried, PML's included: five classes teach nothing that transfers.)
+    """
     from pytorch_metric_learning import samplers, trainers
     from sklearn.datasets import load_digits
 
     torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
     digits = load_digits()
-    features = torch.tensor(digits.data, dtype=torch.float32) / 16
-    labels = torch.tensor(digits.target)
-    train, held_out = labels < 5, labels >= 5
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
-    before = map_at_r(model, features[held_out], labels[held_out])
+    images, targets = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    half = len(images) // 2
+    train_x, train_y = digit_pairs(images[:half], targets[:half], generator)
+    test_x, test_y = digit_pairs(images[half:], targets[half:], generator)
+    train, held_out = (train_y // 10 + train_y % 10) % 2 == 0, (test_y // 10 + test_y % 10) % 2 == 1
+    train_x, train_y, test_x, test_y = train_x[train], train_y[train], test_x[held_out], test_y[held_out]
 
-    dataset = torch.utils.data.TensorDataset(features[train], labels[train])
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+    before = map_at_r(model, test_x, test_y)
+    dataset = torch.utils.data.TensorDataset(train_x, train_y)
     trainer = trainers.MetricLossOnly(
         models={"trunk": model, "embedder": torch.nn.Identity()},
         optimizers={"trunk_optimizer": torch.optim.Adam(model.parameters(), lr=1e-3)},
-        batch_size=64,
+        batch_size=128,
         loss_funcs={"metric_loss": AUCLoss()},
         mining_funcs={"tuple_miner": miners.BatchHardMiner()},
         dataset=dataset,
-        sampler=samplers.MPerClassSampler(labels[train], m=8, length_before_new_iter=len(dataset)),
+        sampler=samplers.MPerClassSampler(train_y, m=4, length_before_new_iter=len(dataset) * 8),
         dataloader_num_workers=0,
         data_device=torch.device("cpu"),
     )
-    trainer.train(num_epochs=10)
+    trainer.train(num_epochs=4)
     model.eval()
-    after = map_at_r(model, features[held_out], labels[held_out])
-    assert after > before + 0.05, (before, after)
+    after = map_at_r(model, test_x, test_y)
+    assert after > before + 0.2, (before, after)
