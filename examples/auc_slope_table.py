@@ -147,14 +147,14 @@ def main(argv=None):
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default: next to --out; next to this script for the shipped table)")
     parser.add_argument("--smoke", action="store_true", help="a few batches and steps, to check the script runs")
     args = parser.parse_args(argv)
+    default_step = AUCLoss.__init__.__defaults__[0]
     steps, slopes, batches = STEPS, SLOPES, args.batches
     if args.smoke:
-        steps, slopes, batches = (0.01, 0.1), SLOPES[::4], 8
+        steps, slopes, batches = (default_step, 0.1), SLOPES[::4], 8
     plot_path = args.plot or (Path(__file__).parent if args.out == SLOPE_TABLE else args.out.parent) / "auc_slope_table.png"
 
     hps, hns, exact = random_batches(batches, args.seed)
     table = derive_table(hps, hns, exact, steps, slopes)
-    default_step = AUCLoss.__init__.__defaults__[0]
     # Judge the chosen slopes on fresh batches, not on those they were chosen with.
     fresh = random_batches(batches, args.seed + 1)
     result = {

@@ -92,7 +92,7 @@ class AUCLoss(RankLossBase):
     Recorded statistics: ``num_anchors``, ``mean_hardest_pos_sim``, ``mean_hardest_neg_sim``.
     """
 
-    def __init__(self, step=0.01, slope=None, t_min=-1.0, t_max=1.0, **kwargs):
+    def __init__(self, step=0.005, slope=None, t_min=-1.0, t_max=1.0, **kwargs):
         super().__init__(**kwargs)
         if not step > 0:
             raise ValueError(f"AUCLoss: step must be positive, got {step}")
@@ -142,25 +142,24 @@ class AUCLoss(RankLossBase):
         positive and highest-similarity negative, for anchors that have both. Candidates
         are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
         similarity = self.distance(embeddings, ref_emb)
+        # Masks of the pairs that are NOT candidates, ready for masked_fill.
         if indices_tuple is None:
             if labels is None:
                 raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-            same_class = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-            is_negative = ~same_class
-            is_positive = same_class
+            not_negative = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+            not_positive = ~not_negative
             if ref_emb is embeddings:
-                is_positive.fill_diagonal_(False)
+                not_positive.fill_diagonal_(True)
         else:
             a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
-            is_positive = torch.zeros_like(similarity, dtype=torch.bool)
-            is_positive[a1, p] = True
-            is_negative = torch.zeros_like(is_positive)
-            is_negative[a2, n] = True
-        inf = torch.inf
-        hardest_pos, positives = similarity.masked_fill(~is_positive, inf).min(dim=1)
+            not_positive = torch.ones_like(similarity, dtype=torch.bool)
+            not_positive[a1, p] = False
+            not_negative = torch.ones_like(not_positive)
+            not_negative[a2, n] = False
+        hardest_pos, positives = similarity.masked_fill(not_positive, torch.inf).min(dim=1)
         # The matrix is not needed afterwards: mask it in place instead of copying it.
-        hardest_neg, negatives = similarity.masked_fill_(~is_negative, -inf).max(dim=1)
-        keep = (hardest_pos < inf) & (hardest_neg > -inf)
+        hardest_neg, negatives = similarity.masked_fill_(not_negative, -torch.inf).max(dim=1)
+        keep = (hardest_pos < torch.inf) & (hardest_neg > -torch.inf)
         anchors = keep.nonzero().squeeze(1)
         return anchors, positives[anchors], negatives[anchors]
 
