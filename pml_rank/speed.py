@@ -134,11 +134,20 @@ def _npairs_pml():
     return losses.NPairsLoss(distance=distances.DotProductSimilarity(normalize_embeddings=False),
                              embedding_regularizer=regularizers.LpRegularizer(power=2),
                              embedding_reg_weight=0.002)
+def auc_reference():
+    """AUC-BH's Algorithm 1 as a loop, with AUCLoss's default step and slope."""
+    from .losses.auc import AUCLoss
+    from .references.auc import auc_bh_loss
+
+    defaults = AUCLoss()
+    return lambda embeddings, labels: auc_bh_loss(embeddings, labels, defaults.step, defaults.slope)
 
 
 # Losses with a PML equivalent and/or a reference. Any other registered loss is timed
 # alone against the floor. Keep entries alphabetical.
 CASES = {
+    # The reference's per-row autograd takes about a minute per call at batch 2048.
+    "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024),
     "FastAPLoss": SpeedCase(
         ours=registered("FastAPLoss"), pml=pml_loss("FastAPLoss"),
         reference=function("references.fastap.fast_ap_loss"), reference_max_size=1024),

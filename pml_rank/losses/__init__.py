@@ -1,7 +1,8 @@
 """pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
 
+from .auc import AUCLoss
 from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
 
-__all__ = ["FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]
+__all__ = ["AUCLoss", "FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]

@@ -1,0 +1,167 @@
+"""AUC-BH: the relaxed area under the ROC curve of batch-hard similarities.
+
+Gajić et al., "Area Under the ROC Curve Maximization for Metric Learning", CVPR-W 2022,
+Algorithm 1. Per anchor, the hardest positive similarity (HPS, the lowest) and the
+hardest negative similarity (HNS, the highest) are the scores of a two-class problem.
+Their ROC curve is traced with sigmoid-relaxed true- and false-positive rates at the
+thresholds ``t_min, t_min + step, ..., t_max``, its area R taken by the trapezoid rule,
+and the loss is ``1 - R``.
+"""
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+
+from .base import RankLossBase
+
+SLOPE_TABLE = Path(__file__).with_name("auc_slopes.json")
+
+
+@functools.lru_cache(maxsize=1)
+def slope_table():
+    """The shipped table ``{"steps": [...], "slopes": [...], ...}`` (see
+    ``examples/auc_slope_table.py``, which derives and rewrites it)."""
+    return json.loads(SLOPE_TABLE.read_text())
+
+
+def default_slope(step):
+    """The table's slope for `step`, interpolated log-log between the table's steps."""
+    table = slope_table()
+    steps, slopes = np.asarray(table["steps"]), np.asarray(table["slopes"])
+    if not steps[0] * (1 - 1e-9) <= step <= steps[-1] * (1 + 1e-9):
+        raise ValueError(
+            f"AUCLoss: no tabulated slope for step={step}; the table covers steps "
+            f"{steps[0]} to {steps[-1]}. Pass slope= explicitly."
+        )
+    return float(np.exp(np.interp(math.log(step), np.log(steps), np.log(slopes))))
+
+
+def thresholds(step, t_min=-1.0, t_max=1.0, dtype=torch.float32, device=None):
+    """The S + 1 thresholds ``t_min, t_min + step, ..., t_max`` (both ends included).
+
+    Algorithm 1's line 5 lists only the S left ends of the trapezoids; its line 11 adds
+    ``s + step``, so the sigmoids are evaluated up to ``t_max`` as the paper's text says.
+    """
+    intervals = (t_max - t_min) / step
+    count = round(intervals)
+    if count < 1 or abs(intervals - count) > 1e-6 * max(1.0, intervals):
+        raise ValueError(
+            f"AUCLoss: (t_max - t_min) / step must be a whole number of at least 1, "
+            f"got ({t_max} - {t_min}) / {step} = {intervals:.6g}"
+        )
+    return torch.linspace(t_min, t_max, count + 1, dtype=dtype, device=device)
+
+
+def relaxed_roc_area(positive_scores, negative_scores, thresholds, slope):
+    """Trapezoid area under the ROC curve with sigmoid-relaxed rates at `thresholds`
+    (ascending). Scores are ``(..., n)``, usually one per anchor; leading dimensions
+    are independent batches."""
+    tpr = torch.sigmoid(slope * (positive_scores.unsqueeze(-1) - thresholds)).mean(-2)
+    fpr = torch.sigmoid(slope * (negative_scores.unsqueeze(-1) - thresholds)).mean(-2)
+    # Both rates fall as the threshold rises: each interval adds its mean TPR times
+    # the FPR it gives up.
+    return ((tpr[..., :-1] + tpr[..., 1:]) * (fpr[..., :-1] - fpr[..., 1:])).sum(-1) / 2
+
+
+def exact_roc_area(positive_scores, negative_scores):
+    """The fraction of (positive, negative) pairs ranked correctly, ties counting half:
+    what the relaxed area approximates. Scores are ``(..., n)`` like `relaxed_roc_area`'s."""
+    difference = positive_scores.unsqueeze(-1) - negative_scores.unsqueeze(-2)
+    return ((difference > 0).double() + (difference == 0).double() / 2).mean((-2, -1))
+
+
+class AUCLoss(RankLossBase):
+    """1 minus the relaxed ROC area of the batch-hard similarities (Algorithm 1).
+
+    Args:
+        step: the threshold spacing Δs.
+        slope: the sigmoid slope; None takes it from pml-rank's table for `step`.
+        t_min, t_max: the lowest and highest threshold; (t_max - t_min) / step must be
+            a whole number.
+
+    The hardest pairs come from `indices_tuple` when one is given (PML's
+    ``BatchHardMiner`` triplets, or any pairs/triplets: the hardest per anchor among
+    them), otherwise from every pair in the batch; both give the same loss and
+    gradient. Anchors without a positive or without a negative are left out.
+    Recorded statistics: ``num_anchors``, ``mean_hardest_pos_sim``, ``mean_hardest_neg_sim``.
+    """
+
+    def __init__(self, step=0.005, slope=None, t_min=-1.0, t_max=1.0, **kwargs):
+        super().__init__(**kwargs)
+        if not step > 0:
+            raise ValueError(f"AUCLoss: step must be positive, got {step}")
+        if not t_min < t_max:
+            raise ValueError(f"AUCLoss: t_min must be below t_max, got t_min={t_min}, t_max={t_max}")
+        if slope is not None and not (slope > 0 and math.isfinite(slope)):
+            raise ValueError(f"AUCLoss: slope must be positive and finite, got {slope}")
+        if not self.distance.is_inverted:
+            raise ValueError(
+                f"AUCLoss: the distance must be a similarity (higher = closer), "
+                f"got {type(self.distance).__name__}"
+            )
+        thresholds(step, t_min, t_max)  # validates the grid now rather than in the first batch
+        self.step = float(step)
+        self.slope = float(slope) if slope is not None else default_slope(step)
+        self.t_min = float(t_min)
+        self.t_max = float(t_max)
+        self.add_to_recordable_attributes(list_of_names=["step", "slope", "t_min", "t_max"], is_stat=False)
+        self.add_to_recordable_attributes(
+            list_of_names=["num_anchors", "mean_hardest_pos_sim", "mean_hardest_neg_sim"], is_stat=True
+        )
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        anchors, positives, negatives = self.hardest_triplets(
+            embeddings, labels, indices_tuple, ref_emb, ref_labels
+        )
+        self.num_anchors = len(anchors)
+        if len(anchors) == 0:
+            return self.zero_losses()
+        # Only the chosen pairs need gradients: N x D work instead of a second N x N.
+        anchor_emb = self.distance.maybe_normalize(embeddings[anchors])
+        hps = self.distance.pairwise_distance(anchor_emb, self.distance.maybe_normalize(ref_emb[positives]))
+        hns = self.distance.pairwise_distance(anchor_emb, self.distance.maybe_normalize(ref_emb[negatives]))
+        if self.collect_stats:
+            self.mean_hardest_pos_sim = hps.detach().float().mean().item()
+            self.mean_hardest_neg_sim = hns.detach().float().mean().item()
+        # At least float32: half precision would quantise the rates to a few digits.
+        dtype = torch.promote_types(hps.dtype, torch.float32)
+        grid = thresholds(self.step, self.t_min, self.t_max, dtype=dtype, device=hps.device)
+        area = relaxed_roc_area(hps.to(dtype), hns.to(dtype), grid, self.slope)
+        loss = (1 - area).to(embeddings.dtype)
+        return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
+
+    @torch.no_grad()
+    def hardest_triplets(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        """Indices ``(anchors, positives, negatives)`` of each anchor's lowest-similarity
+        positive and highest-similarity negative, for anchors that have both. Candidates
+        are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
+        similarity = self.distance(embeddings, ref_emb)
+        # Masks of the pairs that are NOT candidates, ready for masked_fill.
+        if indices_tuple is None:
+            if labels is None:
+                raise ValueError("AUCLoss: labels are required when indices_tuple is None")
+            not_negative = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+            not_positive = ~not_negative
+            if ref_emb is embeddings:
+                not_positive.fill_diagonal_(True)
+        else:
+            a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
+            not_positive = torch.ones_like(similarity, dtype=torch.bool)
+            not_positive[a1, p] = False
+            not_negative = torch.ones_like(not_positive)
+            not_negative[a2, n] = False
+        hardest_pos, positives = similarity.masked_fill(not_positive, torch.inf).min(dim=1)
+        # The matrix is not needed afterwards: mask it in place instead of copying it.
+        hardest_neg, negatives = similarity.masked_fill_(not_negative, -torch.inf).max(dim=1)
+        keep = (hardest_pos < torch.inf) & (hardest_neg > -torch.inf)
+        anchors = keep.nonzero().squeeze(1)
+        return anchors, positives[anchors], negatives[anchors]
+
+    def get_default_distance(self):
+        return CosineSimilarity()
