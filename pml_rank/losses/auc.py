@@ -129,11 +129,9 @@ class AUCLoss(RankLossBase):
         if self.collect_stats:
             self.mean_hardest_pos_sim = hps.detach().float().mean().item()
             self.mean_hardest_neg_sim = hns.detach().float().mean().item()
-        # At least float32: half precision would quantise the rates to a few digits.
-        dtype = torch.promote_types(hps.dtype, torch.float32)
-        grid = thresholds(self.step, self.t_min, self.t_max, dtype=dtype, device=hps.device)
-        area = relaxed_roc_area(hps.to(dtype), hns.to(dtype), grid, self.slope)
-        loss = (1 - area).to(embeddings.dtype)
+        # Half precision arrives here as float32 (RankLossBase).
+        grid = thresholds(self.step, self.t_min, self.t_max, dtype=hps.dtype, device=hps.device)
+        loss = 1 - relaxed_roc_area(hps, hns, grid, self.slope)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
     @torch.no_grad()
