@@ -72,6 +72,7 @@ def main(argv=None):
             total += loss.item() / world  # the wrapper multiplies by the world size
         if rank == 0:
             print(f"epoch {epoch}: mean {args.loss} {total / len(loader):.4f}", flush=True)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 
