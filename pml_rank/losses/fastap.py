@@ -55,10 +55,10 @@ class FastAPLoss(RankLossBase):
             self.num_queries = int(has_positive.sum())
         if not bool(has_positive.any()):
             return self.zero_losses()
-        # At least float32: in float16 / bfloat16, bin counts beyond 2048 / 256 are inexact.
-        dtype = torch.promote_types(embeddings.dtype, torch.float32)
-        queries = self.distance.normalize(embeddings.to(dtype), dim=1)
-        references = queries if ref_emb is embeddings else self.distance.normalize(ref_emb.to(dtype), dim=1)
+        # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
+        # bin counts beyond 2048 / 256 would be inexact.
+        queries = self.distance.normalize(embeddings, dim=1)
+        references = queries if ref_emb is embeddings else self.distance.normalize(ref_emb, dim=1)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self,
                                   num_positives, self.num_bins)
         return {
