@@ -15,7 +15,7 @@ CUB-200 recipe (same backbone, embedding and batch size; RaMBO supplementary, ta
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Gajić et al., CVPR-W 2022 (AUC-BH), supplementary"
 

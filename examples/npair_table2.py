@@ -20,7 +20,7 @@ not run.
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Sohn, NIPS 2016 (N-pair), table 2"
 

@@ -17,7 +17,7 @@ testing. Per data set (table 9): learning rate, margin and λ below; 4 samples p
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Rolínek et al., CVPR 2020 (RaMBO)"
 

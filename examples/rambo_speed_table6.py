@@ -8,7 +8,7 @@ straightforward two-argsort reference side by side with the paper's figures.
 
 The paper timed "plain PyTorch" on one Xeon Gold core at 2.2 GHz and on a V100; by
 default this script uses one thread too (--threads to change). It times with
-`pml-rank speed`'s harness (`pml_rank.speed`, case RaMBOAPLoss: 10% positives,
+`pml-rank speed`'s harness (`pml_rank.harness.speed`, case RaMBOAPLoss: 10% positives,
 λ = 0.5, margin 0.15) and writes a JSON file and a PNG plot to --out.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pml_rank import speed
+from pml_rank.harness import speed
 
 # Table 6 of the paper, seconds.
 PAPER_CPU = {100_000: 0.033, 1_000_000: 0.331, 10_000_000: 3.86, 100_000_000: 36.4}

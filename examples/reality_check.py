@@ -10,7 +10,7 @@ paper's baselines.
     python examples/reality_check.py --data-root /data --only Triplet AUCLoss --repeats 5
     python examples/reality_check.py --smoke
 
-Protocol (pml_rank.evaluation.run_protocol): the first half of the classes for training
+Protocol (pml_rank.harness.evaluation.run_protocol): the first half of the classes for training
 and 4-fold cross-validation (contiguous class partitions), one model per fold with its best
 epoch chosen on its validation partition, the second half for testing. Paper setup:
 ImageNet BN-Inception trunk (torchvision has none: GoogLeNet with BatchNorm stands in),
@@ -29,7 +29,7 @@ the data set's images; on SOP that puts 11,317 classes on each side where Ebay_t
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Musgrave et al., ECCV 2020 (A Metric Learning Reality Check)"
 

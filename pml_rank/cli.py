@@ -1,13 +1,29 @@
 """The `pml-rank` command."""
 
 import argparse
+import importlib
 import sys
 
 from . import __version__
-from .plugins import KINDS, registry
+from .harness.budget import DEFAULTS
+
+# Everything that imports torch is imported inside the commands, so that --help and
+# argument errors answer at once.
+
+
+def _harness(module):
+    """The harness module `module`, or exit 2 saying which extra installs it."""
+    try:
+        return importlib.import_module(f".harness.{module}", __package__)
+    except ModuleNotFoundError as error:
+        if error.name and error.name.split(".")[0] == __package__:
+            raise
+        sys.exit(f"pml-rank: {error.name} is missing; the harness needs: pip install 'pml-rank[harness]'")
 
 
 def _cmd_list(args):
+    from .plugins import KINDS, registry
+
     components = registry.components()
     rows = [("name", "kind", "distribution", "class")]
     rows += [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
@@ -19,7 +35,8 @@ def _cmd_list(args):
 
 
 def _cmd_speed(args):
-    from . import speed
+    speed = _harness("speed")
+    from .plugins import registry
 
     names = args.losses or sorted(registry.losses())
     unknown = [n for n in names if n not in registry.losses()]
@@ -40,7 +57,7 @@ def _cmd_speed(args):
 def _cmd_bench(args):
     import torch
 
-    from . import bench
+    bench = _harness("bench")
 
     torch.set_num_threads(args.threads)
     try:
@@ -59,7 +76,7 @@ def _cmd_bench(args):
 
 
 def _cmd_reproduce(args):
-    from . import reproduce
+    reproduce = _harness("reproduce")
 
     scripts = reproduce.script_files()
     if not scripts:
@@ -101,8 +118,6 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
     p.set_defaults(run=_cmd_speed)
-
-    from .bench import DEFAULTS
 
     p = commands.add_parser(
         "bench",

@@ -13,10 +13,11 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
-from pml_rank import registry, speed
+from pml_rank import registry
+from pml_rank.harness import speed
 from pml_rank.losses import AUCLoss
 from pml_rank.losses.auc import default_slope, exact_roc_area, relaxed_roc_area, slope_table, thresholds
-from pml_rank.references.auc import auc_bh_loss
+from pml_rank.harness.references.auc import auc_bh_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 

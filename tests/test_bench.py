@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from pml_rank import bench
+from pml_rank.harness import bench
 from pml_rank.cli import main
-from pml_rank.data import SmallCNN, load_glyphs
-from pml_rank.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.harness.data import SmallCNN, load_glyphs
+from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
 from pml_rank.plugins import registry
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pml_rank.evaluation import (METRICS, LabelledSubset, accuracy, class_disjoint_split, class_partitions,
+from pml_rank.harness.evaluation import (METRICS, LabelledSubset, accuracy, class_disjoint_split, class_partitions,
                                  concatenate, concatenated_and_separated, cross_validation_folds, mean_and_ci,
                                  student_t_quantile, summarize)
 

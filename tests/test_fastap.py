@@ -14,8 +14,8 @@ from pytorch_metric_learning.utils.distributed import DistributedLossWrapper, ge
 
 import pml_rank
 from pml_rank.losses import FastAPLoss
-from pml_rank.references import fastap as reference
-from pml_rank.speed import peak_memory
+from pml_rank.harness.references import fastap as reference
+from pml_rank.harness.speed import peak_memory
 
 
 def batch(n=48, dim=16, classes=10, seed=0, dtype=torch.float64):

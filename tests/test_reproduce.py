@@ -9,9 +9,10 @@ import pytest
 import torch
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-from pml_rank import backbones, cli, reproduce
-from pml_rank.data import tiny_layouts
-from pml_rank.retrieval_metrics import retrieval_accuracy
+from pml_rank import cli
+from pml_rank.harness import backbones, reproduce
+from pml_rank.harness.data import tiny_layouts
+from pml_rank.harness.evaluation.retrieval_metrics import retrieval_accuracy
 
 SCRIPTS = reproduce.script_files()
 # A loss PML has, for exercising every script's machinery whatever pml-rank's losses are.
@@ -64,7 +65,7 @@ def _check_output(script, variant, out_dir, stdout, expect_rows):
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_smoke_run_of_every_script_with_a_stand_in_loss(name, tmp_path, capsys):
     """The whole pipeline (tiny data layout, loaders, transforms, training through
-    pml_rank.evaluation, metrics, table, JSON) with a PML loss in every row: runs now,
+    pml_rank.harness.evaluation, metrics, table, JSON) with a PML loss in every row: runs now,
     whatever pml-rank losses are merged. One trained row per script keeps it short."""
     script = load(name)
     variant = next(iter(script.variants.values()))

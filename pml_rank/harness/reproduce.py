@@ -3,7 +3,7 @@ paper's numbers, cited), the training setup the paper describes and the runs tha
 reproduce its rows; `Script.main` trains, evaluates and prints our numbers beside the
 paper's. ``pml-rank reproduce NAME`` runs a script, ``pml-rank reproduce --list`` lists them.
 
-Training and evaluation are `pml_rank.evaluation`'s: `train_model` (PML's
+Training and evaluation are `pml_rank.harness.evaluation`'s: `train_model` (PML's
 `MetricLossOnly` trainer, hooks and record-keeper) and `compute_embeddings` for the papers'
 standard protocol (train on the training classes, measure the test classes once), and
 `run_protocol` for the Reality Check protocol (4-fold cross-validation, concatenated and
@@ -27,12 +27,14 @@ import torch
 from torchvision import transforms
 from tqdm import tqdm
 
+from .bench import hard_negative_classes, m_per_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
 from .data.real import DATASETS, DataSetNotFoundError
-from .plugins import registry
-from .retrieval_metrics import retrieval_accuracy
+from .evaluation import Recipe, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
+from ..plugins import registry
+from .evaluation.retrieval_metrics import retrieval_accuracy
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -111,7 +113,7 @@ class Setup:
     """The training setup a paper describes for one data set. What the paper (or our
     notes of it) leaves open is our choice, and ``notes`` says so."""
 
-    backbone: str  # a key of pml_rank.backbones.BACKBONES
+    backbone: str  # a key of pml_rank.harness.backbones.BACKBONES
     embedding_size: int
     batch_size: int
     samples_per_class: int
@@ -135,7 +137,7 @@ class Setup:
 class Variant:
     """One data set of a script: the paper's table, the setup and the runs."""
 
-    dataset: str  # a key of pml_rank.data.real.DATASETS
+    dataset: str  # a key of pml_rank.harness.data.real.DATASETS
     table: PaperTable
     setup: Setup
     runs: tuple
@@ -269,11 +271,9 @@ def find_component(kind, name):
 
 
 def make_recipe(run, setup):
-    """The `pml_rank.evaluation.Recipe` of a run: its loss, miner and sampler factories.
-    The samplers are `pml-rank bench`'s (`pml_rank.bench.m_per_class`,
-    `pml_rank.bench.hard_negative_classes`)."""
-    from .bench import hard_negative_classes, m_per_class
-    from .evaluation import Recipe
+    """The `pml_rank.harness.evaluation.Recipe` of a run: its loss, miner and sampler factories.
+    The samplers are `pml-rank bench`'s (`pml_rank.harness.bench.m_per_class`,
+    `pml_rank.harness.bench.hard_negative_classes`)."""
 
     return Recipe(
         make_loss=lambda: None if run.untrained else find_component("losses", run.loss)(**run.loss_kwargs),
@@ -442,7 +442,6 @@ def _iterations(setup, num_items, smoke):
 
 
 def _run_standard(variant, setup, runs, args, pretrained):
-    from .evaluation import compute_embeddings, train_model
 
     spec = DATASETS[variant.dataset]
     train_transform, eval_transform = image_transforms(setup)
@@ -481,7 +480,6 @@ def _run_standard(variant, setup, runs, args, pretrained):
 
 
 def _run_reality_check(variant, setup, runs, args, pretrained):
-    from .evaluation import class_disjoint_split, run_protocol, summarize
 
     spec = DATASETS[variant.dataset]
     train_transform, eval_transform = image_transforms(setup)

@@ -1,7 +1,7 @@
 """The Reality Check evaluation protocol (Musgrave et al., ECCV 2020) with PML's own
 trainer, tester, hooks and `AccuracyCalculator`.
 
-    from pml_rank.evaluation import Recipe, run_protocol, summarize
+    from pml_rank.harness.evaluation import Recipe, run_protocol, summarize
     result = run_protocol(dataset, Recipe(make_loss=losses.TripletMarginLoss), make_trunk)
 
 Building blocks, usable on their own:
