@@ -12,7 +12,7 @@ from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pml_rank import cli
 from pml_rank.harness import backbones, reproduce
 from pml_rank.harness.data import tiny_layouts
-from pml_rank.harness.evaluation.retrieval_metrics import retrieval_accuracy
+from pml_rank.harness.evaluation import accuracy
 
 SCRIPTS = reproduce.script_files()
 # A loss PML has, for exercising every script's machinery whatever pml-rank's losses are.
@@ -170,7 +170,7 @@ def test_recall_at_k_by_hand():
     labels = torch.tensor([0, 1, 0, 1, 2])
     # per query, nearest others: 0 -> 1 (x), 2 (v); 1 -> 0 (x), 2 (x), 3 (v); 2 -> 1 (x), 0 (v);
     # 3 -> 4 (x), 2 (x), 1 (v); 4 has no other item of its class and is left out.
-    r = retrieval_accuracy(query, labels, metrics=("R@1", "R@2", "R@4"))
+    r = accuracy(query, labels, metrics=("R@1", "R@2", "R@4"))
     assert r["R@1"] == 0
     assert r["R@2"] == pytest.approx(2 / 4)
     assert r["R@4"] == 1
@@ -179,14 +179,14 @@ def test_recall_at_k_by_hand():
 def test_recall_against_a_gallery_by_hand():
     query, query_labels = torch.tensor([[0.0], [5.0]]), torch.tensor([7, 8])
     gallery, gallery_labels = torch.tensor([[0.1], [4.0], [5.2]]), torch.tensor([8, 7, 8])
-    r = retrieval_accuracy(query, query_labels, gallery, gallery_labels, metrics=("R@1", "R@2"))
+    r = accuracy(query, query_labels, gallery, gallery_labels, metrics=("R@1", "R@2"))
     assert r == {"R@1": 0.5, "R@2": 1.0}  # query 7 finds its item 2nd, query 8 first
 
 
 def test_recall_at_1_is_pmls_precision_at_1():
     torch.manual_seed(0)
     embeddings, labels = torch.randn(200, 8), torch.randint(0, 20, (200,))
-    ours = retrieval_accuracy(embeddings, labels, metrics=("R@1", "MAP@R", "R@10"))
+    ours = accuracy(embeddings, labels, metrics=("R@1", "MAP@R", "R@10"))
     pml = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count")
     theirs = pml.get_accuracy(embeddings, labels)
     assert ours["R@1"] == pytest.approx(theirs["precision_at_1"])

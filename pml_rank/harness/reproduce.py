@@ -30,9 +30,8 @@ from tqdm import tqdm
 from .bench import hard_negative_classes, m_per_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
 from .data.real import DATASETS, DataSetNotFoundError
-from .evaluation import Recipe, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
+from .evaluation import METRICS, SHORT_NAMES, Recipe, accuracy, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
 from ..plugins import registry
-from .evaluation.retrieval_metrics import retrieval_accuracy
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -473,9 +472,9 @@ def _run_standard(variant, setup, runs, args, pretrained):
             if reference_set is not None:
                 reference, reference_labels = compute_embeddings(trained.trunk, reference_set, trained.embedder,
                                                                  args.device, normalize=True)
-            accuracy = retrieval_accuracy(query, query_labels, reference, reference_labels,
-                                          metrics=variant.table.metrics, device=torch.device(args.device))
-            results[run.label] = {m: 100 * v for m, v in accuracy.items()}
+            measured = accuracy(query, query_labels, reference, reference_labels,
+                                metrics=variant.table.metrics, device=torch.device(args.device))
+            results[run.label] = {m: 100 * v for m, v in measured.items()}
     return results
 
 
@@ -511,12 +510,11 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
             ]
             summary = summarize(protocol_results)
             results[run.label] = {kind: {short: tuple(100 * v for v in summary[kind][metric])
-                                         for short, metric in _RC_METRICS}
+                                         for metric, short in SHORT_NAMES.items() if metric in METRICS}
                                   for kind in ("concatenated", "separated")}
     return results
 
 
-_RC_METRICS = (("P@1", "precision_at_1"), ("RP", "r_precision"), ("MAP@R", "mean_average_precision_at_r"))
 
 
 # --------------------------------------------------------------------------- output
