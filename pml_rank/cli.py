@@ -75,25 +75,6 @@ def _cmd_bench(args):
     return 0
 
 
-def _cmd_reproduce(args):
-    reproduce = _harness("reproduce")
-
-    scripts = reproduce.script_files()
-    if not scripts:
-        print(f"pml-rank reproduce: {reproduce.examples_missing_message()}", file=sys.stderr)
-        return 2
-    if args.list or not args.name:
-        print("Scripts reproducing the papers' tables (pml-rank reproduce NAME --help for options;\n"
-              "--smoke runs any of them in seconds on generated tiny data):\n")
-        for path in scripts.values():
-            print(reproduce.load_script(path).describe() + "\n")
-        return 0
-    if args.name not in scripts:
-        print(f"pml-rank reproduce: no script {args.name!r}; available: {', '.join(scripts)}", file=sys.stderr)
-        return 2
-    return reproduce.load_script(scripts[args.name]).main(args.script_args)
-
-
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="pml-rank",
@@ -145,14 +126,6 @@ def build_parser():
     p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
     p.set_defaults(run=_cmd_bench)
 
-    p = commands.add_parser(
-        "reproduce", help="run a script of examples/ that reproduces a paper's table",
-        description="Runs an example script: our numbers beside the paper's. Arguments after "
-                    "NAME go to the script (e.g. --data-root DIR, --dataset, --smoke).")
-    p.add_argument("name", nargs="?", help="script name (see --list)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.add_argument("--list", action="store_true", help="list the scripts, their data and hardware")
-    p.set_defaults(run=_cmd_reproduce)
     return parser
 
 
