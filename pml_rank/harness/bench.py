@@ -16,19 +16,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
 from .budget import DEFAULTS
+from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
 from .evaluation.training import default_sampler
 
 RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
-PML_PREFIX = "pml:"
 
 
 
@@ -79,15 +78,13 @@ PML_BASELINES = {
 def recipes(names=None):
     """``{row name: Recipe}`` for the registered losses (by their registry name) and
     PML's baselines (``pml:<name>``); `names` selects and orders a subset."""
-    from pytorch_metric_learning import losses as pml_losses
-
-
     available = {}
     for name, cls in sorted(registry.losses().items()):
         extra = PAPER_RECIPES.get(name, dict(batches="m=4 per class"))
         available[name] = Recipe(make_loss=cls, name=name, **extra)
     for name, extra in PML_BASELINES.items():
-        available[PML_PREFIX + name] = Recipe(make_loss=getattr(pml_losses, name), name=PML_PREFIX + name, **extra)
+        name = PML_PREFIX + name
+        available[name] = Recipe(make_loss=component_class("losses", name), name=name, **extra)
     if names is None:
         return available
     unknown = [n for n in names if n not in available]

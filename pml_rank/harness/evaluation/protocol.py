@@ -7,7 +7,6 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
