@@ -23,3 +23,65 @@ def pml_rank_samplers():
     from . import samplers
 
     return [getattr(samplers, name) for name in samplers.__all__]
+
+
+def _rambo_space(trial, recall):
+    import inspect
+
+    from .losses import RaMBORecallLoss
+
+    params = {
+        # λ of the blackbox ranking (normalised ranks, so the papers' values carry over).
+        "lambda_val": trial.suggest_float("lambda_val", 0.05, 20.0, log=True),
+        "margin": trial.suggest_float("margin", 0.0, 0.2),
+        "memory_size": trial.suggest_int("memory_size", 0, 4),
+    }
+    if recall:
+        params["weighting"] = trial.suggest_categorical("weighting", ["log", "loglog"])
+    # The authors'-code memory variant, where the installed version offers it.
+    variant = inspect.signature(RaMBORecallLoss.__init__).parameters.get("memory_variant")
+    if variant is not None and params["memory_size"] > 0:
+        choices = _memory_variants(variant)
+        if choices:
+            params["memory_variant"] = trial.suggest_categorical("memory_variant", choices)
+    return params
+
+
+def _memory_variants(parameter):
+    from . import losses
+    from .losses import rambo
+
+    choices = getattr(rambo, "MEMORY_VARIANTS", None) or getattr(losses, "MEMORY_VARIANTS", None)
+    if choices:
+        return list(choices)
+    return ["extend", "rows"] if isinstance(parameter.default, str) else []
+
+
+def _auc_space(trial):
+    return {
+        "step": trial.suggest_float("step", 0.005, 0.1, log=True),
+        "slope": trial.suggest_float("slope", 5.0, 500.0, log=True),
+    }
+
+
+def _fastap_space(trial):
+    return {"num_bins": trial.suggest_int("num_bins", 2, 100, log=True)}
+
+
+def _npairs_space(trial):
+    return {"l2_reg_weight": trial.suggest_float("l2_reg_weight", 1e-5, 0.1, log=True)}
+
+
+@hookimpl
+def pml_rank_search_spaces():
+    """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
+    size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
+    slope, FastAP's number of bins, N-pair's L2 weight."""
+    return {
+        "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
+        "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
+        "AUCLoss": _auc_space,
+        "FastAPLoss": _fastap_space,
+        "NPairsMCLoss": _npairs_space,
+        "NPairsOVOLoss": _npairs_space,
+    }
