@@ -104,8 +104,8 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """The training setup a paper describes for one data set. What the paper (or our
-    notes of it) leaves open is our choice, and ``notes`` says so."""
+    """The training setup a paper describes for one data set. What the paper leaves open
+    is our choice, and ``notes`` says so."""
 
     backbone: str  # a key of pml_rank.harness.backbones.BACKBONES
     embedding_size: int
