@@ -24,7 +24,7 @@ SOURCE = "Rolínek et al., CVPR 2020 (RaMBO)"
 # Deviations we know of, printed with the results.
 NOTES = ("the paper's super-label batches for SOP and In-shop (Cakir et al.) are replaced by PML's "
          "MPerClassSampler; the embedding layer's learning rate factor ('defaults of Cakir et al.') is "
-         "not in our notes, we use x10; the last epoch is measured, while the paper reports the epoch "
+         "not given, we use x10; the last epoch is measured, while the paper reports the epoch "
          "of best test R@1")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pml_rank.harness import speed
+from pml_rank.harness.text_table import format_text_table
 
 # Table 6 of the paper, seconds.
 PAPER_CPU = {100_000: 0.033, 1_000_000: 0.331, 10_000_000: 3.86, 100_000_000: 36.4}
@@ -47,15 +48,14 @@ def seconds(value):
 
 def table(result):
     header = ["length", "ours", "reference", "ours / reference", "paper CPU", "paper GPU", "ours / paper CPU"]
-    rows = [header]
+    rows = []
     for row in result["rows"]:
         ours, ref = row["seconds"]["ours"], row["seconds"].get("reference")
         paper = PAPER_CPU.get(row["size"])
         rows.append([f"{row['size']:,}", seconds(ours), seconds(ref),
                      f"{ours / ref:.3f}" if ref else "-", seconds(paper),
                      seconds(PAPER_GPU.get(row["size"])), f"{ours / paper:.2f}" if paper else "-"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
+    return format_text_table(header, rows, align="r" * len(header))
 
 
 def plot(result, path):

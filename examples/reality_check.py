@@ -18,7 +18,7 @@ ImageNet BN-Inception trunk (torchvision has none: GoogLeNet with BatchNorm stan
 rate 1e-6, random resized crops (16-100% of the area, aspect 3/4-4/3) to 227 px and flips,
 test images resized to 256 and centre-cropped to 227.
 
-What our notes of the paper do not give, and we chose: the loss hyperparameters (the paper
+What the paper does not give, and we chose: the loss hyperparameters (the paper
 tuned them by Bayesian optimisation; we use PML's defaults for the baselines and the
 papers' defaults for pml-rank's losses), the number of epochs and the patience (100 and 10),
 the number of repeated runs (--repeats, default 5). The "Pretrained" row is the untrained

@@ -22,15 +22,12 @@ def _harness(module):
 
 
 def _cmd_list(args):
+    from .harness.text_table import format_text_table
     from .plugins import KINDS, registry
 
-    components = registry.components()
-    rows = [("name", "kind", "distribution", "class")]
-    rows += [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
-             for c in components]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    rows = [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
+            for c in registry.components()]
+    print(format_text_table(("name", "kind", "distribution", "class"), rows, align="llll"))
     return 0
 
 

@@ -28,6 +28,7 @@ from torchvision import transforms
 from tqdm import tqdm
 
 from .bench import hard_negative_classes, m_per_class
+from .text_table import format_text_table
 from .components import MissingComponentError, component_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
 from .data.real import DATASETS, DataSetNotFoundError
@@ -104,8 +105,8 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """The training setup a paper describes for one data set. What the paper (or our
-    notes of it) leaves open is our choice, and ``notes`` says so."""
+    """The training setup a paper describes for one data set. What the paper leaves open
+    is our choice, and ``notes`` says so."""
 
     backbone: str  # a key of pml_rank.harness.backbones.BACKBONES
     embedding_size: int
@@ -478,7 +479,6 @@ def format_result(script, variant, result, args):
             for i in range(len(table.metrics)):
                 cells += [_cell(ours_for(label, i, kind)), "—"]
         rows.append(cells)
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = [f"{script.title}", f"{table.source}; in %. Paper numbers are the authors' (cited), "
              "'ours' is this run" + (" (--smoke: meaningless numbers)" if args.smoke else "") + "."]
     notes = []
@@ -490,8 +490,7 @@ def format_result(script, variant, result, args):
                  f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
                  f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else ""))
     lines += [f"Note: {n}" for n in notes]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(format_text_table(header, rows))
     return "\n".join(lines)
 
 

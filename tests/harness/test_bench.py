@@ -14,13 +14,8 @@ from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_
 from pml_rank.plugins import registry
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from pml_rank.harness import speed
 from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
 from pml_rank.harness.references import rambo as reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch(size=32, dim=8, per_class=4, seed=0):

@@ -17,7 +17,7 @@ from pml_rank.harness import backbones, reproduce
 from pml_rank.harness.data import tiny_layouts
 from pml_rank.harness.evaluation import accuracy
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = {p.stem: p for p in sorted(EXAMPLES.glob("*.py")) if "SCRIPT = Script(" in p.read_text()}
 
 

@@ -223,7 +223,7 @@ def test_registered_and_never_replacing_pmls_fast_ap():
 
 
 def _example():
-    path = Path(__file__).parent.parent / "examples" / "fastap_hierarchical_sampling.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "fastap_hierarchical_sampling.py"
     spec = importlib.util.spec_from_file_location("fastap_hierarchical_sampling", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
