@@ -51,7 +51,26 @@ def _cmd_speed(args):
     return 0
 
 
+def _bench_params(args):
+    """``(params, source)`` for the bench: --params FILE, the shipped tuned file, or none (--untuned)."""
+    from pathlib import Path
+
+    from .harness.budget import SHIPPED_PARAMS
+
+    bench = _harness("bench")
+    if args.untuned:
+        return {}, None
+    path = Path(args.params) if args.params else SHIPPED_PARAMS
+    if not path.exists():
+        if args.params:
+            raise FileNotFoundError(f"--params: no such file: {path}")
+        return {}, None
+    return bench.load_params(path), f"tuned ({path.name})"
+
+
 def _cmd_bench(args):
+    import os
+
     import torch
 
     bench = _harness("bench")
@@ -59,13 +78,27 @@ def _cmd_bench(args):
     torch.set_num_threads(args.threads)
     try:
         contenders = bench.recipes(args.losses or None)
-    except KeyError as error:
+        params, source = _bench_params(args)
+    except (KeyError, FileNotFoundError) as error:
         print(f"pml-rank bench: {error.args[0]}", file=sys.stderr)
         return 2
-    result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
-                             iterations_per_epoch=args.iterations, batch_size=args.batch_size,
-                             seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
-                             device=args.device, cache_dir=args.cache_dir, num_classes=args.classes)
+    try:
+        result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
+                                 iterations_per_epoch=args.iterations, batch_size=args.batch_size,
+                                 seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
+                                 device=args.device, cache_dir=args.cache_dir, num_classes=args.classes,
+                                 params=params, params_source=source, threads=args.threads,
+                                 workers=args.workers or os.cpu_count() or 1,
+                                 store=os.path.join(args.out, bench.STORE_FILE))
+    except bench.StoreMismatchError as error:
+        print(f"pml-rank bench: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\npml-rank bench: interrupted; finished runs are kept in {args.out}/{bench.STORE_FILE} "
+              "and the same command resumes", file=sys.stderr)
+        return 130
+    if result.resumed:
+        print(f"resumed: {result.resumed} finished run(s) read from {args.out}/{bench.STORE_FILE}")
     print(bench.format_table(result))
     for path in bench.write_all(result, args.out):
         print(f"written: {path}")
@@ -120,7 +153,16 @@ def build_parser():
                    help="torch CPU threads (default 1: the small CNN's steps are too short to gain "
                         "from more, and lose much when other processes compete for the cores)")
     p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
-    p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
+    p.add_argument("--out", default="pml-rank-results",
+                   help="folder for bench.csv, bench.json, bench.png and the store of finished runs "
+                        "(bench-runs.jsonl: rerunning the same command resumes)")
+    p.add_argument("--params", metavar="FILE",
+                   help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the "
+                        "default glyph budget")
+    p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
+    p.add_argument("--workers", type=int,
+                   help="processes running (row, seed) jobs in parallel, results identical to a serial run "
+                        "(default: the number of cores)")
     p.set_defaults(run=_cmd_bench)
 
     return parser
