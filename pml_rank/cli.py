@@ -2,6 +2,7 @@
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from . import __version__
@@ -12,13 +13,14 @@ from .harness.budget import DEFAULTS
 
 
 def _harness(module):
-    """The harness module `module`, or exit 2 saying which extra installs it."""
-    try:
-        return importlib.import_module(f".harness.{module}", __package__)
-    except ModuleNotFoundError as error:
-        if error.name and error.name.split(".")[0] == __package__:
-            raise
-        sys.exit(f"pml-rank: {error.name} is missing; the harness needs: pip install 'pml-rank[harness]'")
+    """The harness module `module`, or exit 2 naming what is missing and the extra that installs it."""
+    from .harness import REQUIRED_MODULES
+
+    missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"pml-rank: the harness needs {', '.join(missing)}: pip install 'pml-rank[harness]'", file=sys.stderr)
+        sys.exit(2)
+    return importlib.import_module(f".harness.{module}", __package__)
 
 
 def _cmd_list(args):
