@@ -107,6 +107,49 @@ def _cmd_bench(args):
     return 0
 
 
+def _cmd_tune(args):
+    import os
+    import shlex
+
+    tune = _harness("tune")
+    bench = _harness("bench")
+    try:
+        losses = list(bench.recipes(args.losses or None))
+    except KeyError as error:
+        print(f"pml-rank tune: {error.args[0]}", file=sys.stderr)
+        return 2
+    spaces = tune.search_spaces()
+    missing = [name for name in losses if name not in spaces]
+    if missing and args.losses:
+        print(f"pml-rank tune: no search space declared for {', '.join(missing)} (a plugin declares one with "
+              "the pml_rank_search_spaces hook)", file=sys.stderr)
+        return 2
+    losses = [name for name in losses if name in spaces]
+    config = tune.budget_config(dataset=args.dataset, epochs=args.epochs, iterations_per_epoch=args.iterations,
+                                batch_size=args.batch_size, embedding_size=args.embedding_size, lr=args.lr,
+                                num_classes=args.classes, seed=args.seed)
+    storage = args.storage or tune.default_storage(args.out)
+    command = "pml-rank tune " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "tune") \
+        if sys.argv[1:2] == ["tune"] else None
+    if command and args.storage:
+        command = command.replace(args.storage, tune.redact(args.storage))
+    workers = args.workers or os.cpu_count() or 1
+    try:
+        result = tune.tune(losses, args.trials, config, storage, args.out, workers=workers, cache_dir=args.cache_dir,
+                           threads=args.threads, device=args.device, heartbeat=args.heartbeat,
+                           prune=not args.no_prune, command=command)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(tune.format_table(result.entries))
+    print(f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); "
+          f"storage {tune.redact(storage)}")
+    if result.interrupted:
+        print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
+        return 130
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="pml-rank",
@@ -166,6 +209,39 @@ def build_parser():
                    help="processes running (row, seed) jobs in parallel, results identical to a serial run "
                         "(default: the number of cores)")
     p.set_defaults(run=_cmd_bench)
+
+    p = commands.add_parser(
+        "tune",
+        help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
+        description="Searches each loss's declared space with a seeded TPE sampler; the objective is the mean "
+                    "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
+                    "classes. One study per (loss, data set, budget); rerunning resumes.")
+    p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
+    p.add_argument("--trials", type=int, default=20,
+                   help="finished trials each study should hold (default %(default)s); a rerun resumes to N")
+    p.add_argument("--workers", type=int, help="local worker processes on the storage (default: the number of cores)")
+    p.add_argument("--storage", metavar="URL",
+                   help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
+                        "(default: sqlite:///OUT/tune.db)")
+    p.add_argument("--out", default="pml-rank-tune", help="folder for tuned.json and the PNGs (default %(default)s)")
+    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="data set (default: glyphs, no download)")
+    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="epochs per model (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"],
+                   help="iterations per epoch (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="default %(default)s")
+    p.add_argument("--embedding-size", type=int, default=DEFAULTS["embedding_size"], help="default %(default)s")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
+    p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
+    p.add_argument("--device", default=DEFAULTS["device"])
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker (default 1)")
+    p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the fold models (default 0)")
+    p.add_argument("--heartbeat", type=float, default=20.0,
+                   help="seconds between a running trial's heartbeats; a trial silent for twice this is "
+                        "failed and retried (default %(default)s)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="no median pruning between folds (default: prune after the second fold)")
+    p.set_defaults(run=_cmd_tune)
 
     return parser
 

@@ -403,6 +403,9 @@ def write_png(study, path):
     from PIL import Image
 
     _quiet_optuna()
+    warnings.filterwarnings("ignore", module="optuna")
+    warnings.filterwarnings("ignore", message=".*tight_layout")
+    warnings.filterwarnings("ignore", message=".*identical low and high xlims")
     images = []
     plots = [ovm.plot_optimization_history]
     if study.best_trial.params:
@@ -430,12 +433,14 @@ def write_png(study, path):
 
 
 def format_table(entries):
-    lines = [("loss", "MAP@R (val)", "trials", "best parameters")]
+    """The best parameters per loss as a text table."""
+    from .text_table import format_text_table
+
+    rows = []
     for loss, e in entries.items():
         params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["params"].items())
-        lines.append((loss, f"{100 * e['value']:.2f}", str(e["trials"]), params or "(nothing to tune)"))
-    widths = [max(len(line[i]) for line in lines) for i in range(3)]
-    return "\n".join(f"{a.ljust(widths[0])}  {b.rjust(widths[1])}  {c.rjust(widths[2])}  {d}" for a, b, c, d in lines)
+        rows.append((loss, f"{100 * e['value']:.2f}", e["trials"], params or "(nothing to tune)"))
+    return format_text_table(("loss", "val MAP@R", "trials", "best parameters"), rows, align="lrrl")
 
 
 def tune(losses, trials, config, storage, out, workers=1, cache_dir=None, threads=1, device="cpu",
