@@ -16,7 +16,7 @@ ones reach N, and a rerun resumes. Workers are separate processes on one storage
 by default, any SQLAlchemy URL, e.g. PostgreSQL shared by several machines). Each running
 trial sends heartbeats; a trial whose worker died (SIGKILL, power loss) is marked failed
 once its heartbeat is older than the grace period and is retried with the same
-parameters (`RetryFailedTrialCallback`).
+parameters (`RetryHeartbeatStaleTrialCallback`).
 
 Pruning: after each fold the running mean of the fold values is reported; Optuna's
 `MedianPruner` stops a trial whose running mean is below the median of earlier trials at
@@ -30,6 +30,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import socket
 import sys
 import time
 import warnings
@@ -151,7 +152,12 @@ def redact(url):
 
 def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
     import optuna
-    from optuna.storages import RDBStorage, RetryFailedTrialCallback
+    from optuna.storages import RDBStorage
+
+    try:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry  # Optuna >= 4.9
+    except ImportError:
+        from optuna.storages import RetryFailedTrialCallback as Retry
 
     engine_kwargs = {}
     if url.startswith("sqlite"):
@@ -163,7 +169,7 @@ def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=max(1, int(heartbeat)),
                           grace_period=max(2, int(2 * heartbeat)),
-                          failed_trial_callback=RetryFailedTrialCallback(max_retry=3))
+                          failed_trial_callback=Retry(max_retry=3))
 
 
 def _sampler(seed, trials_so_far):
@@ -258,6 +264,7 @@ def _objective(loss, recipe, space, data, make_trunk, config, device):
     def objective(trial):
         params = space(trial)
         trial.set_user_attr("params", params)
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
 
         def on_fold(k, running_mean):
             trial.report(running_mean, k)
@@ -290,10 +297,23 @@ class TuneJob:
     poll: float = 1.0
 
 
+class _NoInterruptRecords:
+    """Drops Optuna's report of a trial failed by Ctrl-C (a traceback for a clean stop)."""
+
+    @staticmethod
+    def filter(record):
+        return "KeyboardInterrupt" not in record.getMessage()
+
+
 def _quiet_optuna():
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    import logging
+
+    for handler in logging.getLogger("optuna").handlers:  # child loggers' records pass these
+        if not any(isinstance(f, _NoInterruptRecords) for f in handler.filters):
+            handler.addFilter(_NoInterruptRecords())
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
 
 
