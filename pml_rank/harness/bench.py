@@ -160,7 +160,7 @@ class RunStore:
         self.key = _digest(self.budget)
         self.runs = {}
         if self.path.exists():
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+            for line in self.path.read_text().splitlines():
                 if not line.strip():
                     continue
                 try:
@@ -354,8 +354,8 @@ def format_table(result):
                       describe_params(result, row)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     last = len(header) - 1
-    text = ["  ".join(cell.ljust(w) if i in (0, last) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            .rstrip() for line in lines]
+    text = ["  ".join(cell.ljust(w) if i in (0, last) else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
     c = result.config
     title = (f"Reality Check protocol on {c['dataset']}: {c['num_folds']}-fold CV over the first half of the "
              f"classes, test on the second half; {c['seeds']} seed(s), {c['epochs']} epochs x "

@@ -179,8 +179,9 @@ def _sampler(seed, trials_so_far):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Seeded by the study's seed and the number of trials already asked, so that a
         # serial run is reproducible and parallel workers do not propose the same values.
-        return optuna.samplers.TPESampler(seed=seed * 1_000_003 + trials_so_far, n_startup_trials=SAMPLER_STARTUP_TRIALS,
-                                          multivariate=True, group=True, constant_liar=True)
+        return optuna.samplers.TPESampler(seed=seed * 1_000_003 + trials_so_far,
+                                          n_startup_trials=SAMPLER_STARTUP_TRIALS, multivariate=True, group=True,
+                                          constant_liar=True)
 
 
 def _pruner(prune):
