@@ -75,6 +75,8 @@ def _cmd_bench(args):
 
     import torch
 
+    from .harness.budget import SHIPPED_PARAMS
+
     bench = _harness("bench")
 
     torch.set_num_threads(args.threads)
@@ -99,6 +101,11 @@ def _cmd_bench(args):
         print(f"\npml-rank bench: interrupted; finished runs are kept in {args.out}/{bench.STORE_FILE} "
               "and the same command resumes", file=sys.stderr)
         return 130
+    if source:
+        differences = bench.tuned_budget_differences(args.params or SHIPPED_PARAMS, result.config)
+        if differences:
+            print(f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
+                  file=sys.stderr)
     if result.resumed:
         print(f"resumed: {result.resumed} finished run(s) read from {args.out}/{bench.STORE_FILE}")
     print(bench.format_table(result))

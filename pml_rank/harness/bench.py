@@ -191,6 +191,19 @@ class RunStore:
         return record
 
 
+def tuned_budget_differences(path, config):
+    """How the budget the file's parameters were tuned with differs from `config` (a list of
+    ``"epochs 8 there, 4 here"`` strings; empty when they match or the file does not say)."""
+    payload = json.loads(Path(path).read_text())
+    differences = set()
+    for entry in payload.values():
+        budget = entry.get("budget") if isinstance(entry, dict) else None
+        for key, value in (budget or {}).items():
+            if key in config and key != "seeds" and config[key] != value:
+                differences.add(f"{key} {value!r} there, {config[key]!r} here")
+    return sorted(differences)
+
+
 def load_params(path):
     """``{row: constructor keywords}`` from a tuned file (`pml-rank tune`'s tuned.json)."""
     payload = json.loads(Path(path).read_text())
