@@ -238,10 +238,12 @@ def run_job(job):
     else:
         recipe, epochs = recipes([row])[row], config["epochs"]
         recipe = dataclasses.replace(recipe, make_loss=functools.partial(recipe.make_loss, **params))
-    counter = _WORKER.get("counter")
+    counter, progress = _WORKER.get("counter"), _WORKER.get("progress")
 
     def on_iteration(trainer):
-        if counter is not None:
+        if progress is not None:  # in the caller's process: its bar directly
+            progress()
+        elif counter is not None:
             with counter.get_lock():
                 counter.value += 1
 
@@ -318,11 +320,10 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
     try:
         if workers <= 1:
             _init_worker(counter, threads)
+            _WORKER["progress"] = lambda: bar.update(1)
             for job in jobs:
                 bar.set_postfix_str(f"{job['row']} seed {job['seed']}")
                 finish(job, run_job(job))
-                bar.n = counter.value
-                bar.refresh()
         elif jobs:
             with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                      initargs=(counter, threads)) as pool:
@@ -336,6 +337,7 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
                     bar.refresh()
     finally:
         _WORKER.pop("counter", None)
+        _WORKER.pop("progress", None)
         bar.close()
 
     runs, histories, seconds = {}, {}, {}
