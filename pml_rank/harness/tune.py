@@ -385,6 +385,13 @@ def summarize_study(study, command=None, seconds=None, storage=None):
              "study": study.study_name, "best_trial": best.number,
              "complete": len(complete), "pruned": len(finished) - len(complete),
              "budget": study.user_attrs.get("budget")}
+    starts = [t.datetime_start for t in finished if t.datetime_start is not None]
+    ends = [t.datetime_complete for t in finished if t.datetime_complete is not None]
+    if starts and ends:
+        # From the first trial's start to the last one's end, whatever runs it took.
+        entry["study_wall_seconds"] = round((max(ends) - min(starts)).total_seconds(), 1)
+        entry["trial_seconds"] = round(sum((t.datetime_complete - t.datetime_start).total_seconds()
+                                           for t in finished if t.datetime_complete and t.datetime_start), 1)
     if storage is not None:
         entry["storage"] = redact(storage)
     if command is not None:
