@@ -57,9 +57,13 @@ def _memory_variants(parameter):
     return ["extend", "rows"] if isinstance(parameter.default, str) else []
 
 
+# Threshold spacings that divide AUCLoss's default [-1, 1] into whole intervals (it insists).
+AUC_STEPS = [0.005, 0.01, 0.02, 0.025, 0.04, 0.05, 0.1]
+
+
 def _auc_space(trial):
     return {
-        "step": trial.suggest_float("step", 0.005, 0.1, log=True),
+        "step": trial.suggest_categorical("step", AUC_STEPS),
         "slope": trial.suggest_float("slope", 5.0, 500.0, log=True),
     }
 

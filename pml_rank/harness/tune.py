@@ -131,7 +131,7 @@ def study_name(loss, config):
     """``<loss> <data set> e<epochs>x<iterations> b<batch> d<dim> lr<lr> f<folds> c<classes> s<seed>``:
     one study per loss, data set and budget."""
     c = config
-    classes = "all" if c["num_classes"] is None else c["num_classes"]
+    classes = "-all" if c["num_classes"] is None else c["num_classes"]
     return (f"{loss} {c['dataset']} e{c['epochs']}x{c['iterations_per_epoch']} b{c['batch_size']} "
             f"d{c['embedding_size']} lr{c['lr']:g} f{c['num_folds']} c{classes} s{c['seed']}")
 
