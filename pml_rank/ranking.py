@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from ._checks import check_embeddings
+
 __all__ = [
     "LossScale",
     "apc_loss",
@@ -310,8 +312,6 @@ def _check_targets(owner, scores, targets):
 
 
 def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
-    from .losses.base import check_embeddings
-
     _check_lambda(owner, lambda_val)
     if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
         check_embeddings(owner, scores=scores)

@@ -11,13 +11,62 @@ Defaults are the paper's CUB-200 values: λ = 0.2 and margin 0.02 (Table 9), a m
 `DistributedLossWrapper`, trainers' loss weights): see `pml_rank.ranking`.
 """
 
+from collections import deque
+
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..memory import ScoreMemory
 from ..ranking import LossScale, _check_lambda, precision_at_positives, ranks_of_positives, shift_by_margin
-from .base import RankLossBase
+from .base import RankLossBase, pair_masks, reference_is_batch
+
+
+class ScoreMemory(torch.nn.Module):
+    """The last `size` batches (0: none), each a tuple of detached tensors, oldest
+    first. A module so that ``state_dict()`` saves it (as extra state) and ``.to()``
+    moves it; kept in a deque rather than in buffers, which PML's logging hooks
+    would record at every logged iteration."""
+
+    def __init__(self, size, owner):
+        super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"{owner}: memory_size must be an integer >= 0, got {size!r}")
+        self.size, self.owner = size, owner
+        self.batches = deque(maxlen=size)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def check_width(self, tensor, what):
+        """Raise ValueError when `tensor`'s second dimension differs from the stored batches'."""
+        if self.batches and self.batches[0][0].shape[1] != tensor.shape[1]:
+            raise ValueError(
+                f"{self.owner}: {what} {tensor.shape[1]} differs from the {self.batches[0][0].shape[1]} "
+                "stored in the memory; call reset_memory() first"
+            )
+
+    def append(self, *tensors):
+        self.batches.append(tuple(t.detach() for t in tensors))
+
+    def stored(self):
+        """Each of the stored tensors concatenated over the batches (oldest first)."""
+        return tuple(torch.cat(field) for field in zip(*self.batches))
+
+    def reset(self):
+        self.batches.clear()
+
+    def get_extra_state(self):
+        return list(self.batches)
+
+    def set_extra_state(self, state):
+        self.batches = deque(state, maxlen=self.size)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.batches = deque((tuple(fn(t) for t in batch) for batch in self.batches), maxlen=self.size)
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self):
+        return f"size={self.size}, stored_batches={len(self)}"
 
 
 class _RaMBOLoss(RankLossBase):
@@ -58,14 +107,17 @@ class _RaMBOLoss(RankLossBase):
                 f"{owner}: ranks every pair itself and takes no indices_tuple (miners); "
                 "with DistributedLossWrapper use efficient=False"
             )
-        if ref_labels is None:
-            raise ValueError(f"{owner}: ref_emb needs ref_labels")
-        exclude_self = ref_emb is embeddings  # PML passes the batch itself when no ref_emb is given
-        all_refs, all_ref_labels = self.memory.extend(ref_emb, ref_labels)
-        self.memory.push(ref_emb, ref_labels)
+        exclude_self = reference_is_batch(labels, ref_labels)
+        all_refs, all_ref_labels = ref_emb, ref_labels
+        if len(self.memory):
+            self.memory.check_width(ref_emb, "embedding size")
+            stored_emb, stored_labels = self.memory.stored()
+            all_refs = torch.cat([ref_emb, stored_emb.to(ref_emb)])
+            all_ref_labels = torch.cat([ref_labels, stored_labels.to(ref_labels)])
+        self.memory.append(ref_emb, ref_labels)
         matrix = self.distance(embeddings, all_refs)
         scores = matrix if self.distance.is_inverted else -matrix
-        positives = labels[:, None] == all_ref_labels[None, :]
+        positives, _ = pair_masks(labels, all_ref_labels)
         if exclude_self:
             scores, positives = without_self(scores), without_self(positives)
         self.num_pos_pairs = int(positives.sum())

@@ -9,7 +9,7 @@ import torch
 from pytorch_metric_learning.distances import DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..losses.base import check_embeddings
+from .._checks import check_embeddings
 
 # Candidate classes drawn per batch, as a multiple of the classes in a batch, when the
 # caller does not say: the slides ask for "a large number" without giving it.
