@@ -362,7 +362,7 @@ def test_table6_example_runs_in_smoke_mode(tmp_path, capsys):
 
 def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_path):
     """PML's record-keeper hooks record every tensor in a loss's buffers each logged
-    iteration; the memory must not be among them (an empty one crashed them)."""
+    iteration; the memory must not be among them (they cannot record an empty one)."""
     from pytorch_metric_learning.utils import logging_presets
 
     from pml_rank.evaluation.training import make_record_keeper

@@ -17,7 +17,7 @@ import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..ranking import LossScale, _check_lambda, precision_at_positives, ranks_of_positives, shift_by_margin
+from ..ranking import LossScale, _check_lambda, precision_at_positives, blackbox_ranks_of_positives, shift_by_margin
 from .base import RankLossBase, pair_masks, reference_is_batch
 
 
@@ -171,7 +171,7 @@ class RaMBORecallLoss(_RaMBOLoss):
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         shifted = shift_by_margin(scores, positives, self.margin)
-        (queries, refs), ranks, among_positives = ranks_of_positives(
+        (queries, refs), ranks, among_positives = blackbox_ranks_of_positives(
             shifted, positives, self.lambda_val, self._loss_scale)
         # r = rank among all − rank among positives (eq. 17), as counts.
         negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
