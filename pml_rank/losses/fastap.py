@@ -59,8 +59,7 @@ class FastAPLoss(RankLossBase):
             return self.zero_losses()
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
-        queries = self.distance.normalize(embeddings, dim=1)
-        references = queries if ref_emb is embeddings else self.distance.normalize(ref_emb, dim=1)
+        queries, references = self.normalized_with_distance_stats(embeddings, ref_emb)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self,
                                   num_positives, self.num_bins)
         return {
@@ -70,6 +69,16 @@ class FastAPLoss(RankLossBase):
                 "reduction_type": "element",
             }
         }
+
+    def normalized_with_distance_stats(self, embeddings, ref_emb):
+        """The L2-normalised embeddings and references, recording the distance's
+        statistics as its own forward does (the kernel computes the distances itself)."""
+        distance = self.distance
+        distance.reset_stats()
+        queries = distance.normalize(embeddings, dim=1)
+        references = queries if ref_emb is embeddings else distance.normalize(ref_emb, dim=1)
+        distance.set_default_stats(embeddings, ref_emb, queries, references)
+        return queries, references
 
     def get_default_distance(self):
         return LpDistance(power=2)
