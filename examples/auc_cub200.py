@@ -9,13 +9,13 @@ Learning", CVPR-W 2022, supplementary.
 
 Paper setup (supplementary, section 2): ResNet-50, 512-d embedding, batch 128, images
 resized to 256x256 with a random 224 crop for training and the central crop for testing.
-The optimizer, learning rate and schedule are not in our notes of the paper: we use RaMBO's
+The optimizer, learning rate and schedule are not in the supplementary: we use RaMBO's
 CUB-200 recipe (same backbone, embedding and batch size; RaMBO supplementary, table 9).
 """
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Gajić et al., CVPR-W 2022 (AUC-BH), supplementary"
 
@@ -28,7 +28,7 @@ RUNS = (
 SETUP = Setup(
     backbone="resnet50", embedding_size=512, batch_size=128, samples_per_class=4,
     optimizer="adam", lr=5e-6, embedder_lr_factor=10, weight_decay=4e-4, epochs=80, lr_drop=(35, 0.3),
-    notes="optimizer, learning rate and schedule are not in our notes of the AUC paper: RaMBO's "
+    notes="optimizer, learning rate and schedule are not in the AUC supplementary: RaMBO's "
           "CUB-200 recipe (Adam 5e-6, x10 on the embedding layer, weight decay 4e-4, 80 epochs, "
           "x0.3 after 35); the last epoch is measured (no test-set model selection); --image-size "
           "256 compares with the 'im 256' row",

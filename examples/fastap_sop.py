@@ -1,13 +1,13 @@
 """FastAP on Stanford Online Products (and In-shop Clothes): Cakir et al., "Deep Metric
 Learning to Rank", CVPR 2019, with the numbers as RaMBO's tables 2 and 4 report them
-(Rolínek et al., CVPR 2020; our notes of the FastAP paper have no results table).
+(Rolínek et al., CVPR 2020; the FastAP paper notes we work from have no results table).
 
     python examples/fastap_sop.py --data-root /data                   # SOP
     python examples/fastap_sop.py --data-root /data --dataset inshop  # In-shop
     python examples/fastap_sop.py --smoke
 
 Runs pml-rank's FastAPLoss and, for comparison, PML's own FastAPLoss, both with 10 bins.
-ResNet-50, 512-d embedding. Cakir et al.'s training hyperparameters are not in our notes:
+ResNet-50, 512-d embedding. Cakir et al.'s training hyperparameters are not in the paper notes we work from:
 we use RaMBO's setup for the same data set (RaMBO follows Cakir et al.'s defaults for
 batches and the embedding layer), with PML's MPerClassSampler in place of the paper's
 category-based batches.
@@ -22,7 +22,7 @@ if HERE not in sys.path:
 
 from rambo_retrieval import rambo_setup  # noqa: E402
 
-from pml_rank.reproduce import PaperTable, Run, Script, Variant, paper_rows  # noqa: E402
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Variant, paper_rows  # noqa: E402
 
 
 

@@ -7,7 +7,7 @@ CUB-200-2011, Cars-196 and Stanford Online Products).
     python examples/npair_table2.py --data-root /data --dataset sop      # Online product block
     python examples/npair_table2.py --smoke
 
-Paper setup (as far as our notes, the slides, give it): ImageNet GoogLeNet, 60-pair batches
+Paper setup (as far as the slides give it): ImageNet GoogLeNet, 60-pair batches
 (60 classes, two examples each: batch 120), hard negative class mining for the "-nm"
 columns. Embedding sizes from the papers that cite these rows: 64 on CUB-200 (AUC table 1
 and RaMBO table 3 list "N-Pair-Loss G-64" with these numbers) and 512 on SOP (RaMBO table
@@ -20,11 +20,11 @@ not run.
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Sohn, NIPS 2016 (N-pair), table 2"
 
-NOTES = ("optimizer, learning rate and schedule are not in our notes of the paper: Adam 1e-5 "
+NOTES = ("optimizer, learning rate and schedule are not in the slides: Adam 1e-5 "
          "(x10 on the embedding layer), 60 epochs; F1 omitted; the 60-pair-mc row draws its 60 "
          "classes at random, -nm rows mine them")
 

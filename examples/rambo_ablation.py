@@ -22,7 +22,7 @@ if HERE not in sys.path:
 
 from rambo_retrieval import rambo_setup  # noqa: E402
 
-from pml_rank.reproduce import PaperTable, Run, Script, Variant, paper_rows  # noqa: E402
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Variant, paper_rows  # noqa: E402
 
 # Table 7, one column per data set; "x": the run diverged.
 TABLE_7 = {

@@ -17,14 +17,14 @@ testing. Per data set (table 9): learning rate, margin and λ below; 4 samples p
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Rolínek et al., CVPR 2020 (RaMBO)"
 
 # Deviations we know of, printed with the results.
 NOTES = ("the paper's super-label batches for SOP and In-shop (Cakir et al.) are replaced by PML's "
          "MPerClassSampler; the embedding layer's learning rate factor ('defaults of Cakir et al.') is "
-         "not in our notes, we use x10; the last epoch is measured, while the paper reports the epoch "
+         "not given, we use x10; the last epoch is measured, while the paper reports the epoch "
          "of best test R@1")
 
 

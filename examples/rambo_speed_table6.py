@@ -8,7 +8,7 @@ straightforward two-argsort reference side by side with the paper's figures.
 
 The paper timed "plain PyTorch" on one Xeon Gold core at 2.2 GHz and on a V100; by
 default this script uses one thread too (--threads to change). It times with
-`pml-rank speed`'s harness (`pml_rank.speed`, case RaMBOAPLoss: 10% positives,
+`pml-rank speed`'s harness (`pml_rank.harness.speed`, case RaMBOAPLoss: 10% positives,
 λ = 0.5, margin 0.15) and writes a JSON file and a PNG plot to --out.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from pml_rank import speed
+from pml_rank.harness import speed
+from pml_rank.harness.text_table import format_text_table
 
 # Table 6 of the paper, seconds.
 PAPER_CPU = {100_000: 0.033, 1_000_000: 0.331, 10_000_000: 3.86, 100_000_000: 36.4}
@@ -47,15 +48,14 @@ def seconds(value):
 
 def table(result):
     header = ["length", "ours", "reference", "ours / reference", "paper CPU", "paper GPU", "ours / paper CPU"]
-    rows = [header]
+    rows = []
     for row in result["rows"]:
         ours, ref = row["seconds"]["ours"], row["seconds"].get("reference")
         paper = PAPER_CPU.get(row["size"])
         rows.append([f"{row['size']:,}", seconds(ours), seconds(ref),
                      f"{ours / ref:.3f}" if ref else "-", seconds(paper),
                      seconds(PAPER_GPU.get(row["size"])), f"{ours / paper:.2f}" if paper else "-"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows)
+    return format_text_table(header, rows, align="r" * len(header))
 
 
 def plot(result, path):

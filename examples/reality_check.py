@@ -10,7 +10,7 @@ paper's baselines.
     python examples/reality_check.py --data-root /data --only Triplet AUCLoss --repeats 5
     python examples/reality_check.py --smoke
 
-Protocol (pml_rank.evaluation.run_protocol): the first half of the classes for training
+Protocol (pml_rank.harness.evaluation.run_protocol): the first half of the classes for training
 and 4-fold cross-validation (contiguous class partitions), one model per fold with its best
 epoch chosen on its validation partition, the second half for testing. Paper setup:
 ImageNet BN-Inception trunk (torchvision has none: GoogLeNet with BatchNorm stands in),
@@ -18,7 +18,7 @@ ImageNet BN-Inception trunk (torchvision has none: GoogLeNet with BatchNorm stan
 rate 1e-6, random resized crops (16-100% of the area, aspect 3/4-4/3) to 227 px and flips,
 test images resized to 256 and centre-cropped to 227.
 
-What our notes of the paper do not give, and we chose: the loss hyperparameters (the paper
+What the paper does not give, and we chose: the loss hyperparameters (the paper
 tuned them by Bayesian optimisation; we use PML's defaults for the baselines and the
 papers' defaults for pml-rank's losses), the number of epochs and the patience (100 and 10),
 the number of repeated runs (--repeats, default 5). The "Pretrained" row is the untrained
@@ -29,7 +29,7 @@ the data set's images; on SOP that puts 11,317 classes on each side where Ebay_t
 
 import sys
 
-from pml_rank.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
+from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, paper_rows
 
 SOURCE = "Musgrave et al., ECCV 2020 (A Metric Learning Reality Check)"
 

@@ -1,25 +1,41 @@
 """The `pml-rank` command."""
 
 import argparse
+import importlib
+import importlib.util
 import sys
 
 from . import __version__
-from .plugins import KINDS, registry
+from .harness.budget import DEFAULTS
+
+# Everything that imports torch is imported inside the commands, so that --help and
+# argument errors answer at once.
+
+
+def _harness(module):
+    """The harness module `module`, or exit 2 naming what is missing and the extra that installs it."""
+    from .harness import REQUIRED_MODULES
+
+    missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"pml-rank: the harness needs {', '.join(missing)}: pip install 'pml-rank[harness]'", file=sys.stderr)
+        sys.exit(2)
+    return importlib.import_module(f".harness.{module}", __package__)
 
 
 def _cmd_list(args):
-    components = registry.components()
-    rows = [("name", "kind", "distribution", "class")]
-    rows += [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
-             for c in components]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    from .harness.text_table import format_text_table
+    from .plugins import KINDS, registry
+
+    rows = [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
+            for c in registry.components()]
+    print(format_text_table(("name", "kind", "distribution", "class"), rows, align="llll"))
     return 0
 
 
 def _cmd_speed(args):
-    from . import speed
+    speed = _harness("speed")
+    from .plugins import registry
 
     names = args.losses or sorted(registry.losses())
     unknown = [n for n in names if n not in registry.losses()]
@@ -40,7 +56,7 @@ def _cmd_speed(args):
 def _cmd_bench(args):
     import torch
 
-    from . import bench
+    bench = _harness("bench")
 
     torch.set_num_threads(args.threads)
     try:
@@ -56,25 +72,6 @@ def _cmd_bench(args):
     for path in bench.write_all(result, args.out):
         print(f"written: {path}")
     return 0
-
-
-def _cmd_reproduce(args):
-    from . import reproduce
-
-    scripts = reproduce.script_files()
-    if not scripts:
-        print(f"pml-rank reproduce: {reproduce.examples_missing_message()}", file=sys.stderr)
-        return 2
-    if args.list or not args.name:
-        print("Scripts reproducing the papers' tables (pml-rank reproduce NAME --help for options;\n"
-              "--smoke runs any of them in seconds on generated tiny data):\n")
-        for path in scripts.values():
-            print(reproduce.load_script(path).describe() + "\n")
-        return 0
-    if args.name not in scripts:
-        print(f"pml-rank reproduce: no script {args.name!r}; available: {', '.join(scripts)}", file=sys.stderr)
-        return 2
-    return reproduce.load_script(scripts[args.name]).main(args.script_args)
 
 
 def build_parser():
@@ -102,8 +99,6 @@ def build_parser():
     p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
     p.set_defaults(run=_cmd_speed)
 
-    from .bench import DEFAULTS
-
     p = commands.add_parser(
         "bench",
         help="every registered loss and PML's baselines under the Reality Check protocol "
@@ -130,14 +125,6 @@ def build_parser():
     p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
     p.set_defaults(run=_cmd_bench)
 
-    p = commands.add_parser(
-        "reproduce", help="run a script of examples/ that reproduces a paper's table",
-        description="Runs an example script: our numbers beside the paper's. Arguments after "
-                    "NAME go to the script (e.g. --data-root DIR, --dataset, --smoke).")
-    p.add_argument("name", nargs="?", help="script name (see --list)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.add_argument("--list", action="store_true", help="list the scripts, their data and hardware")
-    p.set_defaults(run=_cmd_reproduce)
     return parser
 
 

@@ -3,8 +3,19 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import pml_rank
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: training on tiny tensors only waits for a second
+    thread when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

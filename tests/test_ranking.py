@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pml_rank import ranking
-from pml_rank.references import rambo as reference
+from pml_rank.harness.references import rambo as reference
 
 
 def seeded(*shape, seed=0, dtype=torch.float64):

@@ -7,20 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from pml_rank import bench
+from pml_rank.harness import bench
 from pml_rank.cli import main
-from pml_rank.data import SmallCNN, load_glyphs
-from pml_rank.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.harness.data import SmallCNN, load_glyphs
+from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
 from pml_rank.plugins import registry
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,5 @@
 """The small trunk the embedded benchmark trains: a four-block CNN for 1×32×32 glyphs."""
 
-import torch
 from torch import nn
 
 

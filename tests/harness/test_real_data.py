@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from pml_rank.data import real, tiny_layouts
+from pml_rank.harness.data import real, tiny_layouts
 
 to_tensor = transforms.ToTensor()
 

@@ -1,5 +1,5 @@
 """`pml-rank bench`: every registered loss and PML's baselines under the Reality Check
-protocol (`pml_rank.evaluation`) on the embedded glyph data set, with the same trunk,
+protocol (`pml_rank.harness.evaluation`) on the embedded glyph data set, with the same trunk,
 optimizer, batch size and training budget for all.
 
 Each contender is a `Recipe`. Registered losses get their paper's miner and sampler from
@@ -16,18 +16,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
+from ..plugins import registry
+from ..samplers import HardNegativeClassSampler
+from .budget import DEFAULTS
+from .components import PML_PREFIX, component_class
+from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
 from .evaluation.training import default_sampler
 
 RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
-PML_PREFIX = "pml:"
 
-DEFAULTS = dict(dataset="glyphs", epochs=4, iterations_per_epoch=25, batch_size=32, seeds=3,
-                embedding_size=64, lr=1e-3, num_folds=4, device="cpu")
 
 
 def m_per_class(m):
@@ -41,14 +42,8 @@ def m_per_class(m):
 
 def hard_negative_classes(train_set, batch_size, model, device, iterations_per_epoch, seed, **_):
     """N-pair batches (N classes x 2) by hard negative class mining with the network being
-    trained (`pml_rank.samplers.HardNegativeClassSampler`); PML's `MPerClassSampler` with
-    m=2 where that sampler is not installed."""
-    from .plugins import registry
-
-    sampler_class = registry.samplers().get("HardNegativeClassSampler")
-    if sampler_class is None:
-        return m_per_class(2)(train_set, batch_size)
-    sampler = sampler_class(train_set.labels, classes_per_batch=batch_size // 2,
+    trained (`pml_rank.samplers.HardNegativeClassSampler`)."""
+    sampler = HardNegativeClassSampler(train_set.labels, classes_per_batch=batch_size // 2,
                             batches_per_epoch=iterations_per_epoch, seed=seed)
     sampler.attach(model, train_set, device=device)
     return sampler
@@ -83,16 +78,13 @@ PML_BASELINES = {
 def recipes(names=None):
     """``{row name: Recipe}`` for the registered losses (by their registry name) and
     PML's baselines (``pml:<name>``); `names` selects and orders a subset."""
-    from pytorch_metric_learning import losses as pml_losses
-
-    from .plugins import registry
-
     available = {}
     for name, cls in sorted(registry.losses().items()):
         extra = PAPER_RECIPES.get(name, dict(batches="m=4 per class"))
         available[name] = Recipe(make_loss=cls, name=name, **extra)
     for name, extra in PML_BASELINES.items():
-        available[PML_PREFIX + name] = Recipe(make_loss=getattr(pml_losses, name), name=PML_PREFIX + name, **extra)
+        name = PML_PREFIX + name
+        available[name] = Recipe(make_loss=component_class("losses", name), name=name, **extra)
     if names is None:
         return available
     unknown = [n for n in names if n not in available]
@@ -102,14 +94,10 @@ def recipes(names=None):
 
 
 def _glyphs(cache_dir=None, num_classes=None):
-    from .data import load_glyphs
-
     return load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
 
 
 def _small_cnn(embedding_size):
-    from .data import SmallCNN
-
     return lambda: SmallCNN(embedding_size=embedding_size)
 
 

@@ -140,7 +140,7 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
                 val_set=None, epochs=8, batch_size=64, iterations_per_epoch=None,
                 make_optimizer: Optional[Callable] = None, lr=1e-3, device="cpu", folder=None,
                 patience=None, seed=None, log_freq=10, on_iteration: Optional[Callable] = None,
-                quiet=True):
+                make_lr_scheduler: Optional[Callable] = None, freeze_trunk_batchnorm=False, quiet=True):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer and returns a
     `TrainResult`.
 
@@ -162,6 +162,10 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
         seed: seeds Python, numpy and torch first (`seed_everything`) when given.
         log_freq: record-keeper logs the trainer's statistics every `log_freq` iterations.
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
+        make_lr_scheduler: ``f(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped
+            by PML's trainer at the end of every epoch, one for each model's optimizer.
+        freeze_trunk_batchnorm: PML's trainer option: the trunk's BatchNorm layers stay in
+            eval mode (fixed statistics), the Reality Check setting.
         quiet: silence PML's own progress bars and INFO logs.
     """
     if seed is not None:
@@ -183,6 +187,10 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
         optimizers["embedder_optimizer"] = make_optimizer(embedder.parameters(), lr)
     if any(True for _ in loss_func.parameters()):
         optimizers["metric_loss_optimizer"] = make_optimizer(loss_func.to(device).parameters(), lr)
+    lr_schedulers = {}
+    if make_lr_scheduler is not None:
+        lr_schedulers = {f"{name}_scheduler_by_epoch": make_lr_scheduler(optimizers[f"{name}_optimizer"])
+                         for name in models}
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -225,7 +233,8 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
             return keep_going
 
         trainer = trainers.MetricLossOnly(
-            models=models, optimizers=optimizers,
+            models=models, optimizers=optimizers, lr_schedulers=lr_schedulers,
+            freeze_trunk_batchnorm=freeze_trunk_batchnorm,
             batch_size=batch_size, loss_funcs={"metric_loss": loss_func},
             mining_funcs={} if miner is None else {"tuple_miner": miner},
             dataset=train_set, sampler=sampler, iterations_per_epoch=iterations_per_epoch,

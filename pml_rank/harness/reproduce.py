@@ -1,22 +1,22 @@
 """The machinery behind ``examples/``: each example script declares a paper's table (the
 paper's numbers, cited), the training setup the paper describes and the runs that
 reproduce its rows; `Script.main` trains, evaluates and prints our numbers beside the
-paper's. ``pml-rank reproduce NAME`` runs a script, ``pml-rank reproduce --list`` lists them.
+paper's. The scripts ship with the source, not the installed package: run them from a
+clone, ``python examples/auc_cub200.py --help``.
 
-Training and evaluation are `pml_rank.evaluation`'s: `train_model` (PML's
+Training and evaluation are `pml_rank.harness.evaluation`'s: `train_model` (PML's
 `MetricLossOnly` trainer, hooks and record-keeper) and `compute_embeddings` for the papers'
 standard protocol (train on the training classes, measure the test classes once), and
 `run_protocol` for the Reality Check protocol (4-fold cross-validation, concatenated and
 separated embeddings, mean and 95% confidence interval over runs).
 
-Losses, miners and samplers are looked up by name: pml-rank's through
-``pml_rank.registry`` (``"AUCLoss"``), PML's through its modules (``"pml:TripletMarginLoss"``),
-so a script fails with a clear message when a component it needs is not installed.
+Losses and miners are named as `pml_rank.harness.components` reads them (``"AUCLoss"``,
+``"pml:BatchHardMiner"``), so a script fails with a clear message, before any training,
+when a component it needs is not installed.
 """
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import sys
 import tempfile
@@ -27,17 +27,14 @@ import torch
 from torchvision import transforms
 from tqdm import tqdm
 
+from .bench import hard_negative_classes, m_per_class
+from .text_table import format_text_table
+from .components import MissingComponentError, component_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
 from .data.real import DATASETS, DataSetNotFoundError
-from .plugins import registry
-from .retrieval_metrics import retrieval_accuracy
+from .evaluation import METRICS, SHORT_NAMES, Recipe, accuracy, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-class MissingComponentError(LookupError):
-    """A loss, miner or sampler a script needs is not registered."""
 
 
 # --------------------------------------------------------------------------- declarations
@@ -108,10 +105,10 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """The training setup a paper describes for one data set. What the paper (or our
-    notes of it) leaves open is our choice, and ``notes`` says so."""
+    """The training setup a paper describes for one data set. What the paper leaves open
+    is our choice, and ``notes`` says so."""
 
-    backbone: str  # a key of pml_rank.backbones.BACKBONES
+    backbone: str  # a key of pml_rank.harness.backbones.BACKBONES
     embedding_size: int
     batch_size: int
     samples_per_class: int
@@ -135,7 +132,7 @@ class Setup:
 class Variant:
     """One data set of a script: the paper's table, the setup and the runs."""
 
-    dataset: str  # a key of pml_rank.data.real.DATASETS
+    dataset: str  # a key of pml_rank.harness.data.real.DATASETS
     table: PaperTable
     setup: Setup
     runs: tuple
@@ -155,45 +152,10 @@ class Script:
     variants: dict  # {dataset name: Variant}, the first is the default
     smoke_rows: Optional[tuple] = None  # rows --smoke runs (default: all), to keep it to seconds
 
-    # ---- what a script needs (for --list and for the tests)
-
-    def required_components(self, dataset=None):
-        """``{"losses": {...}, "miners": {...}, "samplers": {...}}``: the registered
-        (pml-rank or plugin) names the chosen variant, or every variant, needs."""
-        variants = [self.variants[dataset]] if dataset else self.variants.values()
-        needed = {"losses": set(), "miners": set(), "samplers": set()}
-        for variant in variants:
-            for run in variant.runs:
-                if run.untrained:
-                    continue
-                for kind, name in (("losses", run.loss), ("miners", run.miner)):
-                    if name and not name.startswith("pml:"):
-                        needed[kind].add(name)
-                if run.sampler == "hard_negative_class":
-                    needed["samplers"].add("HardNegativeClassSampler")
-        return needed
-
-    def missing_components(self, dataset=None):
-        found = {"losses": registry.losses(), "miners": registry.miners(), "samplers": registry.samplers()}
-        return sorted(name for kind, names in self.required_components(dataset).items()
-                      for name in names if name not in found[kind])
-
-    def describe(self):
-        """One paragraph for ``pml-rank reproduce --list``."""
-        lines = [f"{self.name}: {self.title}"]
-        for name, variant in self.variants.items():
-            layout = DATASETS[name].layout
-            lines.append(f"    --dataset {name}: {variant.table.source}; data: {layout.title} in "
-                         f"<data-root>/{layout.folder}; hardware: {variant.hardware}")
-        missing = self.missing_components()
-        if missing:
-            lines.append(f"    not runnable yet: needs {', '.join(missing)} (not registered)")
-        return "\n".join(lines)
-
     # ---- the command line
 
     def parser(self):
-        p = argparse.ArgumentParser(prog=f"pml-rank reproduce {self.name}", description=self.title)
+        p = argparse.ArgumentParser(prog=f"{self.name}.py", description=self.title)
         p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
                        help="which table (data set) to reproduce (default: %(default)s)")
         p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
@@ -214,8 +176,6 @@ class Script:
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", default="pml-rank-results", help="folder for the JSON and PNG results")
-        # For the tests: run every row with this loss (e.g. pml:ContrastiveLoss), no miner.
-        p.add_argument("--loss", help=argparse.SUPPRESS)
         return p
 
     def main(self, argv=None):
@@ -233,7 +193,7 @@ class Script:
                         f"{variant_data_help(variant)}")
                 result = run_variant(self, variant, args)
         except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError) as error:
-            print(f"pml-rank reproduce {self.name}: {error}", file=sys.stderr)
+            print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))
         path = write_result(self, variant, result, args)
@@ -250,34 +210,14 @@ def variant_data_help(variant):
 # --------------------------------------------------------------------------- components
 
 
-def find_component(kind, name):
-    """A class by name: ``"pml:X"`` from PML's module of that kind, else from pml-rank's
-    registry (built-ins and plugins)."""
-    if name.startswith("pml:"):
-        module = importlib.import_module(f"pytorch_metric_learning.{kind}")
-        cls = getattr(module, name[4:], None)
-        if cls is None:
-            raise MissingComponentError(f"pytorch_metric_learning.{kind} has no {name[4:]}")
-        return cls
-    found = getattr(registry, kind)()
-    if name not in found:
-        raise MissingComponentError(
-            f"the {kind[:-1] if kind != 'losses' else 'loss'} {name} is not registered, so this table "
-            f"cannot be reproduced here. It is part of pml-rank; `pml-rank list` shows what is "
-            f"installed (registered {kind}: {', '.join(sorted(found)) or 'none'}).")
-    return found[name]
-
-
 def make_recipe(run, setup):
-    """The `pml_rank.evaluation.Recipe` of a run: its loss, miner and sampler factories.
-    The samplers are `pml-rank bench`'s (`pml_rank.bench.m_per_class`,
-    `pml_rank.bench.hard_negative_classes`)."""
-    from .bench import hard_negative_classes, m_per_class
-    from .evaluation import Recipe
+    """The `pml_rank.harness.evaluation.Recipe` of a run: its loss, miner and sampler factories.
+    The samplers are `pml-rank bench`'s (`pml_rank.harness.bench.m_per_class`,
+    `pml_rank.harness.bench.hard_negative_classes`)."""
 
     return Recipe(
-        make_loss=lambda: None if run.untrained else find_component("losses", run.loss)(**run.loss_kwargs),
-        make_miner=(lambda: find_component("miners", run.miner)(**run.miner_kwargs)) if run.miner else None,
+        make_loss=lambda: None if run.untrained else component_class("losses", run.loss)(**run.loss_kwargs),
+        make_miner=(lambda: component_class("miners", run.miner)(**run.miner_kwargs)) if run.miner else None,
         make_sampler=hard_negative_classes if run.sampler == "hard_negative_class"
         else m_per_class(setup.samples_per_class),
         name=run.label)
@@ -323,24 +263,6 @@ class TransformByClass(torch.utils.data.Dataset):
         return transform(image), label
 
 
-def freeze_batchnorm(module):
-    """Replaces every BatchNorm2d by torchvision's FrozenBatchNorm2d (fixed statistics and
-    affine parameters), the Reality Check setting."""
-    from torchvision.ops import FrozenBatchNorm2d
-
-    for name, child in module.named_children():
-        if isinstance(child, torch.nn.BatchNorm2d):
-            frozen = FrozenBatchNorm2d(child.num_features, child.eps)
-            frozen.weight.copy_(child.weight.detach())
-            frozen.bias.copy_(child.bias.detach())
-            frozen.running_mean.copy_(child.running_mean)
-            frozen.running_var.copy_(child.running_var)
-            setattr(module, name, frozen)
-        else:
-            freeze_batchnorm(child)
-    return module
-
-
 def _optimizer_factory(setup, embedder=None):
     """``make_optimizer(parameters, lr)`` for `train_model`: the paper's optimizer, weight
     decay, and a larger learning rate for the embedding layer where the paper uses one
@@ -358,20 +280,13 @@ def _optimizer_factory(setup, embedder=None):
     return make_optimizer
 
 
-class _Progress:
-    """Called after every training iteration: advances the tqdm bar and applies the
-    paper's learning-rate drop."""
-
-    def __init__(self, bar, lr_drop):
-        self.bar, self.lr_drop = bar, lr_drop
-
-    def __call__(self, trainer):
-        self.bar.update(1)
-        if self.lr_drop and trainer.epoch > self.lr_drop[0] and not getattr(trainer, "_pml_rank_lr_dropped", False):
-            trainer._pml_rank_lr_dropped = True  # once per trainer (each fold has its own)
-            for optimizer in trainer.optimizers.values():
-                for group in optimizer.param_groups:
-                    group["lr"] *= self.lr_drop[1]
+def _lr_scheduler_factory(setup):
+    """The paper's learning-rate drop as PML's trainer takes it: a `MultiStepLR` per
+    optimizer, stepped at the end of every epoch (None without a drop)."""
+    if setup.lr_drop is None:
+        return None
+    after_epoch, factor = setup.lr_drop
+    return lambda optimizer: torch.optim.lr_scheduler.MultiStepLR(optimizer, [after_epoch], gamma=factor)
 
 
 # --------------------------------------------------------------------------- running
@@ -400,10 +315,6 @@ def selected_runs(script, variant, args):
         if unknown:
             raise MissingComponentError(f"no row labelled {sorted(unknown)}; rows: {[r.label for r in runs]}")
         runs = [r for r in runs if r.label in args.only]
-    if args.loss:  # the tests' override
-        runs = [r if r.untrained else dataclasses.replace(
-            r, label=f"{r.label} [loss replaced by {args.loss}]", loss=args.loss, loss_kwargs={}, miner=None,
-            sampler="m_per_class") for r in runs]
     return runs
 
 
@@ -415,24 +326,15 @@ def run_variant(script, variant, args):
     runs = selected_runs(script, variant, args)
     for run in runs:  # fail before any training when a component is missing
         if not run.untrained:
-            find_component("losses", run.loss)
+            component_class("losses", run.loss)
             if run.miner:
-                find_component("miners", run.miner)
-            if run.sampler == "hard_negative_class":
-                find_component("samplers", "HardNegativeClassSampler")
+                component_class("miners", run.miner)
     pretrained = not (args.smoke or args.random_init)
     if pretrained:
         require_weights(setup.backbone)  # before loading any data
     if setup.protocol == "reality-check":
         return _run_reality_check(variant, setup, runs, args, pretrained)
     return _run_standard(variant, setup, runs, args, pretrained)
-
-
-def _models(setup, pretrained):
-    models = build_models(setup.backbone, setup.embedding_size, pretrained)
-    if setup.freeze_batchnorm:
-        freeze_batchnorm(models["trunk"])
-    return models
 
 
 def _iterations(setup, num_items, smoke):
@@ -442,7 +344,6 @@ def _iterations(setup, num_items, smoke):
 
 
 def _run_standard(variant, setup, runs, args, pretrained):
-    from .evaluation import compute_embeddings, train_model
 
     spec = DATASETS[variant.dataset]
     train_transform, eval_transform = image_transforms(setup)
@@ -456,7 +357,7 @@ def _run_standard(variant, setup, runs, args, pretrained):
     with tqdm(total=total, desc=f"{variant.dataset} training", unit="it") as bar:
         for run in runs:
             torch.manual_seed(args.seed)
-            models = _models(setup, pretrained)
+            models = build_models(setup.backbone, setup.embedding_size, pretrained)
             recipe, miner, sampler = make_recipe(run, setup), None, None
             if not run.untrained:
                 miner = recipe.make_miner() if recipe.make_miner else None
@@ -467,21 +368,21 @@ def _run_standard(variant, setup, runs, args, pretrained):
                 recipe.make_loss(), train_set, trunk=models["trunk"], embedder=models["embedder"], miner=miner,
                 sampler=sampler, epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
                 iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
-                lr=setup.lr, device=args.device, seed=args.seed, on_iteration=_Progress(bar, setup.lr_drop))
+                lr=setup.lr, device=args.device, seed=args.seed, on_iteration=lambda trainer: bar.update(1),
+                make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
             query, query_labels = compute_embeddings(trained.trunk, query_set, trained.embedder,
                                                      args.device, normalize=True)
             reference = reference_labels = None
             if reference_set is not None:
                 reference, reference_labels = compute_embeddings(trained.trunk, reference_set, trained.embedder,
                                                                  args.device, normalize=True)
-            accuracy = retrieval_accuracy(query, query_labels, reference, reference_labels,
-                                          metrics=variant.table.metrics, device=torch.device(args.device))
-            results[run.label] = {m: 100 * v for m, v in accuracy.items()}
+            measured = accuracy(query, query_labels, reference, reference_labels,
+                                metrics=variant.table.metrics, device=torch.device(args.device))
+            results[run.label] = {m: 100 * v for m, v in measured.items()}
     return results
 
 
 def _run_reality_check(variant, setup, runs, args, pretrained):
-    from .evaluation import class_disjoint_split, run_protocol, summarize
 
     spec = DATASETS[variant.dataset]
     train_transform, eval_transform = image_transforms(setup)
@@ -494,7 +395,7 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
 
     def make_model():
         # trunk and embedder as one module: the paper trains all of it with one learning rate
-        models = _models(setup, pretrained)
+        models = build_models(setup.backbone, setup.embedding_size, pretrained)
         return torch.nn.Sequential(models["trunk"], models["embedder"])
 
     results = {}
@@ -508,17 +409,17 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                              epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
                              iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
                              lr=setup.lr, device=args.device, patience=setup.patience,
-                             on_iteration=_Progress(bar, setup.lr_drop))
+                             on_iteration=lambda trainer: bar.update(1),
+                make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
             summary = summarize(protocol_results)
             results[run.label] = {kind: {short: tuple(100 * v for v in summary[kind][metric])
-                                         for short, metric in _RC_METRICS}
+                                         for metric, short in SHORT_NAMES.items() if metric in METRICS}
                                   for kind in ("concatenated", "separated")}
     return results
 
 
-_RC_METRICS = (("P@1", "precision_at_1"), ("RP", "r_precision"), ("MAP@R", "mean_average_precision_at_r"))
 
 
 # --------------------------------------------------------------------------- output
@@ -578,7 +479,6 @@ def format_result(script, variant, result, args):
             for i in range(len(table.metrics)):
                 cells += [_cell(ours_for(label, i, kind)), "—"]
         rows.append(cells)
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = [f"{script.title}", f"{table.source}; in %. Paper numbers are the authors' (cited), "
              "'ours' is this run" + (" (--smoke: meaningless numbers)" if args.smoke else "") + "."]
     notes = []
@@ -590,8 +490,7 @@ def format_result(script, variant, result, args):
                  f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
                  f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else ""))
     lines += [f"Note: {n}" for n in notes]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(format_text_table(header, rows))
     return "\n".join(lines)
 
 
@@ -648,27 +547,3 @@ def plot_result(script, variant, result, args, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def script_files(examples_dir=EXAMPLES_DIR):
-    """``{name: path}`` of the example scripts that declare a ``SCRIPT``."""
-    if not examples_dir.is_dir():
-        return {}
-    return {p.stem: p for p in sorted(examples_dir.glob("*.py")) if "SCRIPT = Script(" in p.read_text()}
-
-
-def load_script(path):
-    """Imports an example script file and returns its `Script`."""
-    spec = importlib.util.spec_from_file_location(f"pml_rank_example_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.SCRIPT
-
-
-def examples_missing_message():
-    return (f"the example scripts are not at {EXAMPLES_DIR}: they ship with the source checkout "
-            "(git clone), not with the installed package. Run from a clone.")
-

@@ -11,7 +11,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 import pml_rank
 from pml_rank.losses import NPairsMCLoss, NPairsOVOLoss
 from pml_rank.losses.npairs import first_two_of_each_class
-from pml_rank.references import npairs as reference
+from pml_rank.harness.references import npairs as reference
 
 UNNORMALIZED = DotProductSimilarity(normalize_embeddings=False)
 

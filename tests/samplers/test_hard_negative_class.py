@@ -8,7 +8,7 @@ from pytorch_metric_learning import trainers
 
 import pml_rank
 from pml_rank.losses import NPairsMCLoss
-from pml_rank.references.npairs import greedy_hard_negative_classes as reference_greedy
+from pml_rank.harness.references.npairs import greedy_hard_negative_classes as reference_greedy
 from pml_rank.samplers import HardNegativeClassSampler
 from pml_rank.samplers.hard_negative_class import greedy_hard_negative_classes
 

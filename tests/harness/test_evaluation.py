@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pml_rank.evaluation import (METRICS, LabelledSubset, accuracy, class_disjoint_split, class_partitions,
+from pml_rank.harness.evaluation import (METRICS, LabelledSubset, accuracy, class_disjoint_split, class_partitions,
                                  concatenate, concatenated_and_separated, cross_validation_folds, mean_and_ci,
-                                 student_t_quantile, summarize)
+                                 summarize)
 
 # ---- splits ---------------------------------------------------------------------------------
 
@@ -142,23 +142,12 @@ def test_concatenated_and_separated():
 # ---- confidence intervals --------------------------------------------------------------------
 
 
-def test_student_t_quantile_matches_closed_forms():
-    # dof 1 is the Cauchy distribution: tan(pi (p - 1/2)); dof 2: (2p-1) / sqrt(2p(1-p)).
-    for p in (0.9, 0.975, 0.995):
-        assert student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-6)
-        assert student_t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-6)
-    # Many degrees of freedom: the normal quantile, from erf by bisection.
-    lo, hi = 0.0, 5.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < 0.975 else (lo, mid)
-    assert student_t_quantile(0.975, 100000) == pytest.approx(lo, rel=1e-4)
-
-
-def test_student_t_quantile_matches_scipy():
-    stats = pytest.importorskip("scipy.stats")
-    for dof in (3, 4, 9, 29):
-        assert student_t_quantile(0.975, dof) == pytest.approx(stats.t.ppf(0.975, dof), rel=1e-6)
+def test_mean_and_ci_uses_students_t_closed_forms():
+    # Two values: 1 degree of freedom, the Cauchy quantile tan(pi (p - 1/2)); three: (2p-1) / sqrt(2p(1-p)).
+    for values, quantile in (([1.0, 3.0], math.tan(math.pi * 0.475)),
+                             ([1.0, 2.0, 4.0], 0.95 / math.sqrt(2 * 0.975 * 0.025))):
+        sem = np.std(values, ddof=1) / math.sqrt(len(values))
+        assert mean_and_ci(values)[1] == pytest.approx(quantile * sem, rel=1e-9)
 
 
 def test_mean_and_ci_by_hand():
@@ -171,8 +160,6 @@ def test_mean_and_ci_by_hand():
     assert mean_and_ci([0.3, 0.3, 0.3]) == (pytest.approx(0.3), 0.0)
     with pytest.raises(ValueError):
         mean_and_ci([])
-    with pytest.raises(ValueError, match="probability"):
-        student_t_quantile(0.2, 3)
 
 
 def test_summarize_over_runs():

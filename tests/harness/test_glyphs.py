@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pml_rank.data import GlyphDataset, SmallCNN, glyphs, load_glyphs
+from pml_rank.harness.data import GlyphDataset, SmallCNN, glyphs, load_glyphs
 
 LATIN_CAPITALS = tuple(range(0x41, 0x5B))
 

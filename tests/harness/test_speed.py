@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from pml_rank import cli, speed
+from pml_rank import cli
+from pml_rank.harness import speed
 
 
 def test_peak_memory_sees_the_similarity_matrix():

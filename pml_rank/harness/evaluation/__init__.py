@@ -1,26 +1,25 @@
 """The Reality Check evaluation protocol (Musgrave et al., ECCV 2020) with PML's own
 trainer, tester, hooks and `AccuracyCalculator`.
 
-    from pml_rank.evaluation import Recipe, run_protocol, summarize
+    from pml_rank.harness.evaluation import Recipe, run_protocol, summarize
     result = run_protocol(dataset, Recipe(make_loss=losses.TripletMarginLoss), make_trunk)
 
 Building blocks, usable on their own:
     class_disjoint_split, cross_validation_folds, class_partitions, LabelledSubset   (splits)
-    accuracy, concatenate, concatenated_and_separated, mean_and_ci, METRICS      (metrics)
+    accuracy, concatenate, concatenated_and_separated, mean_and_ci, METRICS, PML_NAMES (metrics)
     train_model, compute_embeddings, make_record_keeper, default_sampler         (training)
 """
 
-from .metrics import (METRICS, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated,
-                      mean_and_ci, student_t_quantile)
+from .metrics import METRICS, PML_NAMES, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated, mean_and_ci
 from .protocol import ProtocolResult, Recipe, raw_input_accuracy, run_protocol, summarize, test_set_and_folds
 from .splits import LabelledSubset, class_disjoint_split, class_partitions, cross_validation_folds
 from .training import (TrainResult, compute_embeddings, default_sampler, make_record_keeper, make_tester,
                        quiet_pml, seed_everything, train_model)
 
 __all__ = [
-    "METRICS", "SHORT_NAMES", "LabelledSubset", "ProtocolResult", "Recipe", "TrainResult", "accuracy",
+    "METRICS", "PML_NAMES", "SHORT_NAMES", "LabelledSubset", "ProtocolResult", "Recipe", "TrainResult", "accuracy",
     "class_disjoint_split", "class_partitions", "compute_embeddings", "concatenate",
     "concatenated_and_separated", "cross_validation_folds", "default_sampler", "make_record_keeper",
     "make_tester", "mean_and_ci", "quiet_pml", "raw_input_accuracy", "run_protocol", "seed_everything",
-    "student_t_quantile", "summarize", "test_set_and_folds", "train_model",
+    "summarize", "test_set_and_folds", "train_model",
 ]

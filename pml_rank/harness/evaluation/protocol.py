@@ -7,7 +7,6 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
@@ -68,12 +67,14 @@ test_set_and_folds.__test__ = False  # not a test, though pytest would collect i
 
 def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4, seed=0, epochs=8,
                  batch_size=64, iterations_per_epoch=None, make_optimizer=None, lr=1e-3, device="cpu",
-                 patience=None, folder=None, on_iteration=None, quiet=True):
+                 patience=None, folder=None, on_iteration=None, make_lr_scheduler=None,
+                 freeze_trunk_batchnorm=False, quiet=True):
     """One run of the protocol with one `Recipe`; returns a `ProtocolResult`.
 
     Trains `num_folds` models (``make_trunk()``, ``make_embedder()``, fresh for each fold,
     seeded with ``seed * 1000 + fold``) with `training.train_model` and the shared budget
-    (`epochs`, `batch_size`, `iterations_per_epoch`, `make_optimizer`, `lr`), then measures
+    (`epochs`, `batch_size`, `iterations_per_epoch`, `make_optimizer`, `lr`,
+    `make_lr_scheduler`, `freeze_trunk_batchnorm`: see `train_model`), then measures
     the test classes. ``epochs=0`` gives the untrained networks' accuracy. `folder`, when
     given, keeps each fold's record-keeper logs and models in ``<folder>/fold<k>``.
     """
@@ -97,7 +98,8 @@ def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4
             val_set=val_set, epochs=epochs, batch_size=batch_size,
             iterations_per_epoch=iterations_per_epoch, make_optimizer=make_optimizer, lr=lr,
             device=device, folder=None if folder is None else f"{folder}/fold{k}", patience=patience,
-            on_iteration=on_iteration, quiet=quiet,
+            on_iteration=on_iteration, make_lr_scheduler=make_lr_scheduler,
+            freeze_trunk_batchnorm=freeze_trunk_batchnorm, quiet=quiet,
         )
         embeddings, labels = compute_embeddings(result.trunk, test_set, result.embedder, device)
         test_embeddings.append(embeddings)

@@ -1,28 +1,34 @@
-"""The example scripts that reproduce the papers' tables, their machinery, and
-`pml-rank reproduce`."""
+"""The example scripts that reproduce the papers' tables and their machinery
+(`pml_rank.harness.reproduce`)."""
 
+import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-from pml_rank import backbones, cli, reproduce
-from pml_rank.data import tiny_layouts
-from pml_rank.retrieval_metrics import retrieval_accuracy
+from pml_rank.harness import backbones, reproduce
+from pml_rank.harness.data import tiny_layouts
+from pml_rank.harness.evaluation import accuracy
 
-SCRIPTS = reproduce.script_files()
-# A loss PML has, for exercising every script's machinery whatever pml-rank's losses are.
-STAND_IN = "pml:ContrastiveLoss"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCRIPTS = {p.stem: p for p in sorted(EXAMPLES.glob("*.py")) if "SCRIPT = Script(" in p.read_text()}
 
 
 def load(name):
-    return reproduce.load_script(SCRIPTS[name])
+    spec = importlib.util.spec_from_file_location(f"example_{name}", SCRIPTS[name])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SCRIPT
 
 
-def test_every_table_of_the_brief_has_a_script():
+def test_every_reproduced_table_has_a_script():
     assert {"auc_cub200", "rambo_retrieval", "rambo_ablation", "npair_table2", "fastap_sop",
             "reality_check"} <= set(SCRIPTS)
     datasets = {name: set(load(name).variants) for name in SCRIPTS}
@@ -62,30 +68,9 @@ def _check_output(script, variant, out_dir, stdout, expect_rows):
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_smoke_run_of_every_script_with_a_stand_in_loss(name, tmp_path, capsys):
-    """The whole pipeline (tiny data layout, loaders, transforms, training through
-    pml_rank.evaluation, metrics, table, JSON) with a PML loss in every row: runs now,
-    whatever pml-rank losses are merged. One trained row per script keeps it short."""
-    script = load(name)
-    variant = next(iter(script.variants.values()))
-    first_trained = next(r.label for r in variant.runs if not r.untrained)
-    only = [r.label for r in variant.runs if r.untrained] + [first_trained]
-    code = script.main(["--smoke", "--loss", STAND_IN, "--only", *only, "--out", str(tmp_path)])
-    stdout = capsys.readouterr().out
-    assert code == 0
-    expected = {label if label != first_trained else f"{label} [loss replaced by {STAND_IN}]" for label in only}
-    _check_output(script, variant, tmp_path, stdout, expected)
-
-
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_smoke_run_of_every_script(name, tmp_path, capsys):
-    """Each script as a user runs it with --smoke: its own losses, miners and samplers.
-    Skipped only while a component it needs is not registered (pml-rank's losses live
-    on other branches until they are merged)."""
+    """Each script as a user runs it with --smoke: its own losses, miners and samplers."""
     script = load(name)
-    missing = script.missing_components(next(iter(script.variants)))
-    if missing:
-        pytest.skip(f"{name} needs {', '.join(missing)}, not registered yet")
     assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
     variant = next(iter(script.variants.values()))
     rows = {r.label for r in variant.runs if not script.smoke_rows or r.label in script.smoke_rows}
@@ -94,7 +79,7 @@ def test_smoke_run_of_every_script(name, tmp_path, capsys):
 
 def test_smoke_reads_a_query_gallery_data_set(tmp_path, capsys):
     script = load("rambo_ablation")
-    code = script.main(["--smoke", "--dataset", "inshop", "--loss", STAND_IN, "--only", "margin=0",
+    code = script.main(["--smoke", "--dataset", "inshop", "--only", "margin=0",
                         "--out", str(tmp_path)])
     assert code == 0
     assert "In-shop" in capsys.readouterr().out
@@ -105,7 +90,7 @@ def test_missing_data_gives_the_download_instructions_not_a_traceback(name, tmp_
     script = load(name)
     for dataset, variant in script.variants.items():
         code = script.main(["--dataset", dataset, "--data-root", str(tmp_path), "--random-init",
-                            "--loss", STAND_IN, "--out", str(tmp_path)])
+                            "--out", str(tmp_path)])
         err = capsys.readouterr().err
         assert code == 2
         layout = reproduce.DATASETS[dataset].layout
@@ -116,37 +101,46 @@ def test_missing_data_gives_the_download_instructions_not_a_traceback(name, tmp_
 def test_missing_weights_say_which_file_goes_where(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     script = load("rambo_retrieval")
-    code = script.main(["--data-root", str(tmp_path), "--loss", STAND_IN, "--out", str(tmp_path)])
+    code = script.main(["--data-root", str(tmp_path), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
     assert os.path.join(str(tmp_path), "hub", "checkpoints", "resnet50-0676ba61.pth") in err
     assert "--random-init" in err and "Traceback" not in err
 
 
-def test_a_loss_that_is_not_registered_is_named(tmp_path, capsys):
-    code = load("auc_cub200").main(["--smoke", "--loss", "NoSuchLoss", "--out", str(tmp_path)])
+def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys):
+    script = load("auc_cub200")
+    variant = next(iter(script.variants.values()))
+    missing = reproduce.Run("missing", loss="NoSuchLoss")
+    script = reproduce.dataclasses.replace(
+        script, variants={variant.dataset: reproduce.dataclasses.replace(variant, runs=(missing,))})
+    code = script.main(["--smoke", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "NoSuchLoss is not registered" in err and "pml-rank list" in err
+    assert "NoSuchLoss is not registered" in err and "pml-rank list" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
 
 
-def test_cli_lists_the_scripts_with_their_data_and_hardware(capsys):
-    assert cli.main(["reproduce", "--list"]) == 0
-    out = capsys.readouterr().out
-    for name in SCRIPTS:
-        assert f"{name}: " in out
-    assert out.count("hardware: ") == sum(len(load(n).variants) for n in SCRIPTS)
-    assert "<data-root>/CUB_200_2011" in out
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_script_runs_from_the_command_line(name):
+    """As the README says to run them: `python examples/<name>.py --help` from a clone."""
+    result = subprocess.run([sys.executable, str(SCRIPTS[name]), "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--data-root" in result.stdout and "--smoke" in result.stdout
 
 
-def test_cli_refuses_an_unknown_script(capsys):
-    assert cli.main(["reproduce", "nosuch"]) == 2
-    assert "auc_cub200" in capsys.readouterr().err
-
-
-def test_cli_passes_the_arguments_to_the_script(tmp_path, capsys):
-    code = cli.main(["reproduce", "auc_cub200", "--data-root", str(tmp_path), "--random-init", "--loss", STAND_IN])
-    assert code == 2 and "CUB_200_2011.tgz" in capsys.readouterr().err
+def test_the_learning_rate_drop_is_a_pml_lr_scheduler():
+    setup = load("auc_cub200").variants["cub200"].setup
+    after_epoch, factor = setup.lr_drop
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = reproduce._lr_scheduler_factory(setup)(optimizer)
+    rates = []
+    for _ in range(after_epoch + 2):  # PML's trainer steps it at the end of every epoch
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[after_epoch - 1] == 1.0 and rates[after_epoch] == pytest.approx(factor)
 
 
 # --------------------------------------------------------------------------- machinery
@@ -169,7 +163,7 @@ def test_recall_at_k_by_hand():
     labels = torch.tensor([0, 1, 0, 1, 2])
     # per query, nearest others: 0 -> 1 (x), 2 (v); 1 -> 0 (x), 2 (x), 3 (v); 2 -> 1 (x), 0 (v);
     # 3 -> 4 (x), 2 (x), 1 (v); 4 has no other item of its class and is left out.
-    r = retrieval_accuracy(query, labels, metrics=("R@1", "R@2", "R@4"))
+    r = accuracy(query, labels, metrics=("R@1", "R@2", "R@4"))
     assert r["R@1"] == 0
     assert r["R@2"] == pytest.approx(2 / 4)
     assert r["R@4"] == 1
@@ -178,14 +172,14 @@ def test_recall_at_k_by_hand():
 def test_recall_against_a_gallery_by_hand():
     query, query_labels = torch.tensor([[0.0], [5.0]]), torch.tensor([7, 8])
     gallery, gallery_labels = torch.tensor([[0.1], [4.0], [5.2]]), torch.tensor([8, 7, 8])
-    r = retrieval_accuracy(query, query_labels, gallery, gallery_labels, metrics=("R@1", "R@2"))
+    r = accuracy(query, query_labels, gallery, gallery_labels, metrics=("R@1", "R@2"))
     assert r == {"R@1": 0.5, "R@2": 1.0}  # query 7 finds its item 2nd, query 8 first
 
 
 def test_recall_at_1_is_pmls_precision_at_1():
     torch.manual_seed(0)
     embeddings, labels = torch.randn(200, 8), torch.randint(0, 20, (200,))
-    ours = retrieval_accuracy(embeddings, labels, metrics=("R@1", "MAP@R", "R@10"))
+    ours = accuracy(embeddings, labels, metrics=("R@1", "MAP@R", "R@10"))
     pml = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count")
     theirs = pml.get_accuracy(embeddings, labels)
     assert ours["R@1"] == pytest.approx(theirs["precision_at_1"])
@@ -193,18 +187,52 @@ def test_recall_at_1_is_pmls_precision_at_1():
     assert ours["R@1"] <= ours["R@10"]
 
 
-def test_frozen_batchnorm_keeps_statistics_and_parameters():
+class _Images(torch.utils.data.Dataset):
+    """16 random 3x8x8 images of 4 classes."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randn(16, 3, 8, 8, generator=generator)
+        self.labels = [i % 4 for i in range(16)]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i]
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_frozen_batchnorm_is_pmls_trainer_option(freeze):
+    from pytorch_metric_learning.losses import ContrastiveLoss
+
+    from pml_rank.harness.evaluation import train_model
+
     torch.manual_seed(0)
     trunk = backbones.TinyTrunk()
-    trunk[1].running_mean.uniform_(-1, 1)
-    x = torch.randn(4, 3, 8, 8)
-    expected = trunk.eval()(x)
-    frozen = reproduce.freeze_batchnorm(trunk).train()
-    out = frozen(x)
-    torch.testing.assert_close(out, expected)
-    out.sum().backward()
-    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in frozen.modules())
-    assert all(p.grad is not None for p in frozen.parameters())  # frozen BN holds buffers, not parameters
+    batchnorm = next(m for m in trunk.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    before = batchnorm.running_mean.clone()
+    train_model(ContrastiveLoss(), _Images(), trunk=trunk, epochs=1, batch_size=8, iterations_per_epoch=2,
+                freeze_trunk_batchnorm=freeze)
+    assert torch.equal(batchnorm.running_mean, before) == freeze
+
+
+def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch():
+    from pytorch_metric_learning.losses import ContrastiveLoss
+
+    from pml_rank.harness.evaluation import train_model
+
+    seen = []
+
+    def make_lr_scheduler(optimizer):
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [2], gamma=0.3)
+        step = scheduler.step
+        scheduler.step = lambda *a: (seen.append(optimizer.param_groups[0]["lr"]), step(*a))
+        return scheduler
+
+    train_model(ContrastiveLoss(), _Images(), trunk=backbones.TinyTrunk(), epochs=3, batch_size=8,
+                iterations_per_epoch=2, make_lr_scheduler=make_lr_scheduler, lr=1.0)
+    assert seen == [1.0, 1.0, pytest.approx(0.3)]
 
 
 def test_test_classes_get_the_evaluation_transform():
@@ -233,23 +261,6 @@ def test_embedding_layer_gets_its_learning_rate_factor():
     embedder_optimizer = make(models["embedder"].parameters(), 1e-3)
     assert embedder_optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
     assert embedder_optimizer.param_groups[0]["weight_decay"] == 4e-4
-
-
-def test_learning_rate_drops_once_after_the_papers_epoch():
-    class Bar:
-        def update(self, n):
-            pass
-
-    class Trainer:
-        pass
-
-    progress = reproduce._Progress(Bar(), lr_drop=(2, 0.3))
-    for trainer in (Trainer(), Trainer()):  # e.g. two folds
-        trainer.optimizers = {"trunk_optimizer": torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)}
-        for epoch in (1, 2, 3, 3, 4):
-            trainer.epoch = epoch
-            progress(trainer)
-        assert trainer.optimizers["trunk_optimizer"].param_groups[0]["lr"] == pytest.approx(0.3)
 
 
 # --------------------------------------------------------------------------- backbones

@@ -23,6 +23,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..losses.auc import AUCLoss
+from ..plugins import registry
+from .references.auc import auc_bh_loss
+
 DEFAULT_BATCH_SIZES = (512, 1024, 2048)
 DEFAULT_DIM = 512
 
@@ -52,7 +56,6 @@ def registered(name, **kwargs):
     """Factory for a loss looked up in the registry, called as ``loss(embeddings, labels)``."""
 
     def make():
-        from .plugins import registry
 
         return registry.losses()[name](**kwargs)
 
@@ -93,10 +96,10 @@ def pml_loss(name, **kwargs):
 
 def function(dotted, **kwargs):
     """Factory for the function ``pml_rank.<dotted>`` with `kwargs` bound, called as
-    ``fn(*inputs)``: ``function("references.fastap.fast_ap_loss")``."""
+    ``fn(*inputs)``: ``function("harness.references.fastap.fast_ap_loss")``."""
 
     def make():
-        module, name = f"{__package__}.{dotted}".rsplit(".", 1)
+        module, name = f"pml_rank.{dotted}".rsplit(".", 1)
         return functools.partial(getattr(importlib.import_module(module), name), **kwargs)
 
     return make
@@ -136,8 +139,6 @@ def _npairs_pml():
                              embedding_reg_weight=0.002)
 def auc_reference():
     """AUC-BH's Algorithm 1 as a loop, with AUCLoss's default step and slope."""
-    from .losses.auc import AUCLoss
-    from .references.auc import auc_bh_loss
 
     defaults = AUCLoss()
     return lambda embeddings, labels: auc_bh_loss(embeddings, labels, defaults.step, defaults.slope)
@@ -150,24 +151,24 @@ CASES = {
     "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024),
     "FastAPLoss": SpeedCase(
         ours=registered("FastAPLoss"), pml=pml_loss("FastAPLoss"),
-        reference=function("references.fastap.fast_ap_loss"), reference_max_size=1024),
+        reference=function("harness.references.fastap.fast_ap_loss"), reference_max_size=1024),
     "NPairsMCLoss": SpeedCase(ours=registered("NPairsMCLoss"), pml=_npairs_pml,
-                              reference=function("references.npairs.npairs_loss", mode="mc", l2_reg_weight=0.002),
+                              reference=function("harness.references.npairs.npairs_loss", mode="mc", l2_reg_weight=0.002),
                               inputs=labelled_batch(per_class=2)),
     # PML has no one-vs-one N-pair loss: its NPairsLoss (same pairs, softmax) is the nearest.
     "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml,
-                               reference=function("references.npairs.npairs_loss", mode="ovo", l2_reg_weight=0.002),
+                               reference=function("harness.references.npairs.npairs_loss", mode="ovo", l2_reg_weight=0.002),
                                inputs=labelled_batch(per_class=2)),
     # The AP loss on one sequence of scores (paper Table 6), 10% positives. The memory
     # is off in the recall case: the reference has none.
     "RaMBOAPLoss": SpeedCase(
         ours=function("ranking.average_precision_loss", lambda_val=0.5, margin=0.15),
-        reference=function("references.rambo.average_precision_loss", lambda_val=0.5, margin=0.15),
+        reference=function("harness.references.rambo.average_precision_loss", lambda_val=0.5, margin=0.15),
         floor=sort_floor, inputs=labelled_scores(positive_rate=0.1),
         size_name="scores", default_sizes=(100_000, 1_000_000)),
     "RaMBORecallLoss": SpeedCase(
         ours=registered("RaMBORecallLoss", memory_size=0),
-        reference=function("references.rambo.recall_loss", lambda_val=0.2, margin=0.02)),
+        reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02)),
 }
 
 

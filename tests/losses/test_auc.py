@@ -13,12 +13,13 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
-from pml_rank import registry, speed
+from pml_rank import registry
+from pml_rank.harness import speed
 from pml_rank.losses import AUCLoss
 from pml_rank.losses.auc import default_slope, exact_roc_area, relaxed_roc_area, slope_table, thresholds
-from pml_rank.references.auc import auc_bh_loss
+from pml_rank.harness.references.auc import auc_bh_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def clustered_batch(seed, noise, classes=32, per_class=4, dim=64, dtype=torch.float64):
@@ -292,15 +293,6 @@ def digit_pairs(images, digits, generator, per_class=16):
             features.append(torch.cat([images[chosen[0]], images[chosen[1]]], dim=1))
             labels += [10 * left + right] * per_class
     return torch.cat(features), torch.tensor(labels)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: with the cores shared, a second thread only adds waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_training_with_batch_hard_miner_raises_map_at_r_on_held_out_classes(one_thread):

@@ -13,11 +13,12 @@ from pytorch_metric_learning import reducers, trainers
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
 import pml_rank
-from pml_rank import ranking, speed
+from pml_rank import ranking
+from pml_rank.harness import speed
 from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
-from pml_rank.references import rambo as reference
+from pml_rank.harness.references import rambo as reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def batch(size=32, dim=8, per_class=4, seed=0):
@@ -424,7 +425,7 @@ def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_pa
     iteration; the memory must not be among them (they cannot record an empty one)."""
     from pytorch_metric_learning.utils import logging_presets
 
-    from pml_rank.evaluation.training import make_record_keeper
+    from pml_rank.harness.evaluation.training import make_record_keeper
 
     class _Trainer:  # just what end_of_iteration_hook reads
         def __init__(self, loss):

@@ -14,8 +14,8 @@ from pytorch_metric_learning.utils.distributed import DistributedLossWrapper, ge
 
 import pml_rank
 from pml_rank.losses import FastAPLoss
-from pml_rank.references import fastap as reference
-from pml_rank.speed import peak_memory
+from pml_rank.harness.references import fastap as reference
+from pml_rank.harness.speed import peak_memory
 
 
 def batch(n=48, dim=16, classes=10, seed=0, dtype=torch.float64):
@@ -223,7 +223,7 @@ def test_registered_and_never_replacing_pmls_fast_ap():
 
 
 def _example():
-    path = Path(__file__).parent.parent / "examples" / "fastap_hierarchical_sampling.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "fastap_hierarchical_sampling.py"
     spec = importlib.util.spec_from_file_location("fastap_hierarchical_sampling", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

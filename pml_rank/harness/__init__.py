@@ -1,0 +1,16 @@
+"""The harness: what measures and compares pml-rank's losses, kept apart from the library.
+
+    evaluation/   the Reality Check protocol (splits, folds, metrics, training with PML)
+    data/         the embedded glyph data set, the real data sets' loaders, the small CNN
+    references/   straightforward losses written from the papers' formulas
+    bench.py      `pml-rank bench`
+    speed.py      `pml-rank speed`
+    backbones.py, reproduce.py   the papers' setups, used by examples/
+
+Its dependencies (faiss, record-keeper, matplotlib, torchvision, ...) come with the
+``harness`` extra: ``pip install 'pml-rank[harness]'``.
+"""
+
+# What the ``harness`` extra installs, by import name: checked by the command line before
+# any work, so a missing one is named at once rather than after minutes of training.
+REQUIRED_MODULES = ("faiss", "record_keeper", "matplotlib", "torchvision", "PIL", "scipy", "tqdm")
