@@ -16,9 +16,7 @@ def pml_rank_samplers():
 
 
 def _rambo_space(trial, recall):
-    import inspect
-
-    from .losses import RaMBORecallLoss
+    from .losses.rambo import MEMORY_VARIANTS
 
     params = {
         # λ of the blackbox ranking (normalised ranks, so the papers' values carry over).
@@ -28,23 +26,9 @@ def _rambo_space(trial, recall):
     }
     if recall:
         params["weighting"] = trial.suggest_categorical("weighting", ["log", "loglog"])
-    # The authors'-code memory variant, where the installed version offers it.
-    variant = inspect.signature(RaMBORecallLoss.__init__).parameters.get("memory_variant")
-    if variant is not None and params["memory_size"] > 0:
-        choices = _memory_variants(variant)
-        if choices:
-            params["memory_variant"] = trial.suggest_categorical("memory_variant", choices)
+    if params["memory_size"] > 0:  # the paper's text ("extend") or the authors' code ("rows")
+        params["memory_variant"] = trial.suggest_categorical("memory_variant", list(MEMORY_VARIANTS))
     return params
-
-
-def _memory_variants(parameter):
-    from . import losses
-    from .losses import rambo
-
-    choices = getattr(rambo, "MEMORY_VARIANTS", None) or getattr(losses, "MEMORY_VARIANTS", None)
-    if choices:
-        return list(choices)
-    return ["extend", "rows"] if isinstance(parameter.default, str) else []
 
 
 # Threshold spacings that divide AUCLoss's default [-1, 1] into whole intervals (it insists).
