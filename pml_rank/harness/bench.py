@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
-from .budget import DEFAULTS
+from . import outputs
+from .budget import DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
@@ -58,20 +60,23 @@ def batch_hard_miner():
 # The paper's miner and sampler for pml-rank's own losses. Losses not named here train
 # with 4 samples per class and no miner.
 PAPER_RECIPES = {
-    "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner"),
-    "FastAPLoss": dict(batches="m=4 per class"),
-    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
-    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
-    "RaMBOAPLoss": dict(batches="m=4 per class, score memory"),
-    "RaMBORecallLoss": dict(batches="m=4 per class, score memory"),
+    "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner", per_class=4),
+    "FastAPLoss": dict(batches="m=4 per class", per_class=4),
+    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
+                         per_class=2),
+    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
+                          per_class=2),
+    "RaMBOAPLoss": dict(batches="m=4 per class, score memory", per_class=4),
+    "RaMBORecallLoss": dict(batches="m=4 per class, score memory", per_class=4),
 }
+DEFAULT_RECIPE = dict(batches="m=4 per class", per_class=4)
 
 # PML's own losses with their defaults, the baselines of the Reality Check paper.
 PML_BASELINES = {
-    "ContrastiveLoss": dict(batches="m=4 per class"),
-    "TripletMarginLoss": dict(batches="m=4 per class"),
-    "FastAPLoss": dict(batches="m=4 per class"),
-    "NPairsLoss": dict(make_sampler=m_per_class(2), batches="N classes x 2"),
+    "ContrastiveLoss": dict(batches="m=4 per class", per_class=4),
+    "TripletMarginLoss": dict(batches="m=4 per class", per_class=4),
+    "FastAPLoss": dict(batches="m=4 per class", per_class=4),
+    "NPairsLoss": dict(make_sampler=m_per_class(2), batches="N classes x 2", per_class=2),
 }
 
 
@@ -80,7 +85,7 @@ def recipes(names=None):
     PML's baselines (``pml:<name>``); `names` selects and orders a subset."""
     available = {}
     for name, cls in sorted(registry.losses().items()):
-        extra = PAPER_RECIPES.get(name, dict(batches="m=4 per class"))
+        extra = PAPER_RECIPES.get(name, DEFAULT_RECIPE)
         available[name] = Recipe(make_loss=cls, name=name, **extra)
     for name, extra in PML_BASELINES.items():
         name = PML_PREFIX + name
@@ -104,6 +109,52 @@ def _small_cnn(embedding_size):
 # Data sets the bench can run on: name -> (loader(cache_dir, num_classes), trunk factory
 # maker(embedding_size)). The glyphs need no download.
 DATASETS = {"glyphs": (_glyphs, _small_cnn)}
+assert tuple(DATASETS) == DATASET_NAMES, "budget.DATASET_NAMES lists the data sets for the command line"
+
+
+class BudgetError(ValueError):
+    """A budget the chosen rows cannot train with. ``option`` is the command-line option
+    at fault (``"--batch-size"``, ``"--classes"``); the message names it."""
+
+    def __init__(self, option, message):
+        super().__init__(f"argument {option}: {message}")
+        self.option = option
+
+
+def _rows_by_per_class(contenders):
+    groups = {}
+    for name, recipe in contenders.items():
+        if recipe.per_class:
+            groups.setdefault(recipe.per_class, []).append(name)
+    return dict(sorted(groups.items(), reverse=True))
+
+
+def _group_name(per_class):
+    return "the N-pair rows" if per_class == 2 else f"the m={per_class} rows"
+
+
+def check_budget(contenders, batch_size, num_classes=None, num_folds=None):
+    """Raises `BudgetError` when `batch_size` or `num_classes` (None: not known yet)
+    cannot make the batches of the rows `contenders` (``{name: Recipe}``): the batch size
+    must be a multiple of each row's samples per class and hold two classes or more, and
+    every fold model must train on at least as many classes as a batch holds."""
+    num_folds = num_folds or DEFAULTS["num_folds"]
+    groups = _rows_by_per_class(contenders)
+    if any(batch_size % m or batch_size < 2 * m for m in groups):
+        needs = [f"{'even' if m == 2 else f'a multiple of {m}'} and at least {2 * m} for {_group_name(m)} "
+                 f"({', '.join(names)})" for m, names in groups.items()]
+        raise BudgetError("--batch-size", f"{batch_size} does not fit the chosen rows: it must be "
+                                          f"{'; '.join(needs)}")
+    if num_classes is None:
+        return
+    minimum = {m: minimum_classes(m, batch_size, num_folds) for m in groups}
+    if groups and num_classes < max(minimum.values()):
+        needs = [f"{minimum[m]} for {_group_name(m)} ({', '.join(names)}), {batch_size // m} classes per batch"
+                 for m, names in groups.items()]
+        raise BudgetError("--classes", f"{num_classes} classes are too few at batch size {batch_size}: half of "
+                                       f"the classes are for training and each of the {num_folds} fold models "
+                                       f"trains on {fold_training_classes(num_classes, num_folds)} of them; "
+                                       f"the minimum is {'; '.join(needs)}")
 
 
 @dataclasses.dataclass
@@ -126,10 +177,13 @@ class BenchResult:
 
 def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=None, batch_size=None,
               seeds=None, embedding_size=None, lr=None, num_folds=None, device=None, cache_dir=None,
-              num_classes=None, progress=True):
+              num_classes=None, threads=None, progress=True):
     """Runs every contender (`recipes(losses)`) plus the raw input and untrained rows
     with the same budget; returns a `BenchResult`. Arguments left at None take
-    `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...)."""
+    `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...). `threads` sets
+    torch's CPU threads (None: leave torch's setting); the configuration records the
+    number used. Raises `BudgetError` before any training when the batch size or the
+    number of classes cannot make the rows' batches."""
     given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch,
                  batch_size=batch_size, seeds=seeds, embedding_size=embedding_size, lr=lr,
                  num_folds=num_folds, device=device)
@@ -138,9 +192,19 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
     if config["dataset"] not in DATASETS:
         raise KeyError(f"unknown data set {config['dataset']}; available: {', '.join(DATASETS)}")
     contenders = recipes(losses)
+    check_budget(contenders, config["batch_size"], num_classes, config["num_folds"])
+    if threads is not None:
+        torch.set_num_threads(threads)
+    config["threads"] = torch.get_num_threads()
     started = time.perf_counter()
     load, trunk_for = DATASETS[config["dataset"]]
-    data = load(cache_dir, num_classes)
+    try:
+        data = load(cache_dir, num_classes)
+    except ValueError as error:
+        if num_classes is None:
+            raise
+        raise BudgetError("--classes", str(error)) from None
+    check_budget(contenders, config["batch_size"], len(np.unique(data.labels)), config["num_folds"])
     make_trunk = trunk_for(config["embedding_size"])
     seed_list = list(range(config["seeds"]))
     shared = dict(num_folds=config["num_folds"], batch_size=config["batch_size"],
@@ -221,8 +285,7 @@ def write_csv(result, path):
         lines.append(",".join(f'"{c}"' if "," in c else c for c in cells))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return outputs.write_text(path, "\n".join(lines) + "\n")
 
 
 def write_json(result, path):
@@ -243,8 +306,7 @@ def write_json(result, path):
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1))
-    return path
+    return outputs.write_text(path, json.dumps(payload, indent=1))
 
 
 def _mean_curve(histories, key):
@@ -307,8 +369,10 @@ def write_png(result, path):
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        outputs.save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -15,7 +15,6 @@ Losses and miners are named as `pml_rank.harness.components` reads them (``"AUCL
 when a component it needs is not installed.
 """
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -27,6 +26,7 @@ import torch
 from torchvision import transforms
 from tqdm import tqdm
 
+from . import arguments, outputs
 from .bench import hard_negative_classes, m_per_class
 from .text_table import format_text_table
 from .components import MissingComponentError, component_class
@@ -155,7 +155,7 @@ class Script:
     # ---- the command line
 
     def parser(self):
-        p = argparse.ArgumentParser(prog=f"{self.name}.py", description=self.title)
+        p = arguments.ArgumentParser(prog=f"{self.name}.py", description=self.title)
         p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
                        help="which table (data set) to reproduce (default: %(default)s)")
         p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
@@ -163,24 +163,39 @@ class Script:
         p.add_argument("--smoke", action="store_true",
                        help="seconds-long check of the whole pipeline: tiny copies of the data "
                        "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing")
-        p.add_argument("--epochs", type=int, help="override the paper's number of epochs")
-        p.add_argument("--batch-size", type=int, help="override the paper's batch size")
-        p.add_argument("--image-size", type=int,
+        p.add_argument("--epochs", type=arguments.positive_int,
+                       help="override the paper's number of epochs, >= 1")
+        p.add_argument("--batch-size", type=arguments.positive_int,
+                       help="override the paper's batch size; a multiple of the setup's samples per class")
+        p.add_argument("--image-size", type=arguments.positive_int,
                        help="override the training crop / test centre crop (the images are first "
                        "resized to 256/224 of it)")
-        p.add_argument("--repeats", type=int,
-                       help="Reality Check: repeated runs for the confidence interval")
+        p.add_argument("--repeats", type=arguments.positive_int,
+                       help="Reality Check: repeated runs for the confidence interval, >= 1")
         p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows (our labels)")
         p.add_argument("--random-init", action="store_true",
                        help="no ImageNet weights (not the papers' setting)")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--out", default="pml-rank-results", help="folder for the JSON and PNG results")
+        p.add_argument("--device", type=arguments.device, default=arguments.default_device(),
+                       help=f"torch device: {arguments.DEVICE_HELP} (default here: %(default)s)")
+        p.add_argument("--seed", type=arguments.non_negative_int, default=0,
+                       help="seed of the training runs, >= 0 (default %(default)s)")
+        p.add_argument("--out", default="pml-rank-results",
+                       help="folder for the JSON and PNG results, created if missing and checked writable "
+                            "before any work (default: %(default)s)")
         return p
 
     def main(self, argv=None):
-        args = self.parser().parse_args(argv)
+        parser = self.parser()
+        args = parser.parse_args(argv)
         variant = self.variants[args.dataset]
+        setup = effective_setup(variant.setup, args)
+        if setup.batch_size % setup.samples_per_class or setup.batch_size < 2 * setup.samples_per_class:
+            parser.error(f"argument --batch-size: {setup.batch_size} must be a multiple of the "
+                         f"{setup.samples_per_class} samples per class and hold two classes or more")
+        try:
+            outputs.prepare_output_dir(args.out)
+        except outputs.OutputError as error:
+            parser.error(f"argument {error}")
         try:
             with tempfile.TemporaryDirectory(prefix="pml-rank-smoke-") as scratch:
                 if args.smoke and args.data_root is None:
@@ -505,7 +520,7 @@ def write_result(script, variant, result, args):
         "metrics": list(variant.table.metrics), "paper_rows": variant.table.rows, "ours": result,
         "setup": dataclasses.asdict(setup), "smoke": args.smoke, "seed": args.seed,
     }
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    outputs.write_text(path, json.dumps(payload, indent=2, default=str))
     plot_result(script, variant, result, args, path.with_suffix(".png"))
     return path
 
@@ -545,5 +560,7 @@ def plot_result(script, variant, result, args, path):
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{table.source}" + ("  [--smoke: meaningless numbers]" if args.smoke else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        outputs.save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
