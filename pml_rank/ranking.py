@@ -13,8 +13,8 @@ This is the one place in pml-rank that ranks. Conventions:
   pass and again in the backward pass, where the perturbed scores are sorted in forward
   order (nearly sorted already, faster). On the CPU the sort runs on order-preserving
   integer keys (faster; a radix sort for one sequence). The rank among the positives is
-  a cumulative count in sorted order (`positive_ranks`), never a second sort.
-- The losses need ranks at the positives only (`ranks_of_positives`). When every
+  a cumulative count in sorted order (`ranks_among_positives`), never a second sort.
+- The losses need ranks at the positives only (`blackbox_ranks_of_positives`). When every
   sequence has few positives (at most log2(n) / 2, as in in-batch retrieval), Algorithm 1
   moves only them, and their ranks and the perturbed ranking are counted by comparing
   each positive with its sequence, O(positives · n), instead of sorting every row,
@@ -35,15 +35,17 @@ import math
 
 import torch
 
+from ._checks import check_embeddings
+
 __all__ = [
     "LossScale",
     "apc_loss",
     "average_precision_loss",
     "blackbox_rank",
+    "blackbox_ranks_of_positives",
     "descending_order",
     "map_loss",
-    "positive_ranks",
-    "ranks_of_positives",
+    "ranks_among_positives",
 ]
 
 
@@ -73,7 +75,7 @@ def _descending_keys(scores):
     return bits ^ ((bits >> (bits.element_size() * 8 - 1)) & magnitude)
 
 
-def positive_ranks(positives, order):
+def ranks_among_positives(positives, order):
     """Every positive element, as an index tuple (like ``positives.nonzero(as_tuple=True)``,
     listed in ranking order), and its rank among the positives of its sequence
     (1 = highest): a cumulative count in sorted order, no second sort."""
@@ -163,7 +165,7 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     length, differentiable by RaMBO's Algorithm 1 with interpolation strength
     `lambda_val`. With `loss_scale` (a `LossScale` attached to the final loss), λ is
     independent of what multiplies that loss. With `return_order`, also returns the
-    descending order (not differentiable), for `positive_ranks`."""
+    descending order (not differentiable), for `ranks_among_positives`."""
     _check_lambda("blackbox_rank", lambda_val)
     if not torch.is_tensor(scores) or not torch.is_floating_point(scores) or scores.ndim == 0:
         raise TypeError("blackbox_rank: scores must be a floating-point tensor with at least one dimension")
@@ -171,7 +173,7 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     return (ranks, order) if return_order else ranks
 
 
-def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
+def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
     """For sequences `scores` [sequences, n] and a boolean mask `positives`: the index
     (sequence, element) of every positive, its blackbox rank divided by n (differentiable
     by Algorithm 1 with respect to all scores) and its rank among the positives (an
@@ -181,15 +183,15 @@ def ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
     (at most log2(n) / 2) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
-    everything (`blackbox_rank`, `positive_ranks`)."""
-    _check_lambda("ranks_of_positives", lambda_val)
+    everything (`blackbox_rank`, `ranks_among_positives`)."""
+    _check_lambda("blackbox_ranks_of_positives", lambda_val)
     sequences, n = scores.shape
     per_sequence = positives.sum(-1)
     if int(per_sequence.max()) <= math.log2(max(n, 2)) / 2:  # measured break-even, n = 511 to 8191
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
-    index, among = positive_ranks(positives, order)
+    index, among = ranks_among_positives(positives, order)
     return index, ranks[index], among
 
 
@@ -289,7 +291,8 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     batch_shape, n = scores.shape[:-1], scores.shape[-1]
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     shifted = shift_by_margin(scores, positives, margin)
-    (sequence, element), ranks, among_positives = ranks_of_positives(shifted, positives, lambda_val, loss_scale)
+    (sequence, element), ranks, among_positives = blackbox_ranks_of_positives(
+        shifted, positives, lambda_val, loss_scale)
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
@@ -310,8 +313,6 @@ def _check_targets(owner, scores, targets):
 
 
 def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
-    from .losses.base import check_embeddings
-
     _check_lambda(owner, lambda_val)
     if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
         check_embeddings(owner, scores=scores)

@@ -72,11 +72,11 @@ def test_perturbed_ties_keep_forward_order():
     assert torch.allclose(grad, -(forward - expected).double() / 15 / lambda_val)
 
 
-def test_positive_ranks_count_positives_in_sorted_order():
+def test_ranks_among_positives_count_positives_in_sorted_order():
     scores = seeded(5, 40)
     positives = targets_like(scores, 0.3)
     _, order = ranking.blackbox_rank(scores, 1.0, return_order=True)
-    index, among = ranking.positive_ranks(positives, order)
+    index, among = ranking.ranks_among_positives(positives, order)
     expected = reference.rank_among_positives(scores, positives)
     assert torch.equal(among, expected[index])
     assert positives[index].all() and len(among) == positives.sum()
@@ -136,7 +136,7 @@ def test_no_positive_gives_zero_loss_and_zero_gradient():
     assert loss.item() == 0 and torch.equal(grad, torch.zeros(20, dtype=torch.float64))
 
 
-# Scale of the incoming gradient (issue item 6).
+# Scale of the incoming gradient.
 
 @pytest.mark.parametrize("k", [0.5, 3.0])
 def test_algorithm_1_turns_a_loss_factor_into_a_lambda_factor(k):
@@ -218,10 +218,10 @@ def test_descending_order_is_a_stable_descending_sort(dtype, shape):
     assert torch.equal(ranking.descending_order(x), torch.sort(x, dim=-1, descending=True, stable=True).indices)
 
 
-def sorted_ranks_of_positives(scores, positives, lambda_val):
-    """`ranks_of_positives` through the sorting path."""
+def sorted_blackbox_ranks_of_positives(scores, positives, lambda_val):
+    """`blackbox_ranks_of_positives` through the sorting path."""
     ranks, order = ranking.blackbox_rank(scores, lambda_val, return_order=True)
-    index, among = ranking.positive_ranks(positives, order)
+    index, among = ranking.ranks_among_positives(positives, order)
     return index, ranks[index], among
 
 
@@ -237,7 +237,7 @@ def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(s
     for path in (ranking._CountedRanks.apply, None):
         x = scores.clone().requires_grad_()
         if path is None:
-            index, ranks, among = sorted_ranks_of_positives(x, positives, 1.0)
+            index, ranks, among = sorted_blackbox_ranks_of_positives(x, positives, 1.0)
         else:
             ranks, among, *index = path(x, positives, 1.0, None)
         # The same incoming gradient per positive, whatever order each path lists them in.
@@ -251,13 +251,13 @@ def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(s
         assert torch.equal(counted, sorted_)
 
 
-def test_ranks_of_positives_counts_when_positives_are_few():
+def test_blackbox_ranks_of_positives_counts_when_positives_are_few():
     scores = seeded(8, 64)
     positives = torch.zeros(8, 64, dtype=torch.bool)
     positives[:, [5, 40]] = True
     positives[2, 7] = True  # at most log2(64) / 2 = 3 per sequence: the counting path
-    index, ranks, among = ranking.ranks_of_positives(scores, positives, 0.5)
-    expected_index, expected_ranks, expected_among = sorted_ranks_of_positives(scores, positives, 0.5)
+    index, ranks, among = ranking.blackbox_ranks_of_positives(scores, positives, 0.5)
+    expected_index, expected_ranks, expected_among = sorted_blackbox_ranks_of_positives(scores, positives, 0.5)
     order = torch.argsort(index[0] * 64 + index[1])
     expected_order = torch.argsort(expected_index[0] * 64 + expected_index[1])
     assert torch.equal(ranks[order], expected_ranks[expected_order])

@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
-from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from .base import RankLossBase
+from .base import RankLossBase, pair_masks
 
 SLOPE_TABLE = Path(__file__).with_name("auc_slopes.json")
 
@@ -139,24 +138,13 @@ class AUCLoss(RankLossBase):
         """Indices ``(anchors, positives, negatives)`` of each anchor's lowest-similarity
         positive and highest-similarity negative, for anchors that have both. Candidates
         are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
+        if indices_tuple is None and labels is None:
+            raise ValueError("AUCLoss: labels are required when indices_tuple is None")
         similarity = self.distance(embeddings, ref_emb)
-        # Masks of the pairs that are NOT candidates, ready for masked_fill.
-        if indices_tuple is None:
-            if labels is None:
-                raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-            not_negative = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-            not_positive = ~not_negative
-            if ref_emb is embeddings:
-                not_positive.fill_diagonal_(True)
-        else:
-            a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
-            not_positive = torch.ones_like(similarity, dtype=torch.bool)
-            not_positive[a1, p] = False
-            not_negative = torch.ones_like(not_positive)
-            not_negative[a2, n] = False
-        hardest_pos, positives = similarity.masked_fill(not_positive, torch.inf).min(dim=1)
+        positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=similarity.shape)
+        hardest_pos, positives = similarity.masked_fill(~positive, torch.inf).min(dim=1)
         # The matrix is not needed afterwards: mask it in place instead of copying it.
-        hardest_neg, negatives = similarity.masked_fill_(not_negative, -torch.inf).max(dim=1)
+        hardest_neg, negatives = similarity.masked_fill_(~negative, -torch.inf).max(dim=1)
         keep = (hardest_pos < torch.inf) & (hardest_neg > -torch.inf)
         anchors = keep.nonzero().squeeze(1)
         return anchors, positives[anchors], negatives[anchors]

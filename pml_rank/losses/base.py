@@ -1,6 +1,8 @@
 import torch
 from pytorch_metric_learning.losses import BaseMetricLossFunction
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+from .._checks import check_embeddings, check_references
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -10,15 +12,21 @@ class RankLossBase(BaseMetricLossFunction):
     input with an error naming the loss and the offending value, so that a NaN never
     travels silently into training, and computes float16/bfloat16 input in float32
     (similarities, exponentials and sums overflow or lose all precision in half
-    precision; the gradient flows back in the input's dtype)."""
+    precision; the gradient flows back in the input's dtype). A batch without rows, or
+    without references, gives PML's zero loss."""
 
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         check_embeddings(self, embeddings=embeddings, ref_emb=ref_emb)
+        self.distance.check_shapes(embeddings, ref_emb)
+        check_references(self, labels, ref_emb, ref_labels)
+        if len(embeddings) == 0 or (ref_emb is not None and len(ref_emb) == 0):
+            self.reset_stats()
+            return self.reducer(self.zero_losses(), embeddings, labels)
         same = ref_emb is embeddings
         embeddings = _at_least_float32(embeddings)
         ref_emb = embeddings if same else _at_least_float32(ref_emb)
         loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        if not bool(torch.isfinite(loss)):
+        if torch.is_tensor(loss) and not bool(torch.isfinite(loss)):
             # Inputs were finite, so only their scale can have done this (1e20-norm rows).
             norms = [t.double().norm(dim=-1).max().item() for t in (embeddings, ref_emb) if t is not None and t.numel()]
             raise ValueError(
@@ -35,20 +43,27 @@ def _at_least_float32(tensor):
     return tensor
 
 
-def check_embeddings(component, **tensors):
-    """Raise TypeError for non-float and ValueError for non-finite tensors, naming
-    `component` (an instance or a name) and the tensor. `None` values are skipped."""
-    owner = component if isinstance(component, str) else type(component).__name__
-    for name, tensor in tensors.items():
-        if tensor is None:
-            continue
-        if not torch.is_tensor(tensor) or not torch.is_floating_point(tensor):
-            kind = tensor.dtype if torch.is_tensor(tensor) else type(tensor).__name__
-            raise TypeError(f"{owner}: {name} must be a floating-point tensor, got {kind}")
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            bad = (~finite).nonzero()[0].tolist()
-            raise ValueError(
-                f"{owner}: {name} contains {int((~finite).sum())} NaN/Inf value(s), "
-                f"first at index {tuple(bad)}: {tensor[tuple(bad)].item()}"
-            )
+def reference_is_batch(labels, ref_labels):
+    """PML's rule (`lmu.get_matches_and_diffs`): the references are the batch itself,
+    and a sample is not paired with itself, exactly when `ref_labels is labels`."""
+    return ref_labels is labels
+
+
+def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
+    """Boolean [queries, references] masks of the positive and the negative pairs:
+    every pair by label, without (i, i) when `reference_is_batch`, or the pairs of
+    `indices_tuple` (pairs or triplets, via PML's `convert_to_pairs`; `shape` gives
+    the size when there are no labels)."""
+    if indices_tuple is None:
+        positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+        negative = ~positive
+        if reference_is_batch(labels, ref_labels):
+            positive.fill_diagonal_(False)
+        return positive, negative
+    a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
+    shape = shape or (len(labels), len(ref_labels))
+    positive = torch.zeros(shape, dtype=torch.bool, device=a1.device)
+    negative = torch.zeros_like(positive)
+    positive[a1, p] = True
+    negative[a2, n] = True
+    return positive, negative

@@ -13,10 +13,9 @@ import numbers
 import torch
 from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
-from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
-from .base import RankLossBase
+from .base import RankLossBase, pair_masks, reference_is_batch
 
 # Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
 MAX_DISTANCE = 4.0
@@ -48,7 +47,10 @@ class FastAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        positive, excluded, exclude_self = self._pair_masks(labels, indices_tuple, ref_labels)
+        positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+        # The pairs that are neither: the diagonal when the batch is its own reference set.
+        exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        excluded = None if indices_tuple is None else ~(positive | negative)
         num_positives = positive.sum(1)
         has_positive = num_positives > 0
         if self.collect_stats:
@@ -57,8 +59,7 @@ class FastAPLoss(RankLossBase):
             return self.zero_losses()
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
-        queries = self.distance.normalize(embeddings, dim=1)
-        references = queries if ref_emb is embeddings else self.distance.normalize(ref_emb, dim=1)
+        queries, references = self.normalized_with_distance_stats(embeddings, ref_emb)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self,
                                   num_positives, self.num_bins)
         return {
@@ -69,25 +70,15 @@ class FastAPLoss(RankLossBase):
             }
         }
 
-    @staticmethod
-    def _pair_masks(labels, indices_tuple, ref_labels):
-        """(positive mask, mask of pairs left out of the histograms or None, whether the
-        diagonal is left out). As in PML, a sample is not its own positive when the
-        reference labels are the labels themselves."""
-        if indices_tuple is None:
-            positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-            exclude_self = ref_labels is labels
-            if exclude_self:
-                positive.fill_diagonal_(False)
-            return positive, None, exclude_self
-        a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
-        shape = (len(labels), len(ref_labels))
-        positive = torch.zeros(shape, dtype=torch.bool, device=labels.device)
-        positive[a1, p] = True
-        excluded = torch.ones(shape, dtype=torch.bool, device=labels.device)
-        excluded[a1, p] = False
-        excluded[a2, n] = False
-        return positive, excluded, False
+    def normalized_with_distance_stats(self, embeddings, ref_emb):
+        """The L2-normalised embeddings and references, recording the distance's
+        statistics as its own forward does (the kernel computes the distances itself)."""
+        distance = self.distance
+        distance.reset_stats()
+        queries = distance.normalize(embeddings, dim=1)
+        references = queries if ref_emb is embeddings else distance.normalize(ref_emb, dim=1)
+        distance.set_default_stats(embeddings, ref_emb, queries, references)
+        return queries, references
 
     def get_default_distance(self):
         return LpDistance(power=2)

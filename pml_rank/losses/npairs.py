@@ -7,7 +7,7 @@ from pytorch_metric_learning.regularizers import LpRegularizer
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from .base import RankLossBase
+from .base import RankLossBase, reference_is_batch
 
 
 class NPairsMCLoss(RankLossBase):
@@ -53,7 +53,8 @@ class NPairsMCLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        anchor_idx, positive_idx = self.pairs(labels, indices_tuple, ref_emb is not embeddings, ref_labels)
+        using_ref = not reference_is_batch(labels, ref_labels)
+        anchor_idx, positive_idx = self.pairs(labels, indices_tuple, using_ref, ref_labels)
         self.num_pairs = len(anchor_idx)
         if self.num_pairs == 0:
             return self.zero_losses()

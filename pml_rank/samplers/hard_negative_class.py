@@ -9,7 +9,7 @@ import torch
 from pytorch_metric_learning.distances import DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..losses.base import check_embeddings
+from .._checks import check_embeddings
 
 # Candidate classes drawn per batch, as a multiple of the classes in a batch, when the
 # caller does not say: the slides ask for "a large number" without giving it.
@@ -187,7 +187,16 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     def attach_trainer(self, trainer, batch_size=256):
         """Mine with a PML trainer's current models (trunk, then embedder) on its
-        dataset, with its collate function, data getter, device and dtype."""
+        dataset, with its collate function, data getter, device and dtype. Raises
+        ValueError when the trainer's batch size would cut across the mined pairs."""
+        expected = 2 * self.classes_per_batch // self.num_replicas
+        if getattr(trainer, "batch_size", expected) != expected:
+            per_process = f" / num_replicas={self.num_replicas}" if self.num_replicas > 1 else ""
+            raise ValueError(
+                f"{self._name}: the trainer's batch_size is {trainer.batch_size}, but its batches "
+                f"hold 2 * classes_per_batch{per_process} = {expected} samples; "
+                f"use batch_size={expected} or classes_per_batch={trainer.batch_size * self.num_replicas // 2}"
+            )
         self.attach(trainer.compute_embeddings, trainer.dataset, collate_fn=trainer.collate_fn,
                     data_getter=lambda batch: trainer.data_and_label_getter(batch)[0],
                     batch_size=batch_size, modules=list(trainer.models.values()))

@@ -2,7 +2,8 @@ import pytest
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 
-from pml_rank.losses.base import RankLossBase, check_embeddings
+from pml_rank._checks import check_embeddings
+from pml_rank.losses.base import RankLossBase
 
 
 class _Toy(RankLossBase):

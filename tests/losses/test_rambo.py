@@ -135,7 +135,65 @@ def test_memory_equals_one_call_on_the_concatenated_references(loss_class):
         assert torch.allclose(value, ref[0], atol=1e-12)
         assert torch.allclose(embeddings.grad, ref[1], atol=1e-12)
         assert len(loss.memory) == min(step + 1, tau)
-    assert loss.memory.embeddings.requires_grad is False
+    assert not any(t.requires_grad for t in loss.memory.stored())
+
+
+def rows_variant_reference(loss, embeddings, labels, stored_rows):
+    """The authors' memory variant, from its description: the batch's score rows (query
+    itself left out) with the stored rows of earlier batches appended below as extra
+    queries, each row ranked on its own by Algorithm 1 (ranks / n), r = (rank − rank
+    among positives) / n times the number of rows; the mean over all positive pairs."""
+    scores, positives = reference.similarities_without_self(embeddings, labels)
+    scores = torch.cat([scores] + [s for s, _ in stored_rows])
+    positives = torch.cat([positives] + [p for _, p in stored_rows])
+    if isinstance(loss, RaMBOAPLoss):
+        return reference.average_precision_loss(scores, positives, loss.lambda_val, loss.margin)
+    y = reference.shifted(scores, positives, loss.margin)
+    n = y.shape[-1]
+    ranks = reference.BlackboxRanker.apply(y, loss.lambda_val)
+    among = reference.rank_among_positives(y, positives).to(y.dtype) / n
+    losses = torch.log1p(((ranks - among) * len(y))[positives])
+    if loss.weighting == "loglog":
+        losses = torch.log1p(losses)
+    return losses.mean()
+
+
+@pytest.mark.parametrize("loss", [RaMBORecallLoss(memory_size=2, memory_variant="rows"),
+                                  RaMBORecallLoss(memory_size=2, memory_variant="rows", weighting="loglog",
+                                                  lambda_val=1.0, margin=0.05),
+                                  RaMBOAPLoss(memory_size=2, memory_variant="rows", lambda_val=2.0)])
+def test_rows_memory_equals_reference(loss):
+    tau = 2
+    batches = [batch(16, seed=40 + i) for i in range(4)]
+    for step, (embeddings, labels) in enumerate(batches):
+        earlier = batches[max(0, step - tau):step]
+        stored_rows = [tuple(t.detach() for t in reference.similarities_without_self(e, l)) for e, l in earlier]
+        ours = value_and_grad(lambda e: loss(e, labels), embeddings)
+        ref = value_and_grad(lambda e: rows_variant_reference(loss, e, labels, stored_rows), embeddings)
+        assert torch.allclose(ours[0], ref[0], atol=1e-12)
+        assert torch.allclose(ours[1], ref[1], atol=1e-12)
+        assert ours[1].abs().sum() > 0
+        assert len(loss.memory) == min(step + 1, tau)
+
+
+def test_rows_memory_differs_from_extend_and_needs_equal_row_lengths():
+    rows, extend = RaMBORecallLoss(memory_variant="rows"), RaMBORecallLoss(memory_variant="extend")
+    for seed in range(2):
+        assert rows(*batch(seed=seed)).item() != pytest.approx(extend(*batch(seed=seed)).item())
+    with pytest.raises(ValueError, match="RaMBORecallLoss: score row length 23 differs from the 31 stored"):
+        rows(*batch(24))
+    rows.reset_memory()
+    rows(*batch(24))
+
+
+def test_rows_memory_round_trips_through_state_dict():
+    loss = RaMBOAPLoss(memory_size=2, memory_variant="rows")
+    for seed in range(3):
+        loss(*batch(seed=seed))
+    restored = RaMBOAPLoss(memory_size=2, memory_variant="rows")
+    restored.load_state_dict(loss.state_dict())
+    nxt = batch(seed=7)
+    assert restored(*nxt).item() == loss(*nxt).item()
 
 
 def test_memory_gives_no_gradient_to_earlier_batches():
@@ -155,8 +213,8 @@ def test_state_dict_round_trips_the_memory():
     restored = RaMBORecallLoss(memory_size=2)
     restored.load_state_dict(loss.state_dict())
     assert len(restored.memory) == 2
-    assert torch.equal(restored.memory.embeddings, loss.memory.embeddings)
-    assert torch.equal(restored.memory.labels, loss.memory.labels)
+    for restored_tensor, saved_tensor in zip(restored.memory.stored(), loss.memory.stored(), strict=True):
+        assert torch.equal(restored_tensor, saved_tensor)
     nxt = batch(seed=7)
     assert restored(*nxt).item() == loss(*nxt).item()
 
@@ -203,6 +261,7 @@ def test_nan_embeddings_are_rejected_naming_the_loss(loss_class):
     (dict(margin=-0.1), "RaMBORecallLoss: margin must be a finite number >= 0, got -0.1"),
     (dict(weighting="sqrt"), "RaMBORecallLoss: weighting must be 'log' or 'loglog', got 'sqrt'"),
     (dict(memory_size=-1), "RaMBORecallLoss: memory_size must be an integer >= 0, got -1"),
+    (dict(memory_variant="queue"), "RaMBORecallLoss: memory_variant must be 'extend' or 'rows', got 'queue'"),
 ])
 def test_bad_parameters_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -363,7 +422,7 @@ def test_table6_example_runs_in_smoke_mode(tmp_path, capsys):
 
 def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_path):
     """PML's record-keeper hooks record every tensor in a loss's buffers each logged
-    iteration; the memory must not be among them (an empty one crashed them)."""
+    iteration; the memory must not be among them (they cannot record an empty one)."""
     from pytorch_metric_learning.utils import logging_presets
 
     from pml_rank.harness.evaluation.training import make_record_keeper

@@ -304,3 +304,24 @@ def test_ranks_get_disjoint_shards_of_the_same_global_batches(with_model):
 def test_shards_must_divide_the_classes():
     with pytest.raises(ValueError, match="classes_per_batch=6 must be a multiple of num_replicas=4"):
         HardNegativeClassSampler(uneven_labels(), 6, num_replicas=4, rank=0)
+
+
+@pytest.mark.parametrize("num_replicas, batch_size", [(1, 10), (1, 4), (2, 8)])
+def test_a_trainer_batch_size_that_cuts_across_pairs_is_rejected(num_replicas, batch_size):
+    labels = torch.arange(12).repeat_interleave(4)
+    dataset = torch.utils.data.TensorDataset(torch.randn(len(labels), 8), labels)
+    trunk = torch.nn.Linear(8, 8)
+    sampler = HardNegativeClassSampler(labels, 4, seed=0, num_replicas=num_replicas, rank=0)
+
+    def trainer(size):
+        return trainers.MetricLossOnly(
+            models={"trunk": trunk}, optimizers={}, batch_size=size, loss_funcs={"metric_loss": NPairsMCLoss()},
+            dataset=dataset, sampler=sampler, dataloader_num_workers=0, data_device=torch.device("cpu"))
+
+    expected = 8 // num_replicas
+    with pytest.raises(ValueError, match=rf"HardNegativeClassSampler: the trainer's batch_size is {batch_size}, "
+                                         rf"but its batches hold .* = {expected} samples; use batch_size={expected}"):
+        sampler.attach_trainer(trainer(batch_size))
+    good = trainer(expected)
+    sampler.end_of_iteration_hook(good)
+    assert sampler._attached_trainer is good
