@@ -321,56 +321,94 @@ def _mean_curve(histories, key):
     return epochs, [float(np.mean(by_epoch[e])) for e in epochs]
 
 
-def write_png(result, path):
-    """Bar chart of MAP@R (concatenated and separated, with 95% CIs) beside the training
-    curves: validation MAP@R and training loss per epoch, mean over folds and seeds."""
+def _row_colors(count):
+    """`count` distinct colours: tab20's ten strong shades, then its ten light ones, then
+    evenly spaced hues when more rows than that are drawn."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"].colors
+    palette = list(tab20[0::2]) + list(tab20[1::2])
+    if count <= len(palette):
+        return palette[:count]
+    return [matplotlib.colormaps["hsv"](i / count) for i in range(count)]
+
+
+def bench_figure(result):
+    """The bench's figure (a matplotlib `Figure`): bar chart of MAP@R (concatenated and
+    separated; 95% CI where there are two seeds or more, "no CI" said otherwise) beside
+    the training curves, validation MAP@R and training loss per epoch (mean over folds
+    and seeds, integer epochs), one distinct colour per row and the legend outside the
+    axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     summary = result.summary()
     metric = "mean_average_precision_at_r"
-    fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    c = result.config
+    fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     y = np.arange(len(result.rows))
+    any_ci, no_ci = False, []
     for offset, kind, color in ((-0.2, "concatenated", "tab:blue"), (0.2, "separated", "tab:orange")):
-        means = [100 * summary[r][kind][metric][0] for r in result.rows]
-        cis = [0 if np.isnan(summary[r][kind][metric][1]) else 100 * summary[r][kind][metric][1]
-               for r in result.rows]
-        bars.barh(y + offset, means, height=0.4, xerr=cis, color=color, capsize=3,
-                  label=f"{kind} ({result.config['num_folds']}x{result.config['embedding_size']}-dim)"
-                  if kind == "concatenated" else f"{kind} ({result.config['embedding_size']}-dim, mean)")
+        means = np.array([100 * summary[r][kind][metric][0] for r in result.rows])
+        cis = np.array([100 * summary[r][kind][metric][1] for r in result.rows])
+        label = (f"{kind} ({c['num_folds']}x{c['embedding_size']}-dim)" if kind == "concatenated"
+                 else f"{kind} ({c['embedding_size']}-dim, mean)")
+        bars.barh(y + offset, means, height=0.4, color=color, label=label)
+        has_ci = ~np.isnan(cis)
+        no_ci += [r for r, ok in zip(result.rows, has_ci) if not ok and r not in no_ci]
+        if has_ci.any():  # no error bar at all where there is no interval (one run): never a ±0
+            any_ci = True
+            bars.errorbar(means[has_ci], (y + offset)[has_ci], xerr=cis[has_ci], fmt="none", ecolor="black",
+                          capsize=3, linewidth=1)
     bars.set_yticks(y, result.rows)
     bars.invert_yaxis()
     bars.set_xlabel("MAP@R on held-out classes (%)")
-    bars.set_title(f"{result.config['dataset']}: mean ± 95% CI over {result.config['seeds']} seed(s)")
-    bars.legend(loc="lower right", fontsize=8)
+    seeds = c["seeds"]
+    if any_ci:
+        title = f"{c['dataset']}: mean ± 95% CI over {seeds} seeds"
+        if no_ci:
+            title += f"\n(no CI for {', '.join(no_ci)}: one run)"
+    else:
+        title = f"{c['dataset']}: {seeds} seed{'s' if seeds != 1 else ''}, no CI (needs two seeds or more)"
+    bars.set_title(title)
+    bars.legend(loc="upper left", bbox_to_anchor=(0, -0.1), fontsize=8, ncol=2, frameon=False)
     bars.grid(axis="x", alpha=0.3)
     trained = [r for r in result.rows if r not in (RAW_INPUT, UNTRAINED)]
-    colors = plt.get_cmap("tab20").colors
-    for i, row in enumerate(trained):
-        # PML's baselines dashed, so the two families stay apart beyond ten colours.
-        style = dict(color=colors[i % len(colors)], marker="o", label=row,
-                     linestyle="--" if row.startswith(PML_PREFIX) else "-")
+    for row, color in zip(trained, _row_colors(len(trained))):
+        # PML's baselines dashed: the two families stay apart at a glance.
+        style = dict(color=color, marker="o", label=row, linestyle="--" if row.startswith(PML_PREFIX) else "-")
         epochs, values = _mean_curve(result.histories[row], metric)
         val.plot(epochs, [100 * v for v in values], **style)
         epochs, values = _mean_curve(result.histories[row], "loss")
         if values and values[0] != 0:
             loss.plot(epochs, [v / values[0] for v in values], **style)
-    for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "--")):
+    for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "-.")):
         val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style,
                     label=f"{row} (test classes)")
     val.set(xlabel="epoch", ylabel="validation MAP@R (%)", title="validation fold (held-out training classes)")
     loss.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss, relative")
     for ax in (val, loss):
         ax.grid(alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    val.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # One legend for both curve panels, right of them, off the data.
+    loss.legend(*val.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8,
+                borderaxespad=0)
     fig.tight_layout()
+    return fig
+
+
+def write_png(result, path):
+    """Writes `bench_figure` to `path` (atomically); returns the path."""
+    fig = bench_figure(result)
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        outputs.save_figure(fig, path, dpi=110)
+        outputs.save_figure(fig, path, dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
     return path
