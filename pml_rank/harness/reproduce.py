@@ -31,7 +31,7 @@ from .bench import hard_negative_classes, m_per_class
 from .text_table import format_text_table
 from .components import MissingComponentError, component_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
-from .data.real import DATASETS, DataSetNotFoundError
+from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .evaluation import METRICS, SHORT_NAMES, Recipe, accuracy, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -206,8 +206,9 @@ class Script:
                     raise DataSetNotFoundError(
                         f"--data-root is required (or --smoke).\n"
                         f"{variant_data_help(variant)}")
+                args.models_dir = models_dir(self, variant, args)
                 result = run_variant(self, variant, args)
-        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError) as error:
+        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError, ImageReadError) as error:
             print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))
@@ -307,6 +308,29 @@ def _lr_scheduler_factory(setup):
 # --------------------------------------------------------------------------- running
 
 
+def models_dir(script, variant, args):
+    """Where the trained weights of a run go, saved before any evaluation:
+    ``<out>/models-<script>-<dataset>[-smoke]/``."""
+    return Path(args.out) / f"models-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}"
+
+
+def _file_name(label):
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label).strip("_") or "run"
+
+
+def save_weights(folder, run, trained):
+    """Saves a trained run's trunk and embedder (``torch.save`` of their state dicts)
+    to ``<folder>/<run label>.pt`` atomically, so that a failure while evaluating loses
+    no training; returns the path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{_file_name(run.label)}.pt"
+    with outputs.atomic_write(path, "wb") as f:
+        torch.save({"label": run.label, "loss": run.loss, "loss_kwargs": run.loss_kwargs,
+                    "trunk": trained.trunk.state_dict(), "embedder": trained.embedder.state_dict()}, f)
+    return path
+
+
 def effective_setup(setup, args):
     """The paper's setup with the command line's overrides (and --smoke's tiny settings)."""
     changes = dict(SMOKE_SETUP) if args.smoke else {}
@@ -385,6 +409,8 @@ def _run_standard(variant, setup, runs, args, pretrained):
                 iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
                 lr=setup.lr, device=args.device, seed=args.seed, on_iteration=lambda trainer: bar.update(1),
                 make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
+            if not run.untrained:
+                save_weights(args.models_dir, run, trained)
             query, query_labels = compute_embeddings(trained.trunk, query_set, trained.embedder,
                                                      args.device, normalize=True)
             reference = reference_labels = None
@@ -425,7 +451,11 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                              iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
                              lr=setup.lr, device=args.device, patience=setup.patience,
                              on_iteration=lambda trainer: bar.update(1),
-                make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
+                             make_lr_scheduler=_lr_scheduler_factory(setup),
+                             freeze_trunk_batchnorm=setup.freeze_batchnorm,
+                             # PML's hooks save each fold's models there while training
+                             folder=None if run.untrained else
+                             str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"))
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
             summary = summarize(protocol_results)
