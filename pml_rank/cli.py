@@ -1,12 +1,11 @@
 """The `pml-rank` command."""
 
-import argparse
 import importlib
 import importlib.util
 import sys
 
 from . import __version__
-from .harness.budget import DEFAULTS
+from .harness.budget import DATASET_NAMES, DEFAULTS, SPEED_DEFAULT_SIZES, SPEED_DEFAULT_SIZES_PER_LOSS, minimum_classes
 
 # Everything that imports torch is imported inside the commands, so that --help and
 # argument errors answer at once.
@@ -33,6 +32,21 @@ def _cmd_list(args):
     return 0
 
 
+class UsageError(Exception):
+    """A command line that parsed but cannot run (an unknown loss, a batch size the chosen
+    rows cannot use, an output folder that cannot be written): `main` prints it in one
+    line and returns 2, before any work."""
+
+
+def _prepare_out(path):
+    from .harness.outputs import OutputError, prepare_output_dir
+
+    try:
+        return prepare_output_dir(path)
+    except OutputError as error:
+        raise UsageError(f"argument {error}") from None
+
+
 def _cmd_speed(args):
     speed = _harness("speed")
     from .plugins import registry
@@ -40,15 +54,15 @@ def _cmd_speed(args):
     names = args.losses or sorted(registry.losses())
     unknown = [n for n in names if n not in registry.losses()]
     if unknown:
-        print(f"pml-rank speed: unknown loss {', '.join(unknown)}; "
-              f"registered: {', '.join(sorted(registry.losses()))}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument losses: unknown loss {', '.join(unknown)}; "
+                         f"registered: {', '.join(sorted(registry.losses()))}")
+    out = _prepare_out(args.out)
     for name in names:
         sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
         result = speed.measure(name, sizes=sizes, dim=args.dim, repeats=args.repeats,
                                device=args.device, seed=args.seed)
         print(speed.format_table(result))
-        path = speed.write_json(result, f"{args.out}/speed-{name}.json")
+        path = speed.write_json(result, out / f"speed-{name}.json")
         print(f"written: {path}\n")
     return 0
 
@@ -73,19 +87,23 @@ def _bench_params(args):
 def _cmd_bench(args):
     import os
 
-    import torch
-
     from .harness.budget import SHIPPED_PARAMS
 
     bench = _harness("bench")
 
-    torch.set_num_threads(args.threads)
     try:
         contenders = bench.recipes(args.losses or None)
+    except KeyError as error:
+        raise UsageError(f"argument losses: {error.args[0]}") from None
+    try:
         params, source = _bench_params(args)
-    except (KeyError, FileNotFoundError) as error:
-        print(f"pml-rank bench: {error.args[0]}", file=sys.stderr)
-        return 2
+    except FileNotFoundError as error:
+        raise UsageError(f"argument {error.args[0]}") from None
+    try:
+        bench.check_budget(contenders, args.batch_size, args.classes)
+    except bench.BudgetError as error:
+        raise UsageError(str(error)) from None
+    out = _prepare_out(args.out)
     try:
         result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
                                  iterations_per_epoch=args.iterations, batch_size=args.batch_size,
@@ -93,12 +111,14 @@ def _cmd_bench(args):
                                  device=args.device, cache_dir=args.cache_dir, num_classes=args.classes,
                                  params=params, params_source=source, threads=args.threads,
                                  workers=args.workers or os.cpu_count() or 1,
-                                 store=os.path.join(args.out, bench.STORE_FILE))
+                                 store=os.path.join(out, bench.STORE_FILE))
+    except bench.BudgetError as error:  # what needs the data: more classes than it has
+        raise UsageError(str(error)) from None
     except bench.StoreMismatchError as error:
         print(f"pml-rank bench: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\npml-rank bench: interrupted; finished runs are kept in {args.out}/{bench.STORE_FILE} "
+        print(f"\npml-rank bench: interrupted; finished runs are kept in {out}/{bench.STORE_FILE} "
               "and the same command resumes", file=sys.stderr)
         return 130
     if source:
@@ -107,9 +127,9 @@ def _cmd_bench(args):
             print(f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
                   file=sys.stderr)
     if result.resumed:
-        print(f"resumed: {result.resumed} finished run(s) read from {args.out}/{bench.STORE_FILE}")
+        print(f"resumed: {result.resumed} finished run(s) read from {out}/{bench.STORE_FILE}")
     print(bench.format_table(result))
-    for path in bench.write_all(result, args.out):
+    for path in bench.write_all(result, out):
         print(f"written: {path}")
     return 0
 
@@ -121,17 +141,21 @@ def _cmd_tune(args):
     tune = _harness("tune")
     bench = _harness("bench")
     try:
-        losses = list(bench.recipes(args.losses or None))
+        contenders = bench.recipes(args.losses or None)
     except KeyError as error:
-        print(f"pml-rank tune: {error.args[0]}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument losses: {error.args[0]}") from None
     spaces = tune.search_spaces()
-    missing = [name for name in losses if name not in spaces]
+    missing = [name for name in contenders if name not in spaces]
     if missing and args.losses:
-        print(f"pml-rank tune: no search space declared for {', '.join(missing)} (a plugin declares one with "
-              "the pml_rank_search_spaces hook)", file=sys.stderr)
-        return 2
-    losses = [name for name in losses if name in spaces]
+        raise UsageError(f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
+                         "one with the pml_rank_search_spaces hook)")
+    contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
+    try:
+        bench.check_budget(contenders, args.batch_size, args.classes)
+    except bench.BudgetError as error:
+        raise UsageError(str(error)) from None
+    losses = list(contenders)
+    args.out = str(_prepare_out(args.out))
     config = tune.budget_config(dataset=args.dataset, epochs=args.epochs, iterations_per_epoch=args.iterations,
                                 batch_size=args.batch_size, embedding_size=args.embedding_size, lr=args.lr,
                                 num_classes=args.classes, seed=args.seed)
@@ -157,8 +181,63 @@ def _cmd_tune(args):
     return 0
 
 
+OUT_HELP = ("folder for the results, created if missing and checked writable before any work "
+            "(default: %(default)s)")
+
+
+def add_budget_arguments(parser):
+    """Adds the training budget options of `pml-rank bench` to `parser` (an argparse
+    parser): --dataset --epochs --iterations --batch-size --classes --embedding-size --lr
+    --threads --cache-dir --device, with bench's defaults and types that reject a bad
+    value at parse time (one line naming the option, exit status 2). Checks that depend
+    on the chosen rows (the batch size against samples per class, the number of classes)
+    are `pml_rank.harness.bench.check_budget`'s, to call after parsing and before any
+    work. Imports no torch unless --device names something other than cpu."""
+    from .harness import arguments
+
+    parser.add_argument("--dataset", default=DEFAULTS["dataset"], choices=DATASET_NAMES,
+                        help="data set (default: %(default)s, generated locally, no download)")
+    parser.add_argument("--epochs", type=arguments.positive_int, default=DEFAULTS["epochs"],
+                        help="epochs per fold model, >= 1 (default %(default)s)")
+    parser.add_argument("--iterations", type=arguments.positive_int, default=DEFAULTS["iterations_per_epoch"],
+                        help="iterations per epoch, >= 1 (default %(default)s)")
+    parser.add_argument("--batch-size", type=arguments.positive_int, default=DEFAULTS["batch_size"],
+                        help="batch size (default %(default)s); a multiple of 4 and >= 8 for the m=4 rows, "
+                             "even and >= 4 for the N-pair rows")
+    parser.add_argument("--classes", type=arguments.at_least(2), metavar="N",
+                        help=f"use only the first N classes, for quick runs (default: all). Half are for "
+                             f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
+                             f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
+                             f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
+                             f"{minimum_classes(2, DEFAULTS['batch_size'])}")
+    parser.add_argument("--embedding-size", type=arguments.positive_int, default=DEFAULTS["embedding_size"],
+                        help="embedding dimension, >= 1 (default %(default)s)")
+    parser.add_argument("--lr", type=arguments.positive_float, default=DEFAULTS["lr"],
+                        help="Adam learning rate, a finite number > 0 (default %(default)s)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=DEFAULTS["threads"],
+                        help="torch CPU threads, >= 1 (default %(default)s: the small CNN's steps are too "
+                             "short to gain from more, and lose much when other processes compete for "
+                             "the cores)")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="where the generated data set is cached (default: $PML_RANK_CACHE when set, "
+                             "else ~/.cache/pml-rank)")
+    parser.add_argument("--device", type=arguments.device, default=DEFAULTS["device"],
+                        help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)")
+    return parser
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    from .harness.arguments import (
+        DEVICE_HELP,
+        ArgumentParser,
+        at_least,
+        device,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
+
+    parser = ArgumentParser(
         prog="pml-rank",
         description="Rank- and AUC-based losses for pytorch-metric-learning.",
     )
@@ -173,13 +252,19 @@ def build_parser():
         help="forward+backward time and peak memory against PML and the paper's reference",
     )
     p.add_argument("losses", nargs="*", help="registered loss names (default: all)")
-    p.add_argument("--sizes", type=int, nargs="+",
-                   help="batch sizes (sequence lengths for sequence losses); default 512 1024 2048")
-    p.add_argument("--dim", type=int, default=512, help="embedding dimension (default 512)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per contender (median)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
+    per_loss = "; ".join(f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
+                         for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items())
+    p.add_argument("--sizes", type=at_least(2), nargs="+", metavar="N",
+                   help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
+                        f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}")
+    p.add_argument("--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="timed runs per contender and size, >= 1; the table shows their median "
+                        "(default %(default)s)")
+    p.add_argument("--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the random inputs, >= 0 (default %(default)s)")
+    p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
     p.set_defaults(run=_cmd_speed)
 
     p = commands.add_parser(
@@ -190,29 +275,18 @@ def build_parser():
     p.add_argument("losses", nargs="*",
                    help="registered loss names and pml:<name> baselines (default: all registered "
                         "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)")
-    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="data set (default: glyphs, no download)")
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="epochs per model (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"],
-                   help="iterations per epoch (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="default %(default)s")
-    p.add_argument("--seeds", type=int, default=DEFAULTS["seeds"],
-                   help="repeated runs for the confidence intervals (default %(default)s)")
-    p.add_argument("--embedding-size", type=int, default=DEFAULTS["embedding_size"], help="default %(default)s")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
-    p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
-    p.add_argument("--device", default=DEFAULTS["device"])
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: the small CNN's steps are too short to gain "
-                        "from more, and lose much when other processes compete for the cores)")
-    p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
+    add_budget_arguments(p)
+    p.add_argument("--seeds", type=positive_int, default=DEFAULTS["seeds"],
+                   help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
+                        "1 gives no interval (default %(default)s)")
     p.add_argument("--out", default="pml-rank-results",
-                   help="folder for bench.csv, bench.json, bench.png and the store of finished runs "
-                        "(bench-runs.jsonl: rerunning the same command resumes)")
+                   help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench-runs.jsonl, the store "
+                                   "of finished runs (rerunning the same command resumes)")
     p.add_argument("--params", metavar="FILE",
                    help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the "
                         "default glyph budget")
     p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
-    p.add_argument("--workers", type=int,
+    p.add_argument("--workers", type=positive_int,
                    help="processes running (row, seed) jobs in parallel, results identical to a serial run "
                         "(default: the number of cores)")
     p.set_defaults(run=_cmd_bench)
@@ -224,26 +298,18 @@ def build_parser():
                     "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
                     "classes. One study per (loss, data set, budget); rerunning resumes.")
     p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
-    p.add_argument("--trials", type=int, default=20,
-                   help="finished trials each study should hold (default %(default)s); a rerun resumes to N")
-    p.add_argument("--workers", type=int, help="local worker processes on the storage (default: the number of cores)")
+    p.add_argument("--trials", type=positive_int, default=20,
+                   help="finished trials each study should hold, >= 1 (default %(default)s); a rerun resumes to N")
+    p.add_argument("--workers", type=positive_int,
+                   help="local worker processes on the storage (default: the number of cores)")
     p.add_argument("--storage", metavar="URL",
                    help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
                         "(default: sqlite:///OUT/tune.db)")
-    p.add_argument("--out", default="pml-rank-tune", help="folder for tuned.json and the PNGs (default %(default)s)")
-    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="data set (default: glyphs, no download)")
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="epochs per model (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"],
-                   help="iterations per epoch (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="default %(default)s")
-    p.add_argument("--embedding-size", type=int, default=DEFAULTS["embedding_size"], help="default %(default)s")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
-    p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
-    p.add_argument("--device", default=DEFAULTS["device"])
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker (default 1)")
-    p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the fold models (default 0)")
-    p.add_argument("--heartbeat", type=float, default=20.0,
+    p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
+    add_budget_arguments(p)
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the sampler and of the fold models (default 0)")
+    p.add_argument("--heartbeat", type=positive_float, default=20.0,
                    help="seconds between a running trial's heartbeats; a trial silent for twice this is "
                         "failed and retried (default %(default)s)")
     p.add_argument("--no-prune", action="store_true",
@@ -255,7 +321,11 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"pml-rank {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

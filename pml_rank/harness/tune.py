@@ -402,12 +402,10 @@ def summarize_study(study, command=None, seconds=None, storage=None):
 
 
 def write_json_atomic(path, payload):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    from .outputs import write_text
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_text(path, json.dumps(payload, indent=1) + "\n")
 
 
 def write_tuned(out, entries):
@@ -454,10 +452,13 @@ def write_png(study, path):
     for image in images:
         canvas.paste(image, (x, 0))
         x += image.width
+    from .outputs import write_bytes
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
-    return path
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    return write_bytes(path, buffer.getvalue())
 
 
 def format_table(entries):
