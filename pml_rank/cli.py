@@ -34,22 +34,43 @@ def _cmd_list(args):
 
 
 def _cmd_speed(args):
+    import datetime
+    import os
+    import shlex
+
     speed = _harness("speed")
     from .plugins import registry
 
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     names = args.losses or sorted(registry.losses())
-    unknown = [n for n in names if n not in registry.losses()]
+    known = set(registry.losses()) | set(speed.CASES)
+    unknown = [n for n in names if n not in known]
     if unknown:
         print(f"pml-rank speed: unknown loss {', '.join(unknown)}; "
-              f"registered: {', '.join(sorted(registry.losses()))}", file=sys.stderr)
+              f"registered: {', '.join(sorted(registry.losses()))}; "
+              f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}", file=sys.stderr)
         return 2
+    results, underflow = [], []
     for name in names:
         sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
         result = speed.measure(name, sizes=sizes, dim=args.dim, repeats=args.repeats,
-                               device=args.device, seed=args.seed)
+                               device=args.device, seed=args.seed, runs=args.runs)
+        results.append(result)
         print(speed.format_table(result))
         path = speed.write_json(result, f"{args.out}/speed-{name}.json")
         print(f"written: {path}\n")
+    if args.underflow:
+        for name in names:
+            size = max(args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES)
+            underflow.append(speed.measure_underflow(name, size=size, dim=args.dim, repeats=args.repeats,
+                                                     device=args.device, seed=args.seed, runs=args.runs))
+        print("No slow path: each loss on underflow-provoking inputs / on its usual inputs "
+              f"(median of per-round ratios, min-max)\n{speed.format_underflow(underflow)}\n")
+    if args.report:
+        command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
+        for path in speed.write_report(results, underflow, args.report, command, started, load_start):
+            print(f"written: {path}")
     return 0
 
 
@@ -93,10 +114,19 @@ def build_parser():
     p.add_argument("--sizes", type=int, nargs="+",
                    help="batch sizes (sequence lengths for sequence losses); default 512 1024 2048")
     p.add_argument("--dim", type=int, default=512, help="embedding dimension (default 512)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per contender (median)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="interleaved rounds per run, each timing every contender once (default 5)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole measurement this many times; ratios pool every round (default 1)")
+    p.add_argument("--underflow", action="store_true",
+                   help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
+                        "against its usual inputs (the no-slow-path case), at the largest size")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="pml-rank-results", help="folder for the JSON results")
+    p.add_argument("--out", default="pml-rank-results", help="folder for the per-loss JSON results")
+    p.add_argument("--report", metavar="PATH",
+                   help="also write PATH.json and PATH.md: every table with its spread, the command, "
+                        "date and machine (e.g. examples/results/speed)")
     p.set_defaults(run=_cmd_speed)
 
     p = commands.add_parser(
@@ -129,7 +159,9 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as given, for reports that name it
     return args.run(args)
 
 
