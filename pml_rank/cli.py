@@ -41,6 +41,10 @@ def _cmd_speed(args):
     speed = _harness("speed")
     from .plugins import registry
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     names = args.losses or sorted(registry.losses())
@@ -121,6 +125,9 @@ def build_parser():
     p.add_argument("--underflow", action="store_true",
                    help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
                         "against its usual inputs (the no-slow-path case), at the largest size")
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads for the measurement (default: torch's). On a machine shared with "
+                        "other work, 1 keeps a descheduled worker thread from stalling every parallel op")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="pml-rank-results", help="folder for the per-loss JSON results")
