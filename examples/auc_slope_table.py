@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pml_rank.harness import outputs
 from pml_rank.losses.auc import SLOPE_TABLE, AUCLoss, exact_roc_area, relaxed_roc_area, thresholds
 
 STEPS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
@@ -135,7 +136,7 @@ def plot(table, slopes, hps, hns, exact, default_step, path):
     scatter.set_ylabel("relaxed area")
     scatter.set_title(f"Δs = {default_step}, slope = {slope}: {len(exact)} random batches")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    outputs.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -167,7 +168,7 @@ def main(argv=None):
         "error_on_fresh_batches": {str(row["step"]): summarize(*fresh, row["step"], row["slope"]) for row in table},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    outputs.write_text(args.out, json.dumps(result, indent=1) + "\n")
     if default_step in steps:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(table, slopes, *fresh, default_step, plot_path)

@@ -22,13 +22,13 @@ and reports Precision@1 on held-out classes, written to `<out>/fastap_sampling.j
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 from pytorch_metric_learning import samplers
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from tqdm import tqdm
 
+from pml_rank.harness import outputs
 from pml_rank.large_batch import large_batch_backward
 from pml_rank.losses import FastAPLoss
 
@@ -140,6 +140,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    out = outputs.prepare_output_dir(args.out)  # before any work
     data, class_labels, category_labels = synthetic_hierarchy(
         args.categories, args.classes_per_category, 2 * args.per_class, args.dim, args.seed)
     train_set, test_set = split_by_class(data, class_labels, category_labels)
@@ -164,9 +165,7 @@ def main(argv=None):
         curves[name] = losses
         print(f"{name}: {results[name]}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fastap_sampling.json").write_text(json.dumps(results, indent=2))
+    outputs.write_text(out / "fastap_sampling.json", json.dumps(results, indent=2))
     _plot(curves, results, out / "fastap_sampling.png")
     print(f"written: {out / 'fastap_sampling.json'}, {out / 'fastap_sampling.png'}")
     return results
@@ -185,7 +184,7 @@ def _plot(curves, results, path):
     ax.set_ylabel("FastAP loss (1 - mAP)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    outputs.save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 

@@ -17,11 +17,11 @@ import argparse
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 from pytorch_metric_learning import trainers
 
+from pml_rank.harness import outputs
 from pml_rank.losses import NPairsMCLoss
 from pml_rank.samplers import HardNegativeClassSampler
 
@@ -81,6 +81,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="pml-rank-results")
     args = parser.parse_args()
+    out = outputs.prepare_output_dir(args.out)  # before any work
     logging.getLogger("PML").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,9 +92,7 @@ def main():
         print(f"refresh_every={result['refresh_every']}: mining share {result['mining_share']:.1%} "
               f"(per epoch {shares}) "
               f"({result['embedded_examples']} examples embedded in {result['mined_batches']} batches)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "npairs-mining-cost.json").write_text(json.dumps(results, indent=2))
+    outputs.write_text(out / "npairs-mining-cost.json", json.dumps(results, indent=2))
     plot(results, out / "npairs-mining-cost.png")
 
 
@@ -113,7 +112,7 @@ def plot(results, path):
     ax.set_ylabel("mining time, % of epoch")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    outputs.save_figure(fig, path)
 
 
 if __name__ == "__main__":

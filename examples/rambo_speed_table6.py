@@ -15,11 +15,10 @@ default this script uses one thread too (--threads to change). It times with
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 import torch
 
-from pml_rank.harness import speed
+from pml_rank.harness import outputs, speed
 from pml_rank.harness.text_table import format_text_table
 
 # Table 6 of the paper, seconds.
@@ -76,12 +75,13 @@ def plot(result, path):
            title=f"RaMBO AP loss (Table 6), {result['threads']} thread(s)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    outputs.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    out = outputs.prepare_output_dir(args.out)  # before any work
     torch.set_num_threads(args.threads)
     if args.smoke:
         sizes, repeats = (1_000, 10_000), 1
@@ -93,10 +93,8 @@ def main(argv=None):
     print(f"RaMBO Table 6: AP loss forward+backward, median of {repeats}, {result['threads']} thread(s), "
           f"torch {result['torch']}")
     print(table(result))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result["paper_cpu_seconds"], result["paper_gpu_seconds"] = PAPER_CPU, PAPER_GPU
-    (out / "rambo_table6.json").write_text(json.dumps(result, indent=2))
+    outputs.write_text(out / "rambo_table6.json", json.dumps(result, indent=2))
     plot(result, out / "rambo_table6.png")
     print(f"written: {out / 'rambo_table6.json'}, {out / 'rambo_table6.png'}")
     return 0

@@ -1,12 +1,11 @@
 """The `pml-rank` command."""
 
-import argparse
 import importlib
 import importlib.util
 import sys
 
 from . import __version__
-from .harness.budget import DEFAULTS
+from .harness.budget import DATASET_NAMES, DEFAULTS, SPEED_DEFAULT_SIZES, SPEED_DEFAULT_SIZES_PER_LOSS, minimum_classes
 
 # Everything that imports torch is imported inside the commands, so that --help and
 # argument errors answer at once.
@@ -33,28 +32,50 @@ def _cmd_list(args):
     return 0
 
 
-def _cmd_speed(args):
-    import datetime
-    import os
-    import shlex
+class UsageError(Exception):
+    """A command line that parsed but cannot run (an unknown loss, a batch size the chosen
+    rows cannot use, an output folder that cannot be written): `main` prints it in one
+    line and returns 2, before any work."""
 
+
+def _prepare_out(path):
+    from .harness.outputs import OutputError, prepare_output_dir
+
+    try:
+        return prepare_output_dir(path)
+    except OutputError as error:
+        raise UsageError(f"argument {error}") from None
+
+
+def _cmd_speed(args):
     speed = _harness("speed")
     from .plugins import registry
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     names = args.losses or sorted(registry.losses())
     known = set(registry.losses()) | set(speed.CASES)
     unknown = [n for n in names if n not in known]
     if unknown:
-        print(f"pml-rank speed: unknown loss {', '.join(unknown)}; "
-              f"registered: {', '.join(sorted(registry.losses()))}; "
-              f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument losses: unknown loss {', '.join(unknown)}; "
+                         f"registered: {', '.join(sorted(registry.losses()))}; "
+                         f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}")
+    out = _prepare_out(args.out)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        return _speed_runs(speed, names, args, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _speed_runs(speed, names, args, out):
+    import datetime
+    import os
+    import shlex
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     results, underflow = [], []
     for name in names:
         sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
@@ -62,7 +83,7 @@ def _cmd_speed(args):
                                device=args.device, seed=args.seed, runs=args.runs)
         results.append(result)
         print(speed.format_table(result))
-        path = speed.write_json(result, f"{args.out}/speed-{name}.json")
+        path = speed.write_json(result, out / f"speed-{name}.json")
         print(f"written: {path}\n")
     if args.underflow:
         for name in names:
@@ -79,28 +100,80 @@ def _cmd_speed(args):
 
 
 def _cmd_bench(args):
-    import torch
-
     bench = _harness("bench")
 
-    torch.set_num_threads(args.threads)
     try:
         contenders = bench.recipes(args.losses or None)
     except KeyError as error:
-        print(f"pml-rank bench: {error.args[0]}", file=sys.stderr)
-        return 2
-    result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
-                             iterations_per_epoch=args.iterations, batch_size=args.batch_size,
-                             seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
-                             device=args.device, cache_dir=args.cache_dir, num_classes=args.classes)
+        raise UsageError(f"argument losses: {error.args[0]}") from None
+    try:
+        bench.check_budget(contenders, args.batch_size, args.classes)
+    except bench.BudgetError as error:
+        raise UsageError(str(error)) from None
+    out = _prepare_out(args.out)
+    try:
+        result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
+                                 iterations_per_epoch=args.iterations, batch_size=args.batch_size,
+                                 seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
+                                 device=args.device, cache_dir=args.cache_dir, num_classes=args.classes,
+                                 threads=args.threads)
+    except bench.BudgetError as error:  # what needs the data: more classes than it has
+        raise UsageError(str(error)) from None
     print(bench.format_table(result))
-    for path in bench.write_all(result, args.out):
+    for path in bench.write_all(result, out):
         print(f"written: {path}")
     return 0
 
 
+OUT_HELP = ("folder for the results, created if missing and checked writable before any work "
+            "(default: %(default)s)")
+
+
+def add_budget_arguments(parser):
+    """Adds the training budget options of `pml-rank bench` to `parser` (an argparse
+    parser): --dataset --epochs --iterations --batch-size --classes --embedding-size --lr
+    --threads --cache-dir --device, with bench's defaults and types that reject a bad
+    value at parse time (one line naming the option, exit status 2). Checks that depend
+    on the chosen rows (the batch size against samples per class, the number of classes)
+    are `pml_rank.harness.bench.check_budget`'s, to call after parsing and before any
+    work. Imports no torch unless --device names something other than cpu."""
+    from .harness import arguments
+
+    parser.add_argument("--dataset", default=DEFAULTS["dataset"], choices=DATASET_NAMES,
+                        help="data set (default: %(default)s, generated locally, no download)")
+    parser.add_argument("--epochs", type=arguments.positive_int, default=DEFAULTS["epochs"],
+                        help="epochs per fold model, >= 1 (default %(default)s)")
+    parser.add_argument("--iterations", type=arguments.positive_int, default=DEFAULTS["iterations_per_epoch"],
+                        help="iterations per epoch, >= 1 (default %(default)s)")
+    parser.add_argument("--batch-size", type=arguments.positive_int, default=DEFAULTS["batch_size"],
+                        help="batch size (default %(default)s); a multiple of 4 and >= 8 for the m=4 rows, "
+                             "even and >= 4 for the N-pair rows")
+    parser.add_argument("--classes", type=arguments.at_least(2), metavar="N",
+                        help=f"use only the first N classes, for quick runs (default: all). Half are for "
+                             f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
+                             f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
+                             f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
+                             f"{minimum_classes(2, DEFAULTS['batch_size'])}")
+    parser.add_argument("--embedding-size", type=arguments.positive_int, default=DEFAULTS["embedding_size"],
+                        help="embedding dimension, >= 1 (default %(default)s)")
+    parser.add_argument("--lr", type=arguments.positive_float, default=DEFAULTS["lr"],
+                        help="Adam learning rate, a finite number > 0 (default %(default)s)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=DEFAULTS["threads"],
+                        help="torch CPU threads, >= 1 (default %(default)s: the small CNN's steps are too "
+                             "short to gain from more, and lose much when other processes compete for "
+                             "the cores)")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="where the generated data set is cached (default: $PML_RANK_CACHE when set, "
+                             "else ~/.cache/pml-rank)")
+    parser.add_argument("--device", type=arguments.device, default=DEFAULTS["device"],
+                        help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)")
+    return parser
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    from .harness.arguments import DEVICE_HELP, ArgumentParser, at_least, device, non_negative_int, positive_int
+
+    parser = ArgumentParser(
         prog="pml-rank",
         description="Rank- and AUC-based losses for pytorch-metric-learning.",
     )
@@ -115,25 +188,31 @@ def build_parser():
         help="forward+backward time and peak memory against PML and the paper's reference",
     )
     p.add_argument("losses", nargs="*", help="registered loss names (default: all)")
-    p.add_argument("--sizes", type=int, nargs="+",
-                   help="batch sizes (sequence lengths for sequence losses); default 512 1024 2048")
-    p.add_argument("--dim", type=int, default=512, help="embedding dimension (default 512)")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="interleaved rounds per run, each timing every contender once (default 5)")
-    p.add_argument("--runs", type=int, default=1,
-                   help="repeat the whole measurement this many times; ratios pool every round (default 1)")
+    per_loss = "; ".join(f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
+                         for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items())
+    p.add_argument("--sizes", type=at_least(2), nargs="+", metavar="N",
+                   help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
+                        f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}")
+    p.add_argument("--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="interleaved rounds per run and size, each timing every contender once, >= 1; "
+                        "the table shows the median of the per-round ratios (default %(default)s)")
+    p.add_argument("--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the random inputs, >= 0 (default %(default)s)")
+    p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
+    p.add_argument("--runs", type=positive_int, default=1,
+                   help="repeat the whole measurement this many times, >= 1; ratios pool every round "
+                        "(default %(default)s)")
     p.add_argument("--underflow", action="store_true",
                    help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
-                        "against its usual inputs (the no-slow-path case), at the largest size")
-    p.add_argument("--threads", type=int,
-                   help="torch CPU threads for the measurement (default: torch's). On a machine shared with "
-                        "other work, 1 keeps a descheduled worker thread from stalling every parallel op")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="pml-rank-results", help="folder for the per-loss JSON results")
+                        "against its usual inputs (the no-slow-path case), at the largest size (default: off)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
+                        "with other work, 1 keeps a descheduled worker thread from stalling every parallel op")
     p.add_argument("--report", metavar="PATH",
                    help="also write PATH.json and PATH.md: every table with its spread, the command, "
-                        "date and machine (e.g. examples/results/speed)")
+                        "date and machine, e.g. examples/results/speed (default: none)")
     p.set_defaults(run=_cmd_speed)
 
     p = commands.add_parser(
@@ -144,22 +223,11 @@ def build_parser():
     p.add_argument("losses", nargs="*",
                    help="registered loss names and pml:<name> baselines (default: all registered "
                         "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)")
-    p.add_argument("--dataset", default=DEFAULTS["dataset"], help="data set (default: glyphs, no download)")
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="epochs per model (default %(default)s)")
-    p.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"],
-                   help="iterations per epoch (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="default %(default)s")
-    p.add_argument("--seeds", type=int, default=DEFAULTS["seeds"],
-                   help="repeated runs for the confidence intervals (default %(default)s)")
-    p.add_argument("--embedding-size", type=int, default=DEFAULTS["embedding_size"], help="default %(default)s")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam learning rate (default %(default)s)")
-    p.add_argument("--classes", type=int, help="use only the first N classes (quick runs)")
-    p.add_argument("--device", default=DEFAULTS["device"])
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: the small CNN's steps are too short to gain "
-                        "from more, and lose much when other processes compete for the cores)")
-    p.add_argument("--cache-dir", help="where the generated data set is cached (default ~/.cache/pml-rank)")
-    p.add_argument("--out", default="pml-rank-results", help="folder for bench.csv, bench.json, bench.png")
+    add_budget_arguments(p)
+    p.add_argument("--seeds", type=positive_int, default=DEFAULTS["seeds"],
+                   help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
+                        "1 gives no interval (default %(default)s)")
+    p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes bench.csv, bench.json, bench.png")
     p.set_defaults(run=_cmd_bench)
 
     return parser
@@ -169,7 +237,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as given, for reports that name it
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"pml-rank {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
-from .budget import DEFAULTS
+from . import outputs
+from .budget import DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
@@ -58,20 +60,23 @@ def batch_hard_miner():
 # The paper's miner and sampler for pml-rank's own losses. Losses not named here train
 # with 4 samples per class and no miner.
 PAPER_RECIPES = {
-    "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner"),
-    "FastAPLoss": dict(batches="m=4 per class"),
-    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
-    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes"),
-    "RaMBOAPLoss": dict(batches="m=4 per class, score memory"),
-    "RaMBORecallLoss": dict(batches="m=4 per class, score memory"),
+    "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner", per_class=4),
+    "FastAPLoss": dict(batches="m=4 per class", per_class=4),
+    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
+                         per_class=2),
+    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
+                          per_class=2),
+    "RaMBOAPLoss": dict(batches="m=4 per class, score memory", per_class=4),
+    "RaMBORecallLoss": dict(batches="m=4 per class, score memory", per_class=4),
 }
+DEFAULT_RECIPE = dict(batches="m=4 per class", per_class=4)
 
 # PML's own losses with their defaults, the baselines of the Reality Check paper.
 PML_BASELINES = {
-    "ContrastiveLoss": dict(batches="m=4 per class"),
-    "TripletMarginLoss": dict(batches="m=4 per class"),
-    "FastAPLoss": dict(batches="m=4 per class"),
-    "NPairsLoss": dict(make_sampler=m_per_class(2), batches="N classes x 2"),
+    "ContrastiveLoss": dict(batches="m=4 per class", per_class=4),
+    "TripletMarginLoss": dict(batches="m=4 per class", per_class=4),
+    "FastAPLoss": dict(batches="m=4 per class", per_class=4),
+    "NPairsLoss": dict(make_sampler=m_per_class(2), batches="N classes x 2", per_class=2),
 }
 
 
@@ -80,7 +85,7 @@ def recipes(names=None):
     PML's baselines (``pml:<name>``); `names` selects and orders a subset."""
     available = {}
     for name, cls in sorted(registry.losses().items()):
-        extra = PAPER_RECIPES.get(name, dict(batches="m=4 per class"))
+        extra = PAPER_RECIPES.get(name, DEFAULT_RECIPE)
         available[name] = Recipe(make_loss=cls, name=name, **extra)
     for name, extra in PML_BASELINES.items():
         name = PML_PREFIX + name
@@ -104,6 +109,52 @@ def _small_cnn(embedding_size):
 # Data sets the bench can run on: name -> (loader(cache_dir, num_classes), trunk factory
 # maker(embedding_size)). The glyphs need no download.
 DATASETS = {"glyphs": (_glyphs, _small_cnn)}
+assert tuple(DATASETS) == DATASET_NAMES, "budget.DATASET_NAMES lists the data sets for the command line"
+
+
+class BudgetError(ValueError):
+    """A budget the chosen rows cannot train with. ``option`` is the command-line option
+    at fault (``"--batch-size"``, ``"--classes"``); the message names it."""
+
+    def __init__(self, option, message):
+        super().__init__(f"argument {option}: {message}")
+        self.option = option
+
+
+def _rows_by_per_class(contenders):
+    groups = {}
+    for name, recipe in contenders.items():
+        if recipe.per_class:
+            groups.setdefault(recipe.per_class, []).append(name)
+    return dict(sorted(groups.items(), reverse=True))
+
+
+def _group_name(per_class):
+    return "the N-pair rows" if per_class == 2 else f"the m={per_class} rows"
+
+
+def check_budget(contenders, batch_size, num_classes=None, num_folds=None):
+    """Raises `BudgetError` when `batch_size` or `num_classes` (None: not known yet)
+    cannot make the batches of the rows `contenders` (``{name: Recipe}``): the batch size
+    must be a multiple of each row's samples per class and hold two classes or more, and
+    every fold model must train on at least as many classes as a batch holds."""
+    num_folds = num_folds or DEFAULTS["num_folds"]
+    groups = _rows_by_per_class(contenders)
+    if any(batch_size % m or batch_size < 2 * m for m in groups):
+        needs = [f"{'even' if m == 2 else f'a multiple of {m}'} and at least {2 * m} for {_group_name(m)} "
+                 f"({', '.join(names)})" for m, names in groups.items()]
+        raise BudgetError("--batch-size", f"{batch_size} does not fit the chosen rows: it must be "
+                                          f"{'; '.join(needs)}")
+    if num_classes is None:
+        return
+    minimum = {m: minimum_classes(m, batch_size, num_folds) for m in groups}
+    if groups and num_classes < max(minimum.values()):
+        needs = [f"{minimum[m]} for {_group_name(m)} ({', '.join(names)}), {batch_size // m} classes per batch"
+                 for m, names in groups.items()]
+        raise BudgetError("--classes", f"{num_classes} classes are too few at batch size {batch_size}: half of "
+                                       f"the classes are for training and each of the {num_folds} fold models "
+                                       f"trains on {fold_training_classes(num_classes, num_folds)} of them; "
+                                       f"the minimum is {'; '.join(needs)}")
 
 
 @dataclasses.dataclass
@@ -126,10 +177,13 @@ class BenchResult:
 
 def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=None, batch_size=None,
               seeds=None, embedding_size=None, lr=None, num_folds=None, device=None, cache_dir=None,
-              num_classes=None, progress=True):
+              num_classes=None, threads=None, progress=True):
     """Runs every contender (`recipes(losses)`) plus the raw input and untrained rows
     with the same budget; returns a `BenchResult`. Arguments left at None take
-    `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...)."""
+    `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...). `threads` sets
+    torch's CPU threads (None: leave torch's setting); the configuration records the
+    number used. Raises `BudgetError` before any training when the batch size or the
+    number of classes cannot make the rows' batches."""
     given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch,
                  batch_size=batch_size, seeds=seeds, embedding_size=embedding_size, lr=lr,
                  num_folds=num_folds, device=device)
@@ -138,9 +192,19 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
     if config["dataset"] not in DATASETS:
         raise KeyError(f"unknown data set {config['dataset']}; available: {', '.join(DATASETS)}")
     contenders = recipes(losses)
+    check_budget(contenders, config["batch_size"], num_classes, config["num_folds"])
+    if threads is not None:
+        torch.set_num_threads(threads)
+    config["threads"] = torch.get_num_threads()
     started = time.perf_counter()
     load, trunk_for = DATASETS[config["dataset"]]
-    data = load(cache_dir, num_classes)
+    try:
+        data = load(cache_dir, num_classes)
+    except ValueError as error:
+        if num_classes is None:
+            raise
+        raise BudgetError("--classes", str(error)) from None
+    check_budget(contenders, config["batch_size"], len(np.unique(data.labels)), config["num_folds"])
     make_trunk = trunk_for(config["embedding_size"])
     seed_list = list(range(config["seeds"]))
     shared = dict(num_folds=config["num_folds"], batch_size=config["batch_size"],
@@ -221,8 +285,7 @@ def write_csv(result, path):
         lines.append(",".join(f'"{c}"' if "," in c else c for c in cells))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return outputs.write_text(path, "\n".join(lines) + "\n")
 
 
 def write_json(result, path):
@@ -243,8 +306,7 @@ def write_json(result, path):
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1))
-    return path
+    return outputs.write_text(path, json.dumps(payload, indent=1))
 
 
 def _mean_curve(histories, key):
@@ -259,56 +321,96 @@ def _mean_curve(histories, key):
     return epochs, [float(np.mean(by_epoch[e])) for e in epochs]
 
 
-def write_png(result, path):
-    """Bar chart of MAP@R (concatenated and separated, with 95% CIs) beside the training
-    curves: validation MAP@R and training loss per epoch, mean over folds and seeds."""
+def _row_colors(count):
+    """`count` distinct colours: tab20's ten strong shades, then its ten light ones, then
+    evenly spaced hues when more rows than that are drawn."""
+    import matplotlib
+
+    tab20 = matplotlib.colormaps["tab20"].colors
+    palette = list(tab20[0::2]) + list(tab20[1::2])
+    if count <= len(palette):
+        return palette[:count]
+    return [matplotlib.colormaps["hsv"](i / count) for i in range(count)]
+
+
+def bench_figure(result):
+    """The bench's figure (a matplotlib `Figure`): bar chart of MAP@R (concatenated and
+    separated; 95% CI where there are two seeds or more, "no CI" said otherwise) beside
+    the training curves, validation MAP@R and training loss per epoch (mean over folds
+    and seeds, integer epochs), one distinct colour per row and the legend outside the
+    axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     summary = result.summary()
     metric = "mean_average_precision_at_r"
-    fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    c = result.config
+    fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     y = np.arange(len(result.rows))
+    any_ci, no_ci = False, []
     for offset, kind, color in ((-0.2, "concatenated", "tab:blue"), (0.2, "separated", "tab:orange")):
-        means = [100 * summary[r][kind][metric][0] for r in result.rows]
-        cis = [0 if np.isnan(summary[r][kind][metric][1]) else 100 * summary[r][kind][metric][1]
-               for r in result.rows]
-        bars.barh(y + offset, means, height=0.4, xerr=cis, color=color, capsize=3,
-                  label=f"{kind} ({result.config['num_folds']}x{result.config['embedding_size']}-dim)"
-                  if kind == "concatenated" else f"{kind} ({result.config['embedding_size']}-dim, mean)")
+        means = np.array([100 * summary[r][kind][metric][0] for r in result.rows])
+        cis = np.array([100 * summary[r][kind][metric][1] for r in result.rows])
+        label = (f"{kind} ({c['num_folds']}x{c['embedding_size']}-dim)" if kind == "concatenated"
+                 else f"{kind} ({c['embedding_size']}-dim, mean)")
+        bars.barh(y + offset, means, height=0.4, color=color, label=label)
+        has_ci = ~np.isnan(cis)
+        no_ci += [r for r, ok in zip(result.rows, has_ci) if not ok and r not in no_ci]
+        if has_ci.any():  # no error bar at all where there is no interval (one run): never a ±0
+            any_ci = True
+            bars.errorbar(means[has_ci], (y + offset)[has_ci], xerr=cis[has_ci], fmt="none", ecolor="black",
+                          capsize=3, linewidth=1)
     bars.set_yticks(y, result.rows)
     bars.invert_yaxis()
     bars.set_xlabel("MAP@R on held-out classes (%)")
-    bars.set_title(f"{result.config['dataset']}: mean ± 95% CI over {result.config['seeds']} seed(s)")
-    bars.legend(loc="lower right", fontsize=8)
+    seeds = c["seeds"]
+    if any_ci:
+        title = f"{c['dataset']}: mean ± 95% CI over {seeds} seeds"
+        if no_ci:
+            title += f"\n(no CI for {', '.join(no_ci)}: one run)"
+    else:
+        title = f"{c['dataset']}: {seeds} seed{'s' if seeds != 1 else ''}, no CI (needs two seeds or more)"
+    bars.set_title(title)
+    bars.legend(loc="upper left", bbox_to_anchor=(0, -0.1), fontsize=8, ncol=2, frameon=False)
     bars.grid(axis="x", alpha=0.3)
     trained = [r for r in result.rows if r not in (RAW_INPUT, UNTRAINED)]
-    colors = plt.get_cmap("tab20").colors
-    for i, row in enumerate(trained):
-        # PML's baselines dashed, so the two families stay apart beyond ten colours.
-        style = dict(color=colors[i % len(colors)], marker="o", label=row,
-                     linestyle="--" if row.startswith(PML_PREFIX) else "-")
+    for row, color in zip(trained, _row_colors(len(trained))):
+        # PML's baselines dashed: the two families stay apart at a glance.
+        style = dict(color=color, marker="o", label=row, linestyle="--" if row.startswith(PML_PREFIX) else "-")
         epochs, values = _mean_curve(result.histories[row], metric)
         val.plot(epochs, [100 * v for v in values], **style)
         epochs, values = _mean_curve(result.histories[row], "loss")
         if values and values[0] != 0:
             loss.plot(epochs, [v / values[0] for v in values], **style)
-    for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "--")):
+    for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "-.")):
         val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style,
                     label=f"{row} (test classes)")
     val.set(xlabel="epoch", ylabel="validation MAP@R (%)", title="validation fold (held-out training classes)")
     loss.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss, relative")
     for ax in (val, loss):
         ax.grid(alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    val.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # One legend for both curve panels, right of them, off the data.
+    loss.legend(*val.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8,
+                borderaxespad=0)
     fig.tight_layout()
+    return fig
+
+
+def write_png(result, path):
+    """Writes `bench_figure` to `path` (atomically); returns the path."""
+    fig = bench_figure(result)
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        outputs.save_figure(fig, path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -2,4 +2,34 @@
 command line's --help shows it)."""
 
 DEFAULTS = dict(dataset="glyphs", epochs=4, iterations_per_epoch=25, batch_size=32, seeds=3,
-                embedding_size=64, lr=1e-3, num_folds=4, device="cpu")
+                embedding_size=64, lr=1e-3, num_folds=4, device="cpu", threads=1)
+
+# The data sets `pml-rank bench` can run on (the keys of `bench.DATASETS`).
+DATASET_NAMES = ("glyphs",)
+
+# `pml-rank speed`'s sizes when the command line names none: batch sizes, except for the
+# losses listed, whose sizes mean something else (RaMBOAPLoss: scores in one sequence).
+SPEED_DEFAULT_SIZES = (512, 1024, 2048)
+SPEED_DEFAULT_SIZES_PER_LOSS = {"RaMBOAPLoss": (100_000, 1_000_000)}
+
+
+def fold_training_classes(num_classes, num_folds=DEFAULTS["num_folds"]):
+    """Classes the smallest fold model of the Reality Check protocol trains on, with
+    `num_classes` classes in all: half of them are the training classes, and each fold
+    leaves one of `num_folds` contiguous partitions out for validation
+    (`evaluation.splits.class_partitions`); 0 when there are too few to split."""
+    training = num_classes // 2
+    if training < num_folds:
+        return 0
+    largest_partition = max(training * (k + 1) // num_folds - training * k // num_folds for k in range(num_folds))
+    return training - largest_partition
+
+
+def minimum_classes(per_class, batch_size, num_folds=DEFAULTS["num_folds"]):
+    """The fewest classes with which every fold model can fill a batch of `batch_size`
+    with `per_class` samples of each class (and at least two classes)."""
+    needed = max(batch_size // per_class, 2)
+    num_classes = 2 * num_folds
+    while fold_training_classes(num_classes, num_folds) < needed:
+        num_classes += 1
+    return num_classes

@@ -15,7 +15,6 @@ Losses and miners are named as `pml_rank.harness.components` reads them (``"AUCL
 when a component it needs is not installed.
 """
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -27,11 +26,12 @@ import torch
 from torchvision import transforms
 from tqdm import tqdm
 
+from . import arguments, outputs
 from .bench import hard_negative_classes, m_per_class
 from .text_table import format_text_table
 from .components import MissingComponentError, component_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
-from .data.real import DATASETS, DataSetNotFoundError
+from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .evaluation import METRICS, SHORT_NAMES, Recipe, accuracy, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -155,7 +155,7 @@ class Script:
     # ---- the command line
 
     def parser(self):
-        p = argparse.ArgumentParser(prog=f"{self.name}.py", description=self.title)
+        p = arguments.ArgumentParser(prog=f"{self.name}.py", description=self.title)
         p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
                        help="which table (data set) to reproduce (default: %(default)s)")
         p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
@@ -163,24 +163,39 @@ class Script:
         p.add_argument("--smoke", action="store_true",
                        help="seconds-long check of the whole pipeline: tiny copies of the data "
                        "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing")
-        p.add_argument("--epochs", type=int, help="override the paper's number of epochs")
-        p.add_argument("--batch-size", type=int, help="override the paper's batch size")
-        p.add_argument("--image-size", type=int,
+        p.add_argument("--epochs", type=arguments.positive_int,
+                       help="override the paper's number of epochs, >= 1")
+        p.add_argument("--batch-size", type=arguments.positive_int,
+                       help="override the paper's batch size; a multiple of the setup's samples per class")
+        p.add_argument("--image-size", type=arguments.positive_int,
                        help="override the training crop / test centre crop (the images are first "
                        "resized to 256/224 of it)")
-        p.add_argument("--repeats", type=int,
-                       help="Reality Check: repeated runs for the confidence interval")
+        p.add_argument("--repeats", type=arguments.positive_int,
+                       help="Reality Check: repeated runs for the confidence interval, >= 1")
         p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows (our labels)")
         p.add_argument("--random-init", action="store_true",
                        help="no ImageNet weights (not the papers' setting)")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--out", default="pml-rank-results", help="folder for the JSON and PNG results")
+        p.add_argument("--device", type=arguments.device, default=arguments.default_device(),
+                       help=f"torch device: {arguments.DEVICE_HELP} (default here: %(default)s)")
+        p.add_argument("--seed", type=arguments.non_negative_int, default=0,
+                       help="seed of the training runs, >= 0 (default %(default)s)")
+        p.add_argument("--out", default="pml-rank-results",
+                       help="folder for the JSON and PNG results, created if missing and checked writable "
+                            "before any work (default: %(default)s)")
         return p
 
     def main(self, argv=None):
-        args = self.parser().parse_args(argv)
+        parser = self.parser()
+        args = parser.parse_args(argv)
         variant = self.variants[args.dataset]
+        setup = effective_setup(variant.setup, args)
+        if setup.batch_size % setup.samples_per_class or setup.batch_size < 2 * setup.samples_per_class:
+            parser.error(f"argument --batch-size: {setup.batch_size} must be a multiple of the "
+                         f"{setup.samples_per_class} samples per class and hold two classes or more")
+        try:
+            outputs.prepare_output_dir(args.out)
+        except outputs.OutputError as error:
+            parser.error(f"argument {error}")
         try:
             with tempfile.TemporaryDirectory(prefix="pml-rank-smoke-") as scratch:
                 if args.smoke and args.data_root is None:
@@ -191,8 +206,9 @@ class Script:
                     raise DataSetNotFoundError(
                         f"--data-root is required (or --smoke).\n"
                         f"{variant_data_help(variant)}")
+                args.models_dir = models_dir(self, variant, args)
                 result = run_variant(self, variant, args)
-        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError) as error:
+        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError, ImageReadError) as error:
             print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))
@@ -292,6 +308,29 @@ def _lr_scheduler_factory(setup):
 # --------------------------------------------------------------------------- running
 
 
+def models_dir(script, variant, args):
+    """Where the trained weights of a run go, saved before any evaluation:
+    ``<out>/models-<script>-<dataset>[-smoke]/``."""
+    return Path(args.out) / f"models-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}"
+
+
+def _file_name(label):
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in label).strip("_") or "run"
+
+
+def save_weights(folder, run, trained):
+    """Saves a trained run's trunk and embedder (``torch.save`` of their state dicts)
+    to ``<folder>/<run label>.pt`` atomically, so that a failure while evaluating loses
+    no training; returns the path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{_file_name(run.label)}.pt"
+    with outputs.atomic_write(path, "wb") as f:
+        torch.save({"label": run.label, "loss": run.loss, "loss_kwargs": run.loss_kwargs,
+                    "trunk": trained.trunk.state_dict(), "embedder": trained.embedder.state_dict()}, f)
+    return path
+
+
 def effective_setup(setup, args):
     """The paper's setup with the command line's overrides (and --smoke's tiny settings)."""
     changes = dict(SMOKE_SETUP) if args.smoke else {}
@@ -370,6 +409,8 @@ def _run_standard(variant, setup, runs, args, pretrained):
                 iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
                 lr=setup.lr, device=args.device, seed=args.seed, on_iteration=lambda trainer: bar.update(1),
                 make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
+            if not run.untrained:
+                save_weights(args.models_dir, run, trained)
             query, query_labels = compute_embeddings(trained.trunk, query_set, trained.embedder,
                                                      args.device, normalize=True)
             reference = reference_labels = None
@@ -410,7 +451,11 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                              iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
                              lr=setup.lr, device=args.device, patience=setup.patience,
                              on_iteration=lambda trainer: bar.update(1),
-                make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
+                             make_lr_scheduler=_lr_scheduler_factory(setup),
+                             freeze_trunk_batchnorm=setup.freeze_batchnorm,
+                             # PML's hooks save each fold's models there while training
+                             folder=None if run.untrained else
+                             str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"))
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
             summary = summarize(protocol_results)
@@ -505,7 +550,7 @@ def write_result(script, variant, result, args):
         "metrics": list(variant.table.metrics), "paper_rows": variant.table.rows, "ours": result,
         "setup": dataclasses.asdict(setup), "smoke": args.smoke, "seed": args.seed,
     }
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    outputs.write_text(path, json.dumps(payload, indent=2, default=str))
     plot_result(script, variant, result, args, path.with_suffix(".png"))
     return path
 
@@ -545,5 +590,7 @@ def plot_result(script, variant, result, args, path):
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{table.source}" + ("  [--smoke: meaningless numbers]" if args.smoke else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        outputs.save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ..losses.auc import AUCLoss
 from ..plugins import registry
+from . import outputs
 from .references.auc import auc_bh_loss
 
 DEFAULT_BATCH_SIZES = (512, 1024, 2048)
@@ -511,5 +512,4 @@ def write_report(results, underflow, path, command, started, load_average_start=
 def write_json(result, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    return path
+    return outputs.write_text(path, json.dumps(result, indent=2))

@@ -18,7 +18,7 @@ import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..ranking import LossScale, _check_lambda, precision_at_positives, blackbox_ranks_of_positives, shift_by_margin
+from ..ranking import LossScale, _check_lambda, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
 from .base import RankLossBase, pair_masks, reference_is_batch
 
 

@@ -141,3 +141,118 @@ def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cac
             if not ours > max(raw, untrained[kind]):
                 failures.append(f"{name} {kind} MAP@R {ours:.3f} <= raw {raw:.3f} / untrained {untrained[kind]:.3f}")
     assert not failures, "\n" + bench.format_table(result) + "\n" + "\n".join(failures)
+
+
+def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
+    """A `BenchResult` with random accuracies and histories (no training): for the writers."""
+    rng = np.random.default_rng(seeds)
+
+    def accuracies():
+        return {kind: {m: float(rng.uniform(0.2, 0.6)) for m in METRICS} for kind in ("concatenated", "separated")}
+
+    def history():
+        return [[{"epoch": e, "loss": float(rng.uniform(0.5, 1)), **{m: float(rng.uniform(0.2, 0.6)) for m in METRICS}}
+                 for e in range(1, epochs + 1)] for _ in range(2)]
+
+    names = [bench.RAW_INPUT, bench.UNTRAINED, *rows]
+    runs = {name: [accuracies()] if name == bench.RAW_INPUT else [accuracies() for _ in range(seeds)]
+            for name in names}
+    histories = {name: [] if name == bench.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
+    config = dict(bench.DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None, threads=3)
+    return bench.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names}, 9.0)
+
+
+def _error_bars(ax):
+    from matplotlib.container import ErrorbarContainer
+
+    return [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+
+
+def test_png_with_one_seed_says_no_ci_and_draws_no_error_bar():
+    import matplotlib.pyplot as plt
+
+    fig = bench.bench_figure(made_up_result(seeds=1))
+    bars = fig.axes[0]
+    assert "no CI" in bars.get_title() and "±" not in bars.get_title()
+    assert not _error_bars(bars)
+    plt.close(fig)
+    fig = bench.bench_figure(made_up_result(seeds=3))
+    (concatenated, separated) = _error_bars(fig.axes[0])
+    # Every row but the raw input (one deterministic run) has an interval.
+    assert len(concatenated.lines[2][0].get_segments()) == 3
+    plt.close(fig)
+
+
+def test_png_curves_have_integer_epochs_distinct_colours_and_the_legend_off_the_data():
+    import matplotlib.pyplot as plt
+
+    rows = tuple(f"Loss{i}" for i in range(12)) + ("pml:TripletMarginLoss",)
+    fig = bench.bench_figure(made_up_result(seeds=2, rows=rows, epochs=3))
+    fig.canvas.draw()
+    _, val, loss = fig.axes
+    for ax in (val, loss):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks)
+    colors = [tuple(line.get_color()) for line in val.get_lines() if line.get_label() in rows]
+    assert len(colors) == len(rows) == len(set(colors))
+    legend = loss.get_legend()
+    assert legend is not None and val.get_legend() is None
+    assert {t.get_text() for t in legend.get_texts()} >= set(rows)
+    renderer = fig.canvas.get_renderer()
+    # The legend lies right of both curve panels, so it hides no curve.
+    assert legend.get_window_extent(renderer).x0 >= loss.get_window_extent(renderer).x1
+    plt.close(fig)
+
+
+def test_json_records_the_threads(tmp_path):
+    path = bench.write_json(made_up_result(seeds=1), tmp_path / "bench.json")
+    assert json.loads(path.read_text())["config"]["threads"] == 3
+
+
+def test_run_bench_records_the_threads_it_used(glyph_cache, monkeypatch):
+    result = bench.run_bench(["pml:TripletMarginLoss"], epochs=1, iterations_per_epoch=1, seeds=1, num_folds=2,
+                             num_classes=16, batch_size=8, cache_dir=glyph_cache, threads=2, progress=False)
+    assert result.config["threads"] == 2 == torch.get_num_threads()
+
+
+def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    from matplotlib.figure import Figure
+
+    old = bench.write_all(made_up_result(seeds=2), tmp_path)
+    before = {p.name: p.read_bytes() for p in old}
+
+    def disk_full(self, fname, **kwargs):
+        fname.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        bench.write_png(made_up_result(seeds=3), tmp_path / "bench.png")
+
+    def sync_on_a_full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench.outputs.os, "fsync", sync_on_a_full_disk)
+    for write in (bench.write_json, bench.write_csv):
+        with pytest.raises(OSError, match="No space"):
+            write(made_up_result(seeds=3), tmp_path / f"bench.{write.__name__[6:]}")
+    assert {p.name: p.read_bytes() for p in old} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv", "bench.json", "bench.png"]
+
+
+def test_check_budget_refuses_batches_the_rows_cannot_make():
+    contenders = bench.recipes(["AUCLoss", "NPairsMCLoss"])
+    bench.check_budget(contenders, 32, num_classes=bench.minimum_classes(2, 32))
+    with pytest.raises(bench.BudgetError, match="--batch-size") as error:
+        bench.check_budget(contenders, 6)
+    assert error.value.option == "--batch-size"
+    with pytest.raises(bench.BudgetError, match="--classes"):
+        bench.check_budget(contenders, 32, num_classes=bench.minimum_classes(2, 32) - 1)
+    bench.check_budget(bench.recipes(["NPairsMCLoss"]), 6, num_classes=bench.minimum_classes(2, 6))
+
+
+def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache):
+    with pytest.raises(bench.BudgetError, match="--classes"):
+        bench.run_bench(["pml:TripletMarginLoss"], num_classes=10**6, cache_dir=glyph_cache, progress=False)

@@ -79,3 +79,79 @@ def test_small_cnn_embeds_glyph_batches():
     batch = torch.stack([data[i][0] for i in range(8)])
     model = SmallCNN(embedding_size=24)
     assert model(batch).shape == (8, 24)
+
+
+def _cache_folder(cache_dir):
+    (folder,) = list(cache_dir.iterdir())
+    return folder
+
+
+def _damage_truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+DAMAGES = {
+    "images.npy truncated": ("images.npy", _damage_truncate),
+    "images.npy empty": ("images.npy", lambda p: p.write_bytes(b"")),
+    "labels.npy truncated": ("labels.npy", _damage_truncate),
+    "meta.json empty": ("meta.json", lambda p: p.write_text("")),
+    "meta.json of another data set": ("meta.json", lambda p: p.write_text('{"characters": ["A"], "fonts": []}')),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_cache_is_reported_in_one_line_and_regenerated(damage, tmp_path, caplog):
+    first = load_glyphs(cache_dir=tmp_path, variants=1, code_points=LATIN_CAPITALS)
+    folder = _cache_folder(tmp_path)
+    name, spoil = DAMAGES[damage]
+    spoil(folder / name)
+    with caplog.at_level("WARNING"):
+        again = load_glyphs(cache_dir=tmp_path, variants=1, code_points=LATIN_CAPITALS)
+    assert again.images.tobytes() == first.images.tobytes() and again.characters == first.characters
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    message = record.getMessage()
+    assert str(folder) in message and "damaged" in message and "\n" not in message
+    # Healed: the next load reads the cache without generating or warning.
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        healed = load_glyphs(cache_dir=tmp_path, variants=1, code_points=LATIN_CAPITALS)
+    assert healed.labels.tolist() == first.labels.tolist() and not caplog.records
+
+
+def test_an_unwritable_cache_dir_falls_back_to_memory_with_a_warning(tmp_path, caplog):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("")
+    with caplog.at_level("WARNING"):
+        data = load_glyphs(cache_dir=a_file / "cache", variants=1, code_points=LATIN_CAPITALS)
+    assert sorted(data.characters) == [chr(c) for c in LATIN_CAPITALS]
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "cannot write the glyph cache" in record.getMessage() and "in memory" in record.getMessage()
+
+
+def test_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch, caplog):
+    import errno
+
+    real_save = np.save
+    calls = []
+
+    def save_then_run_out_of_space(file, array, *args, **kwargs):
+        calls.append(file)
+        if len(calls) == 2:  # labels.npy: half written, then the disk is full
+            file.write(b"\x93NUMPY")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(file, array, *args, **kwargs)
+
+    monkeypatch.setattr(np, "save", save_then_run_out_of_space)
+    with caplog.at_level("WARNING"):
+        data = load_glyphs(cache_dir=tmp_path, variants=1, code_points=LATIN_CAPITALS)
+    assert len(data) == len(LATIN_CAPITALS) * len(glyphs.FONT_FILES)
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    folder = _cache_folder(tmp_path)
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert not (folder / "labels.npy").exists()
+    monkeypatch.undo()
+    # The next run completes the cache.
+    again = load_glyphs(cache_dir=tmp_path, variants=1, code_points=LATIN_CAPITALS)
+    assert again.images.tobytes() == data.images.tobytes()
+    assert {p.name for p in folder.iterdir()} == set(glyphs.CACHE_FILES)

@@ -169,3 +169,42 @@ def test_loaders_feed_a_pml_sampler_and_dataloader(data_root):
     images, labels = next(iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)))
     assert images.shape == (8, 3, 16, 16)
     assert all((labels == label).sum() == 2 for label in labels)
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+SPOILS = {
+    "truncated": _truncate,
+    "empty": lambda path: open(path, "wb").close(),
+    "not an image": lambda path: open(path, "wb").write(b"<html>404 Not Found</html>" * 10),
+}
+
+
+@pytest.mark.parametrize("spoil", SPOILS)
+def test_an_image_that_cannot_be_read_is_named_when_the_data_set_loads(spoil, tmp_path):
+    tiny_layouts.make_cub(tmp_path)
+    bad = real.load("cub200", tmp_path, "train").paths[3]
+    SPOILS[spoil](bad)
+    with pytest.raises(real.ImageReadError) as error:
+        real.load("cub200", tmp_path, "train")
+    assert bad in str(error.value) and "1 of" in str(error.value)
+
+
+def test_an_image_spoiled_after_loading_is_named_when_read(tmp_path):
+    tiny_layouts.make_sop(tmp_path)
+    dataset = real.load("sop", tmp_path, "train")
+    _truncate(dataset.paths[2])
+    with pytest.raises(real.ImageReadError, match=dataset.paths[2]):
+        dataset[2]
+
+
+def test_a_complete_image_with_trailing_bytes_is_accepted(tmp_path):
+    tiny_layouts.make_cub(tmp_path)
+    path = real.load("cub200", tmp_path, "train").paths[0]
+    with open(path, "ab") as f:
+        f.write(b"\0" * 4096)  # padding after the end-of-image marker, as some cameras write
+    assert real.load("cub200", tmp_path, "train")[0][0].size

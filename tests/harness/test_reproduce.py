@@ -298,3 +298,36 @@ def test_tiny_layouts_only_build_what_is_asked(tmp_path):
     tiny_layouts.make_all(tmp_path, only=["cub200-cropped"])
     assert sorted(os.listdir(tmp_path)) == ["CUB_200_2011"]
     assert math.isclose(len(os.listdir(tmp_path / "CUB_200_2011" / "images")), len(tiny_layouts.CUB_CLASSES))
+
+
+def test_trained_weights_are_saved_before_evaluation(tmp_path, monkeypatch):
+    script = load("auc_cub200")
+
+    def evaluation_fails(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(reproduce, "compute_embeddings", evaluation_fails)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        script.main(["--smoke", "--out", str(tmp_path)])
+    (saved,) = (tmp_path / "models-auc_cub200-cub200-smoke").glob("*.pt")
+    weights = torch.load(saved, weights_only=True)
+    assert weights["loss"] == "AUCLoss" and weights["trunk"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_reality_check_keeps_each_folds_models(tmp_path, capsys):
+    script = load("reality_check")
+    assert script.main(["--smoke", "--out", str(tmp_path)]) == 0
+    folders = [p for p in (tmp_path / "models-reality_check-cub200-smoke").iterdir() if p.is_dir()]
+    assert folders and all(list(folder.rglob("*.pth")) for folder in folders)
+
+
+def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
+    data_root = tiny_layouts.make_all(tmp_path / "data", size=reproduce.SMOKE_SETUP["image_size"], only=["cub200"])
+    images = sorted((Path(data_root) / "CUB_200_2011" / "images").rglob("*.jpg"))
+    images[0].write_bytes(images[0].read_bytes()[:100])
+    script = load("auc_cub200")
+    assert script.main(["--smoke", "--data-root", str(data_root), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(images[0]) in err and "Traceback" not in err
+    assert not list((tmp_path / "out").iterdir())

@@ -167,9 +167,11 @@ def test_rows_memory_equals_reference(loss):
     batches = [batch(16, seed=40 + i) for i in range(4)]
     for step, (embeddings, labels) in enumerate(batches):
         earlier = batches[max(0, step - tau):step]
-        stored_rows = [tuple(t.detach() for t in reference.similarities_without_self(e, l)) for e, l in earlier]
-        ours = value_and_grad(lambda e: loss(e, labels), embeddings)
-        ref = value_and_grad(lambda e: rows_variant_reference(loss, e, labels, stored_rows), embeddings)
+        stored_rows = [tuple(t.detach() for t in reference.similarities_without_self(*previous))
+                       for previous in earlier]
+        ours = value_and_grad(lambda e, labels=labels: loss(e, labels), embeddings)
+        ref = value_and_grad(
+            lambda e, labels=labels, stored=stored_rows: rows_variant_reference(loss, e, labels, stored), embeddings)
         assert torch.allclose(ours[0], ref[0], atol=1e-12)
         assert torch.allclose(ours[1], ref[1], atol=1e-12)
         assert ours[1].abs().sum() > 0

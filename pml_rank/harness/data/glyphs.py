@@ -16,11 +16,16 @@ does not.
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .. import outputs
+
+LOGGER = logging.getLogger(__name__)
 
 # Faces that draw the character a code point names. Excluded from matplotlib's fonts:
 # the Display and STIXNonUni/STIXSiz* faces (no ordinary characters), LastResort
@@ -179,26 +184,58 @@ def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, num_classes=None, *
                         [f for f, k in zip(dataset.fonts, keep) if k])
 
 
+CACHE_FILES = ("images.npy", "labels.npy", "meta.json")
+
+
+def _read_cache(folder):
+    """The cached data set in `folder`: ``(dataset, None)``, or ``(None, reason)`` when a
+    file is missing, truncated, empty or inconsistent with the others."""
+    files = [folder / name for name in CACHE_FILES]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        return None, f"{', '.join(missing)} missing"
+    try:
+        images, labels = np.load(files[0]), np.load(files[1])
+        meta = json.loads(files[2].read_text(encoding="utf-8"))
+        characters, fonts = list(meta["characters"]), list(meta["fonts"])
+    except (OSError, ValueError, EOFError, KeyError, TypeError) as error:
+        return None, f"unreadable ({type(error).__name__}: {error})"
+    if images.ndim != 3 or images.dtype != np.uint8 or labels.ndim != 1 or not (
+            len(images) == len(labels) == len(fonts)) or (len(labels) and not (
+            0 <= labels.min() and labels.max() < len(characters))):
+        return None, (f"inconsistent (images {images.shape} {images.dtype}, labels {labels.shape}, "
+                      f"{len(fonts)} fonts, {len(characters)} characters)")
+    return GlyphDataset(images, labels, characters, fonts), None
+
+
+def _write_cache(folder, dataset, key_source):
+    """Writes the three cache files, each atomically; raises OSError."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with outputs.atomic_write(folder / CACHE_FILES[0], "wb") as f:
+        np.save(f, dataset.images)
+    with outputs.atomic_write(folder / CACHE_FILES[1], "wb") as f:
+        np.save(f, dataset.labels)
+    outputs.write_text(folder / CACHE_FILES[2], json.dumps(
+        {"characters": dataset.characters, "fonts": dataset.fonts, "source": json.loads(key_source)},
+        ensure_ascii=False))
+
+
 def _load_or_generate(cache_dir, size, variants, seed, **generate_kwargs):
     params = dict(size=size, variants=variants, seed=seed, **generate_kwargs)
     key_source = json.dumps({"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True,
                             default=list)
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
-    folder = Path(cache_dir or DEFAULT_CACHE_DIR) / f"glyphs-{key}"
-    files = [folder / name for name in ("images.npy", "labels.npy", "meta.json")]
-    if all(f.exists() for f in files):
-        meta = json.loads(files[2].read_text())
-        return GlyphDataset(np.load(files[0]), np.load(files[1]), meta["characters"], meta["fonts"])
+    folder = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"glyphs-{key}"
+    if folder.exists():
+        dataset, problem = _read_cache(folder)
+        if dataset is not None:
+            return dataset
+        LOGGER.warning("pml-rank: the glyph cache %s is damaged (%s); generating it again", folder, problem)
     dataset = generate(**params)
-    folder.mkdir(parents=True, exist_ok=True)
-    # Write under temporary names and rename, so an interrupted run leaves no half cache.
-    tmp = [f.with_name(f.name + ".tmp") for f in files]
-    with open(tmp[0], "wb") as f:
-        np.save(f, dataset.images)
-    with open(tmp[1], "wb") as f:
-        np.save(f, dataset.labels)
-    tmp[2].write_text(json.dumps({"characters": dataset.characters, "fonts": dataset.fonts,
-                                  "source": json.loads(key_source)}, ensure_ascii=False))
-    for t, f in zip(tmp, files):
-        os.replace(t, f)
+    try:
+        _write_cache(folder, dataset, key_source)
+    except OSError as error:
+        LOGGER.warning("pml-rank: cannot write the glyph cache %s (%s); using the glyphs generated in memory, "
+                       "which the next run generates again (set --cache-dir or $PML_RANK_CACHE to a writable "
+                       "folder)", folder, error.strerror or error)
     return dataset

@@ -132,16 +132,68 @@ INSHOP_LAYOUT = Layout(
 )
 
 
+class ImageReadError(OSError):
+    """An image of a data set cannot be read (unreadable, empty, truncated, not an image);
+    the message names the file."""
+
+
+# Bytes read from the end of each image when checking it: a complete JPEG ends with its
+# end-of-image marker, a complete PNG with its IEND chunk (a few trailing bytes allowed).
+_TAIL_BYTES = 1024
+_COMPLETE_ENDINGS = {b"\xff\xd8\xff": b"\xff\xd9", b"\x89PNG": b"IEND"}
+
+
+def _decode(path):
+    """Decodes the whole image; raises `ImageReadError` naming `path`."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ImageReadError(f"cannot read image {path}: {error}") from None
+
+
+def _image_problem(path):
+    """Why the image at `path` cannot be used, or None. Cheap: reads its first bytes and
+    its last kilobyte; only a file whose ending looks incomplete, or whose format is not
+    JPEG or PNG, is decoded in full to be sure."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            f.seek(max(os.fstat(f.fileno()).st_size - _TAIL_BYTES, 0))
+            tail = f.read()
+    except OSError as error:
+        return f"cannot read image {path}: {error.strerror or error}"
+    if not head:
+        return f"cannot read image {path}: the file is empty"
+    ending = next((end for start, end in _COMPLETE_ENDINGS.items() if head.startswith(start)), None)
+    if ending is not None and ending in tail:
+        return None
+    try:
+        _decode(path)
+    except ImageReadError as error:
+        return str(error)
+    return None
+
+
 def _check_images(layout, data_root, paths):
-    """The lists name every image: report the absent ones (a partial extraction)."""
+    """The lists name every image: report the absent ones (a partial extraction), then
+    the ones that cannot be read (truncated, empty, unreadable), before any training."""
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise DataSetNotFoundError(layout.explain(data_root, missing))
+    problems = [problem for problem in map(_image_problem, paths) if problem is not None]
+    if problems:
+        more = f"\n... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ImageReadError(f"{layout.title}: {len(problems)} of {len(paths)} images cannot be read "
+                             f"(re-extract the archive):\n" + "\n".join(problems[:5]) + more)
 
 
 def _open_rgb(path):
-    with Image.open(path) as image:
-        return image.convert("RGB")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ImageReadError(f"cannot read image {path}: {error}") from None
 
 
 class _RGBItems:

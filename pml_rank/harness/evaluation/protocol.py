@@ -28,6 +28,9 @@ class Recipe:
             Accept ``**kwargs``: more keywords may be passed in later versions.
         name: label in tables and plots.
         batches: how batches are made, in words, for tables ("8 classes x 4", ...).
+        per_class: samples of each class in a batch when the sampler fixes it (4 for
+            PML's `MPerClassSampler` with m=4, 2 for N-pair batches), so a batch size
+            and a number of classes can be checked before any training; None: unknown.
     """
 
     make_loss: Callable
@@ -35,6 +38,7 @@ class Recipe:
     make_sampler: Optional[Callable] = None
     name: str = ""
     batches: str = ""
+    per_class: Optional[int] = None
 
 
 @dataclasses.dataclass

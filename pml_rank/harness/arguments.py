@@ -1,0 +1,104 @@
+"""Command-line argument types shared by `pml-rank` and the example scripts.
+
+Each is an ``argparse`` ``type=`` callable that turns a bad value into an
+``argparse.ArgumentTypeError``, so argparse reports it in one line naming the option
+and exits with status 2 before any work. Importing this module imports no torch;
+`device` imports it only to check a device other than the CPU.
+"""
+
+import argparse
+import math
+import sys
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """`argparse.ArgumentParser` whose errors are one line: ``prog: error: message (see
+    prog --help)``, exit status 2, instead of the usage block followed by the message."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(text):
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+
+
+def at_least(minimum):
+    """Type: an integer not below `minimum` (``at_least(1)`` for every count)."""
+
+    def convert(text):
+        value = _integer(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = f"integer >= {minimum}"
+    return convert
+
+
+positive_int = at_least(1)
+positive_int.__name__ = "positive integer"
+non_negative_int = at_least(0)
+non_negative_int.__name__ = "non-negative integer"
+
+
+def positive_float(text):
+    """Type: a finite number above zero (learning rates)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+DEVICE_HELP = "cpu, cuda, cuda:N (when torch sees a CUDA device) or mps (when torch sees one)"
+
+
+def device(text):
+    """Type: a torch device this machine has, returned as the string given. ``cpu`` is
+    accepted without importing torch; anything else is checked with torch."""
+    name = str(text).strip()
+    if name == "cpu":
+        return name
+    import torch
+
+    try:
+        parsed = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; expected {DEVICE_HELP}") from None
+    if parsed.type == "cpu":
+        return name
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: torch {torch.__version__} sees no CUDA device on this machine; use cpu")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                                             f"cuda:{count - 1}")
+        return name
+    if parsed.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: torch sees no MPS device on this machine; use cpu")
+        return name
+    raise argparse.ArgumentTypeError(f"unsupported device {text!r}; expected {DEVICE_HELP}")
+
+
+def default_device():
+    """``"cuda"`` when torch sees a CUDA device, else ``"cpu"`` (imports torch)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fail(prog, message):
+    """Prints ``prog: error: message`` to stderr and returns status 2: for checks that
+    need what parsing gave (the rows of a bench, the data), still before any work."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2

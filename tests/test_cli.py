@@ -1,0 +1,242 @@
+"""The `pml-rank` command line at its edges, driven through the real entry point: every
+bad argument is refused before any work, in one line naming it, with exit status 2."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pml_rank import cli
+from pml_rank.harness import arguments, budget
+
+ROOT = Path(__file__).resolve().parents[1]
+# Nothing is trained when a command returns this fast (a bench trains for minutes). Generous on
+# purpose: what matters is the status, the message and that no output appeared.
+NO_WORK_SECONDS = 60
+
+
+def _entry_point():
+    """The installed ``pml-rank`` script beside this interpreter, else ``python -m pml_rank.cli``."""
+    script = Path(sys.executable).with_name("pml-rank")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("pml-rank")
+    return [found] if found else [sys.executable, "-m", "pml_rank.cli"]
+
+
+def run(command, tmp_path, cwd=None):
+    """Runs a command line with its own --out and data cache under `tmp_path`; returns
+    ``(status, stderr, seconds)`` and checks that no output or data was written."""
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    env = dict(os.environ, PML_RANK_CACHE=str(cache), PYTHONWARNINGS="ignore")
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or tmp_path,
+                          timeout=5 * NO_WORK_SECONDS)
+    seconds = time.monotonic() - started
+    assert not cache.exists(), "the data set was loaded"
+    if out.exists():
+        assert not any(out.iterdir()), f"results were written: {sorted(out.iterdir())}"
+    return done.returncode, done.stderr, seconds
+
+
+def assert_refused(status, stderr, seconds, *names):
+    assert status == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{stderr}"
+    for name in names:
+        assert name in lines[0], f"{name!r} not in {lines[0]!r}"
+    assert seconds < NO_WORK_SECONDS
+
+
+def _cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+BAD_ARGUMENTS = [
+    (["bench", "--seeds", "0"], ["--seeds"]),
+    (["bench", "--threads", "0"], ["--threads"]),
+    (["bench", "--dataset", "foo"], ["--dataset", "foo"]),
+    (["bench", "--lr", "nan"], ["--lr", "nan"]),
+    (["bench", "--lr", "inf"], ["--lr"]),
+    (["bench", "--lr", "-0.1"], ["--lr"]),
+    (["bench", "--iterations", "0"], ["--iterations"]),
+    (["bench", "--epochs", "0"], ["--epochs"]),
+    (["bench", "--embedding-size", "0"], ["--embedding-size"]),
+    (["bench", "--batch-size", "0"], ["--batch-size"]),
+    (["bench", "--classes", "1"], ["--classes"]),
+    (["bench", "--epochs", "two"], ["--epochs", "two"]),
+    (["bench", "NoSuchLoss"], ["NoSuchLoss"]),
+    (["speed", "--sizes", "0"], ["--sizes"]),
+    (["speed", "--sizes", "64", "-3"], ["--sizes"]),
+    (["speed", "--repeats", "0"], ["--repeats"]),
+    (["speed", "--dim", "0"], ["--dim"]),
+    (["speed", "--seed", "-1"], ["--seed"]),
+    (["speed", "NoSuchLoss"], ["NoSuchLoss"]),
+]
+
+
+@pytest.mark.parametrize("argv,names", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_argument_is_refused_before_any_work(argv, names, tmp_path):
+    status, stderr, seconds = run(_entry_point() + argv + ["--out", str(tmp_path / "out")], tmp_path)
+    assert_refused(status, stderr, seconds, *names)
+
+
+@pytest.mark.parametrize("command", ["bench", "speed"])
+def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
+    if _cuda_available():
+        pytest.skip("this machine has CUDA")
+    status, stderr, seconds = run(_entry_point() + [command, "--device", "cuda", "--out", str(tmp_path / "out")],
+                                  tmp_path)
+    assert_refused(status, stderr, seconds, "--device", "cuda")
+
+
+def test_an_unknown_device_is_refused(tmp_path):
+    status, stderr, seconds = run(_entry_point() + ["bench", "--device", "gpu0", "--out", str(tmp_path / "out")],
+                                  tmp_path)
+    assert_refused(status, stderr, seconds, "--device", "gpu0")
+
+
+def test_batch_size_refusal_says_what_each_kind_of_row_needs(tmp_path):
+    status, stderr, seconds = run(_entry_point() + ["bench", "--batch-size", "3", "--out", str(tmp_path / "out")],
+                                  tmp_path)
+    assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "m=4 rows", "even", "N-pair rows")
+
+
+def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
+    # 6 is even: the N-pair rows alone take it (and are refused for their too few classes instead).
+    status, stderr, seconds = run(_entry_point() + ["bench", "pml:NPairsLoss", "--batch-size", "6", "--classes", "2",
+                                                    "--out", str(tmp_path / "out")], tmp_path)
+    assert_refused(status, stderr, seconds, "--classes")
+    assert "--batch-size" not in stderr
+    status, stderr, seconds = run(_entry_point() + ["bench", "pml:NPairsLoss", "pml:TripletMarginLoss",
+                                                    "--batch-size", "6", "--out", str(tmp_path / "out")], tmp_path)
+    assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "pml:TripletMarginLoss")
+
+
+def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
+    batch = budget.DEFAULTS["batch_size"]
+    status, stderr, seconds = run(_entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")],
+                                  tmp_path)
+    assert_refused(status, stderr, seconds, "--classes", f"{budget.minimum_classes(4, batch)} for the m=4 rows",
+                   f"{budget.minimum_classes(2, batch)} for the N-pair rows")
+    # With the m=4 rows alone, the N-pair minimum is not asked for.
+    status, stderr, seconds = run(_entry_point() + ["bench", "AUCLoss", "--classes", "9", "--out",
+                                                    str(tmp_path / "out")], tmp_path)
+    assert_refused(status, stderr, seconds, "--classes", str(budget.minimum_classes(4, batch)))
+    assert "N-pair" not in stderr
+
+
+def test_minimum_classes_follows_the_protocols_folds():
+    from pml_rank.harness.evaluation import class_partitions
+
+    for num_classes in range(8, 60):
+        partitions = class_partitions(range(num_classes // 2), 4)
+        expected = num_classes // 2 - max(len(p) for p in partitions)
+        assert budget.fold_training_classes(num_classes, 4) == expected
+    for per_class, batch in [(4, 32), (2, 32), (4, 8), (2, 120)]:
+        minimum = budget.minimum_classes(per_class, batch)
+        assert budget.fold_training_classes(minimum) >= batch // per_class
+        assert budget.fold_training_classes(minimum - 1) < batch // per_class
+
+
+def test_out_that_is_a_file_is_refused_before_any_work(tmp_path):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("keep me")
+    for out in (a_file, a_file / "below"):
+        status, stderr, seconds = run(_entry_point() + ["bench", "AUCLoss", "--classes", "24", "--out", str(out)],
+                                      tmp_path)
+        assert_refused(status, stderr, seconds, "--out", str(out))
+    assert a_file.read_text() == "keep me"
+
+
+def test_read_only_out_is_refused_before_any_work(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as root: file modes do not stop writes")
+        status, stderr, seconds = run(_entry_point() + ["speed", "AUCLoss", "--out", str(folder)], tmp_path)
+        assert_refused(status, stderr, seconds, "--out", "not writable")
+    finally:
+        folder.chmod(0o755)
+
+
+def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
+    script = ROOT / "examples" / "auc_cub200.py"
+    cases = [(["--epochs", "0"], ["--epochs"]), (["--batch-size", "3"], ["--batch-size"]),
+             (["--seed", "-2"], ["--seed"]), (["--out", str(tmp_path / "x.txt")], ["--out"])]
+    if not _cuda_available():
+        cases.append((["--device", "cuda"], ["--device", "cuda"]))
+    (tmp_path / "x.txt").write_text("")
+    for argv, names in cases:
+        status, stderr, seconds = run([sys.executable, str(script), "--smoke"] + argv, tmp_path)
+        assert_refused(status, stderr, seconds, *names)
+
+
+def test_help_imports_no_torch():
+    for argv in (["--help"], ["bench", "--help"], ["speed", "--help"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "pml_rank.cli", *argv],
+                              capture_output=True, text=True)
+        assert done.returncode == 0
+        imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()}
+        assert "torch" not in imported
+
+
+def _options(command):
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in subparsers.choices[command]._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("command", ["bench", "speed"])
+def test_every_option_help_shows_its_default(command):
+    for action in _options(command):
+        assert action.help and "default" in action.help, action.option_strings
+
+
+def test_help_states_the_constraints():
+    bench = {a.option_strings[0]: a.help for a in _options("bench")}
+    speed = {a.option_strings[0]: a.help for a in _options("speed")}
+    assert "$PML_RANK_CACHE" in bench["--cache-dir"]
+    assert "writable" in bench["--out"] and "writable" in speed["--out"]
+    for name in ("--epochs", "--iterations", "--threads", "--embedding-size", "--seeds"):
+        assert ">= 1" in bench[name], name
+    assert "cuda" in bench["--device"] and "cuda" in speed["--device"]
+    assert ">= 1" in speed["--repeats"] and "median" in speed["--repeats"]
+    assert ">= 0" in speed["--seed"]
+    for name, sizes in budget.SPEED_DEFAULT_SIZES_PER_LOSS.items():
+        assert name in speed["--sizes"] and " ".join(map(str, sizes)) in speed["--sizes"]
+
+
+def test_speed_help_sizes_are_the_sizes_speed_uses():
+    from pml_rank.harness import speed
+
+    assert tuple(speed.DEFAULT_BATCH_SIZES) == budget.SPEED_DEFAULT_SIZES
+    for name, case in speed.CASES.items():
+        assert case.default_sizes == budget.SPEED_DEFAULT_SIZES_PER_LOSS.get(name), name
+
+
+def test_add_budget_arguments_gives_the_bench_defaults_and_checks():
+    parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"))
+    args = parser.parse_args([])
+    assert args.epochs == budget.DEFAULTS["epochs"]
+    assert args.iterations == budget.DEFAULTS["iterations_per_epoch"]
+    assert args.batch_size == budget.DEFAULTS["batch_size"]
+    assert args.embedding_size == budget.DEFAULTS["embedding_size"]
+    assert args.lr == budget.DEFAULTS["lr"] and args.threads == budget.DEFAULTS["threads"]
+    assert args.dataset == budget.DEFAULTS["dataset"] and args.device == budget.DEFAULTS["device"]
+    assert args.classes is None and args.cache_dir is None
+    for argv in (["--epochs", "0"], ["--lr", "nan"], ["--dataset", "foo"], ["--threads", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(argv)
+        assert exit_.value.code == 2
