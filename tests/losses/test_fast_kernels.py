@@ -47,7 +47,7 @@ def test_npairs_large_norms_equal_reference_in_float64(seed, mode, loss_class):
     margins = f - f.diagonal().unsqueeze(1)
     assert margins.min() < -200 and margins.max() < 700  # far past the clamp, still finite for the reference
     ours = value_and_grad(loss_class(), embeddings, labels)
-    expected = value_and_grad(lambda e, l: npairs_reference.npairs_loss(e, l, mode, 0.002), embeddings, labels)
+    expected = value_and_grad(lambda e, lab: npairs_reference.npairs_loss(e, lab, mode, 0.002), embeddings, labels)
     torch.testing.assert_close(ours, expected)
 
 
@@ -55,7 +55,7 @@ def test_npairs_large_norms_equal_reference_in_float64(seed, mode, loss_class):
 def test_npairs_large_norms_in_float32_match_float64(mode, loss_class):
     embeddings, labels = large_norm_pairs(5)
     ours = value_and_grad(loss_class(), embeddings.float(), labels)
-    expected = value_and_grad(lambda e, l: npairs_reference.npairs_loss(e, l, mode, 0.002), embeddings, labels)
+    expected = value_and_grad(lambda e, lab: npairs_reference.npairs_loss(e, lab, mode, 0.002), embeddings, labels)
     torch.testing.assert_close(ours[0].double(), expected[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1].double(), expected[1], rtol=1e-4, atol=1e-5)
 
@@ -141,7 +141,8 @@ def test_auc_loss_with_its_steep_default_sigmoid_equals_algorithm_1(seed):
     labels = torch.randint(5, (24,), generator=generator)
     loss = AUCLoss()
     ours = value_and_grad(loss, embeddings, labels)
-    expected = value_and_grad(lambda e, l: auc_reference.auc_bh_loss(e, l, loss.step, loss.slope), embeddings, labels)
+    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope),
+                              embeddings, labels)
     torch.testing.assert_close(ours, expected)
 
 
@@ -151,10 +152,10 @@ def test_auc_loss_with_ref_emb_equals_algorithm_1_after_the_single_gather():
     refs = torch.randn(20, 5, generator=generator, dtype=torch.float64).requires_grad_()
     labels, ref_labels = torch.randint(4, (16,), generator=generator), torch.randint(4, (20,), generator=generator)
     loss = AUCLoss()
-    ours = value_and_grad(lambda e, l: loss(e, l, ref_emb=refs, ref_labels=ref_labels), embeddings, labels)
+    ours = value_and_grad(lambda e, lab: loss(e, lab, ref_emb=refs, ref_labels=ref_labels), embeddings, labels)
     ref_grad = refs.grad.clone()
     refs.grad = None
-    expected = value_and_grad(lambda e, l: auc_reference.auc_bh_loss(e, l, loss.step, loss.slope, ref_emb=refs,
+    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope, ref_emb=refs,
                                                                        ref_labels=ref_labels), embeddings, labels)
     torch.testing.assert_close(ours, expected)
     torch.testing.assert_close(ref_grad, refs.grad)
