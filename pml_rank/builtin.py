@@ -13,3 +13,53 @@ def pml_rank_losses():
 @hookimpl
 def pml_rank_samplers():
     return [getattr(samplers, name) for name in samplers.__all__]
+
+
+def _rambo_space(trial, recall):
+    from .losses.rambo import MEMORY_VARIANTS
+
+    params = {
+        # λ of the blackbox ranking (normalised ranks, so the papers' values carry over).
+        "lambda_val": trial.suggest_float("lambda_val", 0.05, 20.0, log=True),
+        "margin": trial.suggest_float("margin", 0.0, 0.2),
+        "memory_size": trial.suggest_int("memory_size", 0, 4),
+    }
+    if recall:
+        params["weighting"] = trial.suggest_categorical("weighting", ["log", "loglog"])
+    if params["memory_size"] > 0:  # the paper's text ("extend") or the authors' code ("rows")
+        params["memory_variant"] = trial.suggest_categorical("memory_variant", list(MEMORY_VARIANTS))
+    return params
+
+
+# Threshold spacings that divide AUCLoss's default [-1, 1] into whole intervals (it insists).
+AUC_STEPS = [0.005, 0.01, 0.02, 0.025, 0.04, 0.05, 0.1]
+
+
+def _auc_space(trial):
+    return {
+        "step": trial.suggest_categorical("step", AUC_STEPS),
+        "slope": trial.suggest_float("slope", 5.0, 500.0, log=True),
+    }
+
+
+def _fastap_space(trial):
+    return {"num_bins": trial.suggest_int("num_bins", 2, 100, log=True)}
+
+
+def _npairs_space(trial):
+    return {"l2_reg_weight": trial.suggest_float("l2_reg_weight", 1e-5, 0.1, log=True)}
+
+
+@hookimpl
+def pml_rank_search_spaces():
+    """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
+    size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
+    slope, FastAP's number of bins, N-pair's L2 weight."""
+    return {
+        "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
+        "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
+        "AUCLoss": _auc_space,
+        "FastAPLoss": _fastap_space,
+        "NPairsMCLoss": _npairs_space,
+        "NPairsOVOLoss": _npairs_space,
+    }

@@ -99,13 +99,38 @@ def _speed_runs(speed, names, args, out):
     return 0
 
 
+def _bench_params(args):
+    """``(params, source)`` for the bench: --params FILE, the shipped tuned file, or none (--untuned)."""
+    from pathlib import Path
+
+    from .harness.budget import SHIPPED_PARAMS
+
+    bench = _harness("bench")
+    if args.untuned:
+        return {}, None
+    path = Path(args.params) if args.params else SHIPPED_PARAMS
+    if not path.exists():
+        if args.params:
+            raise FileNotFoundError(f"--params: no such file: {path}")
+        return {}, None
+    return bench.load_params(path), f"tuned ({path.name})"
+
+
 def _cmd_bench(args):
+    import os
+
+    from .harness.budget import SHIPPED_PARAMS
+
     bench = _harness("bench")
 
     try:
         contenders = bench.recipes(args.losses or None)
     except KeyError as error:
         raise UsageError(f"argument losses: {error.args[0]}") from None
+    try:
+        params, source = _bench_params(args)
+    except FileNotFoundError as error:
+        raise UsageError(f"argument {error.args[0]}") from None
     try:
         bench.check_budget(contenders, args.batch_size, args.classes)
     except bench.BudgetError as error:
@@ -116,12 +141,75 @@ def _cmd_bench(args):
                                  iterations_per_epoch=args.iterations, batch_size=args.batch_size,
                                  seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
                                  device=args.device, cache_dir=args.cache_dir, num_classes=args.classes,
-                                 threads=args.threads)
+                                 params=params, params_source=source, threads=args.threads,
+                                 workers=args.workers or os.cpu_count() or 1,
+                                 store=os.path.join(out, bench.STORE_FILE))
     except bench.BudgetError as error:  # what needs the data: more classes than it has
         raise UsageError(str(error)) from None
+    except bench.StoreMismatchError as error:
+        print(f"pml-rank bench: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\npml-rank bench: interrupted; finished runs are kept in {out}/{bench.STORE_FILE} "
+              "and the same command resumes", file=sys.stderr)
+        return 130
+    if source:
+        differences = bench.tuned_budget_differences(args.params or SHIPPED_PARAMS, result.config)
+        if differences:
+            print(f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
+                  file=sys.stderr)
+    if result.resumed:
+        print(f"resumed: {result.resumed} finished run(s) read from {out}/{bench.STORE_FILE}")
     print(bench.format_table(result))
     for path in bench.write_all(result, out):
         print(f"written: {path}")
+    return 0
+
+
+def _cmd_tune(args):
+    import os
+    import shlex
+
+    tune = _harness("tune")
+    bench = _harness("bench")
+    try:
+        contenders = bench.recipes(args.losses or None)
+    except KeyError as error:
+        raise UsageError(f"argument losses: {error.args[0]}") from None
+    spaces = tune.search_spaces()
+    missing = [name for name in contenders if name not in spaces]
+    if missing and args.losses:
+        raise UsageError(f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
+                         "one with the pml_rank_search_spaces hook)")
+    contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
+    try:
+        bench.check_budget(contenders, args.batch_size, args.classes)
+    except bench.BudgetError as error:
+        raise UsageError(str(error)) from None
+    losses = list(contenders)
+    args.out = str(_prepare_out(args.out))
+    config = tune.budget_config(dataset=args.dataset, epochs=args.epochs, iterations_per_epoch=args.iterations,
+                                batch_size=args.batch_size, embedding_size=args.embedding_size, lr=args.lr,
+                                num_classes=args.classes, seed=args.seed)
+    storage = args.storage or tune.default_storage(args.out)
+    command = "pml-rank tune " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "tune") \
+        if sys.argv[1:2] == ["tune"] else None
+    if command and args.storage:
+        command = command.replace(args.storage, tune.redact(args.storage))
+    workers = args.workers or os.cpu_count() or 1
+    try:
+        result = tune.tune(losses, args.trials, config, storage, args.out, workers=workers, cache_dir=args.cache_dir,
+                           threads=args.threads, device=args.device, heartbeat=args.heartbeat,
+                           prune=not args.no_prune, command=command)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(tune.format_table(result.entries))
+    print(f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); "
+          f"storage {tune.redact(storage)}")
+    if result.interrupted:
+        print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -171,7 +259,15 @@ def add_budget_arguments(parser):
 
 
 def build_parser():
-    from .harness.arguments import DEVICE_HELP, ArgumentParser, at_least, device, non_negative_int, positive_int
+    from .harness.arguments import (
+        DEVICE_HELP,
+        ArgumentParser,
+        at_least,
+        device,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
 
     parser = ArgumentParser(
         prog="pml-rank",
@@ -227,8 +323,42 @@ def build_parser():
     p.add_argument("--seeds", type=positive_int, default=DEFAULTS["seeds"],
                    help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
                         "1 gives no interval (default %(default)s)")
-    p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes bench.csv, bench.json, bench.png")
+    p.add_argument("--out", default="pml-rank-results",
+                   help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench-runs.jsonl, the store "
+                                   "of finished runs (rerunning the same command resumes)")
+    p.add_argument("--params", metavar="FILE",
+                   help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the "
+                        "default glyph budget")
+    p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
+    p.add_argument("--workers", type=positive_int,
+                   help="processes running (row, seed) jobs in parallel, results identical to a serial run "
+                        "(default: the number of cores)")
     p.set_defaults(run=_cmd_bench)
+
+    p = commands.add_parser(
+        "tune",
+        help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
+        description="Searches each loss's declared space with a seeded TPE sampler; the objective is the mean "
+                    "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
+                    "classes. One study per (loss, data set, budget); rerunning resumes.")
+    p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
+    p.add_argument("--trials", type=positive_int, default=20,
+                   help="finished trials each study should hold, >= 1 (default %(default)s); a rerun resumes to N")
+    p.add_argument("--workers", type=positive_int,
+                   help="local worker processes on the storage (default: the number of cores)")
+    p.add_argument("--storage", metavar="URL",
+                   help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
+                        "(default: sqlite:///OUT/tune.db)")
+    p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
+    add_budget_arguments(p)
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the sampler and of the fold models (default 0)")
+    p.add_argument("--heartbeat", type=positive_float, default=20.0,
+                   help="seconds between a running trial's heartbeats; a trial silent for twice this is "
+                        "failed and retried (default %(default)s)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="no median pruning between folds (default: prune after the second fold)")
+    p.set_defaults(run=_cmd_tune)
 
     return parser
 

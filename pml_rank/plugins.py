@@ -18,6 +18,15 @@ one or more of the hooks below, each returning a list of classes::
 
 pml-rank's own components are registered by ``pml_rank.builtin`` through the same
 entry-point group.
+
+A plugin may also declare the hyperparameter search space of its losses for
+`pml-rank tune`, as ``{loss name: space}`` where ``space(trial)`` asks an Optuna trial for
+values (``trial.suggest_float`` and friends) and returns the loss's constructor keywords;
+pml-rank itself needs no Optuna for this::
+
+    @pml_rank.hookimpl
+    def pml_rank_search_spaces():
+        return {"MyLoss": lambda trial: {"margin": trial.suggest_float("margin", 0.0, 1.0)}}
 """
 
 import dataclasses
@@ -51,6 +60,14 @@ class HookSpecs:
     @hookspec
     def pml_rank_samplers(self):
         """Sampler classes: subclasses of ``torch.utils.data.Sampler``."""
+
+    @hookspec
+    def pml_rank_search_spaces(self):
+        """Search spaces for `pml-rank tune`: a dict ``{loss name: space}``, where
+        ``space(trial)`` suggests values on an Optuna trial (``trial.suggest_float(name,
+        low, high, log=...)``, ``suggest_int``, ``suggest_categorical``) and returns the
+        keyword arguments of the loss's constructor. Not a list of classes, unlike the
+        hooks above."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +126,12 @@ class Registry:
 
     def __init__(self):
         self._components = None
+        self._search_spaces = None
         self.plugin_manager = None
 
     def reload(self):
         self._components = None
+        self._search_spaces = None
         self.plugin_manager = None
         self._load()
 
@@ -130,6 +149,12 @@ class Registry:
     def samplers(self):
         return self._of_kind("samplers")
 
+    def search_spaces(self):
+        """``{loss name: space}`` from every plugin's ``pml_rank_search_spaces()`` hook;
+        ``space(trial)`` returns the loss's constructor keywords (see `HookSpecs`)."""
+        self._load()
+        return {name: space for name, (space, _) in sorted(self._search_spaces.items())}
+
     def _of_kind(self, kind):
         return {c.name: c.cls for c in self.components() if c.kind == kind}
 
@@ -138,7 +163,7 @@ class Registry:
             return
         manager = pluggy.PluginManager(PROJECT)
         manager.add_hookspecs(HookSpecs)
-        components = {}
+        components, spaces = {}, {}
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             where = _describe(ep)
             plugin = _load_plugin(manager, ep, where)
@@ -156,7 +181,18 @@ class Registry:
                             "Uninstall one of the two distributions."
                         )
                     components.setdefault(key, component)
+            for name, space in _call_search_space_hooks(manager, plugin, where):
+                other = spaces.get(name)
+                if other is not None and other[0] is not space:
+                    dist, entry_point = other[1]
+                    raise PluginConflictError(
+                        f"pml-rank: two plugins declare the search space of {name!r}: distribution "
+                        f"{dist!r}, entry point {entry_point!r} and distribution {where[0]!r}, entry point "
+                        f"{where[1]!r}. Uninstall one of the two distributions."
+                    )
+                spaces.setdefault(name, (space, where))
         self._components = components
+        self._search_spaces = spaces
         self.plugin_manager = manager
 
 
@@ -214,6 +250,27 @@ def _call_hooks(manager, plugin, kind, ep, where):
                 )
                 continue
             yield Component(cls.__name__, kind.name, cls, where[0], where[1])
+
+
+def _call_search_space_hooks(manager, plugin, where):
+    hook_name = "pml_rank_search_spaces"
+    for impl in getattr(manager.hook, hook_name).get_hookimpls():
+        if impl.plugin is not plugin:
+            continue
+        try:
+            returned = impl.function()
+        except Exception as error:
+            _warn(where, f"{hook_name}() raised {type(error).__name__}: {error}")
+            continue
+        if not isinstance(returned, dict):
+            _warn(where, f"{hook_name}() returned {returned!r}, not a dict {{loss name: space(trial)}}")
+            continue
+        for name, space in returned.items():
+            if not isinstance(name, str) or not callable(space):
+                _warn(where, f"{hook_name}() returned the entry {name!r}: {space!r}; a loss name (str) "
+                             "mapped to a callable space(trial) was expected; that entry is skipped")
+                continue
+            yield name, space
 
 
 def _qualname(cls):

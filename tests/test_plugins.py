@@ -209,3 +209,54 @@ def test_loading_imports_only_the_entry_point_modules(fake_distribution):
     )
     assert "LazyLoss" in pml_rank.registry.losses()
     assert "acme_lazy.heavy" not in sys.modules
+
+
+def test_builtin_and_example_plugin_declare_search_spaces():
+    import optuna
+
+    spaces = pml_rank.registry.search_spaces()
+    for name in ["RaMBORecallLoss", "RaMBOAPLoss", "AUCLoss", "FastAPLoss", "NPairsMCLoss", EXAMPLE]:
+        assert name in spaces
+    losses = pml_rank.registry.losses()
+    for name, space in spaces.items():
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        for _ in range(20):
+            trial = study.ask()
+            params = space(trial)
+            losses[name](**params)  # every suggestion is a valid constructor argument
+            assert set(params) <= set(trial.params)
+    assert {"lambda_val", "margin", "memory_size", "weighting"} <= set(spaces["RaMBORecallLoss"](study.ask()))
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ("return [lambda trial: {}]", r"pml_rank_search_spaces\(\) returned \[.*not a dict"),
+        ("return {'GoodLoss': 3}", r"the entry 'GoodLoss': 3.*callable space\(trial\)"),
+        ("raise RuntimeError('no space')", r"pml_rank_search_spaces\(\) raised RuntimeError: no space"),
+    ],
+)
+def test_search_space_hook_returning_garbage_warns_naming_the_distribution(fake_distribution, body, problem):
+    source = GOOD_LOSS.format(name="GoodLoss") + f"""
+    @pml_rank.hookimpl
+    def pml_rank_search_spaces():
+        {body}
+    """
+    with pytest.warns(PluginWarning, match=rf"'acme-spaces'.*'spaces = acme_spaces'.*{problem}"):
+        fake_distribution("acme-spaces", {"acme_spaces": source}, {"spaces": "acme_spaces"})
+    assert "GoodLoss" in pml_rank.registry.losses()
+    assert "GoodLoss" not in pml_rank.registry.search_spaces()
+    assert EXAMPLE in pml_rank.registry.search_spaces()
+
+
+def test_two_plugins_declaring_one_search_space_is_an_error_naming_both(fake_distribution):
+    source = """
+        import pml_rank
+
+        @pml_rank.hookimpl
+        def pml_rank_search_spaces():
+            return {{"SharedLoss": lambda trial: {{}}}}
+    """
+    fake_distribution("acme-one", {"acme_one": source.format()}, {"one": "acme_one"})
+    with pytest.raises(PluginConflictError, match=r"SharedLoss.*acme-(one|two).*acme-(one|two)"):
+        fake_distribution("acme-two", {"acme_two": source.format()}, {"two": "acme_two"})

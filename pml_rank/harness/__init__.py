@@ -5,6 +5,7 @@
     references/   straightforward losses written from the papers' formulas
     bench.py      `pml-rank bench`
     speed.py      `pml-rank speed`
+    tune.py       `pml-rank tune`: the Reality Check hyperparameter search with Optuna
     backbones.py, reproduce.py   the papers' setups, used by examples/
 
 Its dependencies (faiss, record-keeper, matplotlib, torchvision, ...) come with the
@@ -13,4 +14,4 @@ Its dependencies (faiss, record-keeper, matplotlib, torchvision, ...) come with 
 
 # What the ``harness`` extra installs, by import name: checked by the command line before
 # any work, so a missing one is named at once rather than after minutes of training.
-REQUIRED_MODULES = ("faiss", "record_keeper", "matplotlib", "torchvision", "PIL", "scipy", "tqdm")
+REQUIRED_MODULES = ("faiss", "record_keeper", "matplotlib", "torchvision", "PIL", "scipy", "tqdm", "optuna")

@@ -11,7 +11,10 @@ networks at their random initialisation).
 """
 
 import dataclasses
+import functools
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -161,7 +164,9 @@ def check_budget(contenders, batch_size, num_classes=None, num_folds=None):
 class BenchResult:
     """Rows in order; ``runs[row]`` holds one ``{"concatenated", "separated"}`` dict per
     seed, ``histories[row]`` the fold histories of every seed, ``seconds[row]`` the
-    training and evaluation time of the row."""
+    training and evaluation time of the row (summed over seeds, whichever process ran
+    them), ``params[row]`` the loss's constructor keywords and ``sources[row]`` where they
+    came from ("defaults" or the tuned file)."""
 
     config: dict
     rows: list
@@ -170,20 +175,155 @@ class BenchResult:
     seconds: dict
     batches: dict
     total_seconds: float = 0.0
+    params: dict = dataclasses.field(default_factory=dict)
+    sources: dict = dataclasses.field(default_factory=dict)
+    resumed: int = 0
 
     def summary(self):
         return {row: summarize(self.runs[row]) for row in self.rows}
 
 
+class StoreMismatchError(RuntimeError):
+    """The store in the output folder holds runs of a different configuration."""
+
+
+STORE_FILE = "bench-runs.jsonl"
+# What defines comparable runs; the seeds and the rows may grow from one run to the next.
+STORE_KEYS = ("dataset", "epochs", "iterations_per_epoch", "batch_size", "embedding_size", "lr", "num_folds",
+              "device", "num_classes")
+
+
+def _digest(value):
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RunStore:
+    """Finished (row, seed) runs, one JSON line each, appended (and flushed) as soon as a run
+    finishes, so an interrupted or crashed bench keeps what finished. Each line carries the
+    configuration's key; a store holding another configuration is refused, never mixed or
+    overwritten. A row's runs are keyed by its loss parameters too: after new tuned
+    parameters the row trains again, and the old runs stay in the file."""
+
+    def __init__(self, path, config):
+        self.path = Path(path)
+        self.budget = {k: config.get(k) for k in STORE_KEYS}
+        self.key = _digest(self.budget)
+        self.runs = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash: that run simply runs again
+                if record.get("config_key") != self.key:
+                    theirs = record.get("budget", {})
+                    diff = ", ".join(f"{k} {theirs.get(k)!r} there, {self.budget[k]!r} now" for k in STORE_KEYS
+                                     if theirs.get(k) != self.budget[k])
+                    raise StoreMismatchError(
+                        f"{self.path} holds bench runs of another configuration ({diff or 'different key'}); "
+                        "it is never overwritten: choose another --out, or delete that file to start afresh")
+                self.runs[(record["row"], record["params_key"], record["seed"])] = record
+
+    def get(self, row, params, seed):
+        return self.runs.get((row, _digest(params), seed))
+
+    def add(self, row, params, seed, outcome):
+        record = {"config_key": self.key, "budget": self.budget, "row": row, "params_key": _digest(params),
+                  "params": params, "seed": seed, **outcome}
+        self.runs[(row, record["params_key"], seed)] = record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        return record
+
+
+def tuned_budget_differences(path, config):
+    """How the budget the file's parameters were tuned with differs from `config` (a list of
+    ``"epochs 8 there, 4 here"`` strings; empty when they match or the file does not say)."""
+    payload = json.loads(Path(path).read_text())
+    differences = set()
+    for entry in payload.values():
+        budget = entry.get("budget") if isinstance(entry, dict) else None
+        for key, value in (budget or {}).items():
+            if key in config and key != "seeds" and config[key] != value:
+                differences.add(f"{key} {value!r} there, {config[key]!r} here")
+    return sorted(differences)
+
+
+def load_params(path):
+    """``{row: constructor keywords}`` from a tuned file (`pml-rank tune`'s tuned.json)."""
+    payload = json.loads(Path(path).read_text())
+    return {row: dict(entry["params"]) for row, entry in payload.items()
+            if not row.startswith("_") and isinstance(entry, dict) and "params" in entry}
+
+
+# What a worker process needs besides the job: its data set is loaded once per process.
+_WORKER = {}
+
+
+def _init_worker(counter, threads):
+    torch.set_num_threads(threads)
+    _WORKER["counter"] = counter
+
+
+def _data(dataset, cache_dir, num_classes):
+    key = (dataset, cache_dir, num_classes)
+    if key not in _WORKER:
+        _WORKER[key] = DATASETS[dataset][0](cache_dir, num_classes)
+    return _WORKER[key]
+
+
+def run_job(job):
+    """One (row, seed) of the bench: the protocol with the row's recipe and parameters.
+    Runs in a worker process or in the caller's; the result depends only on `job`."""
+    config, row, params, seed, cache_dir = job["config"], job["row"], job["params"], job["seed"], job["cache_dir"]
+    data = _data(config["dataset"], cache_dir, config["num_classes"])
+    make_trunk = DATASETS[config["dataset"]][1](config["embedding_size"])
+    if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
+        recipe, epochs = Recipe(make_loss=lambda: None, name=UNTRAINED), 0
+    else:
+        recipe, epochs = recipes([row])[row], config["epochs"]
+        recipe = dataclasses.replace(recipe, make_loss=functools.partial(recipe.make_loss, **params))
+    counter, progress = _WORKER.get("counter"), _WORKER.get("progress")
+
+    def on_iteration(trainer):
+        if progress is not None:  # in the caller's process: its bar directly
+            progress()
+        elif counter is not None:
+            with counter.get_lock():
+                counter.value += 1
+
+    started = time.perf_counter()
+    result = run_protocol(data, recipe, make_trunk, seed=seed, epochs=epochs, num_folds=config["num_folds"],
+                          batch_size=config["batch_size"], iterations_per_epoch=config["iterations_per_epoch"],
+                          lr=config["lr"], device=config["device"], on_iteration=on_iteration)
+    return {"run": {"concatenated": result.concatenated, "separated": result.separated},
+            "histories": result.histories, "seconds": time.perf_counter() - started}
+
+
 def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=None, batch_size=None,
               seeds=None, embedding_size=None, lr=None, num_folds=None, device=None, cache_dir=None,
-              num_classes=None, threads=None, progress=True):
+              num_classes=None, threads=None, progress=True, params=None, params_source=None, workers=1,
+              store=None):
     """Runs every contender (`recipes(losses)`) plus the raw input and untrained rows
     with the same budget; returns a `BenchResult`. Arguments left at None take
     `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...). `threads` sets
-    torch's CPU threads (None: leave torch's setting); the configuration records the
-    number used. Raises `BudgetError` before any training when the batch size or the
-    number of classes cannot make the rows' batches."""
+    torch's CPU threads (None: leave torch's setting), in every worker too; the
+    configuration records the number used. Raises `BudgetError` before any training when
+    the batch size or the number of classes cannot make the rows' batches.
+
+    `params` maps rows to constructor keywords (tuned parameters, see `load_params`);
+    rows not in it train with the loss's defaults. `workers` processes run the (row, seed)
+    jobs in parallel, each job seeded by itself alone, so the results equal a serial run's.
+    `store` (a path) keeps every finished (row, seed) at once (`RunStore`) and skips the
+    ones it already holds."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch,
                  batch_size=batch_size, seeds=seeds, embedding_size=embedding_size, lr=lr,
                  num_folds=num_folds, device=device)
@@ -196,48 +336,81 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
     if threads is not None:
         torch.set_num_threads(threads)
     config["threads"] = torch.get_num_threads()
+    params = params or {}
+    run_store = RunStore(store, config) if store is not None else None
     started = time.perf_counter()
-    load, trunk_for = DATASETS[config["dataset"]]
     try:
-        data = load(cache_dir, num_classes)
+        data = _data(config["dataset"], cache_dir, num_classes)
     except ValueError as error:
         if num_classes is None:
             raise
         raise BudgetError("--classes", str(error)) from None
     check_budget(contenders, config["batch_size"], len(np.unique(data.labels)), config["num_folds"])
-    make_trunk = trunk_for(config["embedding_size"])
     seed_list = list(range(config["seeds"]))
-    shared = dict(num_folds=config["num_folds"], batch_size=config["batch_size"],
-                  iterations_per_epoch=config["iterations_per_epoch"], lr=config["lr"],
-                  device=config["device"])
 
     rows = [RAW_INPUT, UNTRAINED, *contenders]
-    runs, histories, seconds = {}, {}, {}
+    row_params = {row: dict(params.get(row, {})) for row in rows}
+    sources = {row: (params_source or "tuned") if row in params else "defaults" for row in contenders}
+    sources.update({RAW_INPUT: "", UNTRAINED: ""})
     batches = {RAW_INPUT: "", UNTRAINED: "", **{n: r.batches for n, r in contenders.items()}}
 
     t = time.perf_counter()
     raw = raw_input_accuracy(data)
-    runs[RAW_INPUT] = [{"concatenated": raw, "separated": raw}]
-    histories[RAW_INPUT], seconds[RAW_INPUT] = [], time.perf_counter() - t
+    outcomes = {(RAW_INPUT, 0): {"run": {"concatenated": raw, "separated": raw}, "histories": [],
+                                 "seconds": time.perf_counter() - t}}
+    jobs, resumed = [], 0
+    for row in rows[1:]:
+        for seed in seed_list:
+            stored = run_store.get(row, row_params[row], seed) if run_store is not None else None
+            if stored is not None:
+                outcomes[(row, seed)] = stored
+                resumed += 1
+            else:
+                jobs.append(dict(config=config, row=row, params=row_params[row], seed=seed, cache_dir=cache_dir))
 
-    total = len(contenders) * len(seed_list) * config["num_folds"] * config["epochs"] * config["iterations_per_epoch"]
+    per_job = config["num_folds"] * config["epochs"] * config["iterations_per_epoch"]
+    total = sum(per_job for job in jobs if job["row"] != UNTRAINED)
     bar = tqdm(total=total, desc="pml-rank bench", unit="it", disable=not progress, dynamic_ncols=True,
                mininterval=1.0)
-    # The untrained row: the same protocol with zero epochs (no loss is ever called).
-    untrained = Recipe(make_loss=lambda: None, name=UNTRAINED)
-    for name, recipe, epochs_here in [(UNTRAINED, untrained, 0),
-                                      *[(n, r, config["epochs"]) for n, r in contenders.items()]]:
-        t = time.perf_counter()
-        runs[name], histories[name] = [], []
-        for seed in seed_list:
-            bar.set_postfix_str(f"{name} seed {seed}")
-            result = run_protocol(data, recipe, make_trunk, seed=seed, epochs=epochs_here,
-                                  on_iteration=lambda trainer: bar.update(1), **shared)
-            runs[name].append({"concatenated": result.concatenated, "separated": result.separated})
-            histories[name].append(result.histories)
-        seconds[name] = time.perf_counter() - t
-    bar.close()
-    return BenchResult(config, rows, runs, histories, seconds, batches, time.perf_counter() - started)
+    context = multiprocessing.get_context("spawn")
+    counter = context.Value("q", 0)
+
+    def finish(job, outcome):
+        if run_store is not None:
+            run_store.add(job["row"], job["params"], job["seed"], outcome)
+        outcomes[(job["row"], job["seed"])] = outcome
+
+    try:
+        if workers <= 1:
+            _init_worker(counter, config["threads"])
+            _WORKER["progress"] = lambda: bar.update(1)
+            for job in jobs:
+                bar.set_postfix_str(f"{job['row']} seed {job['seed']}")
+                finish(job, run_job(job))
+        elif jobs:
+            with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(counter, config["threads"])) as pool:
+                pending = {pool.submit(run_job, job): job for job in jobs}
+                while pending:
+                    done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        finish(pending.pop(future), future.result())
+                    bar.n = counter.value
+                    bar.set_postfix_str(f"{len(jobs) - len(pending)}/{len(jobs)} runs")
+                    bar.refresh()
+    finally:
+        _WORKER.pop("counter", None)
+        _WORKER.pop("progress", None)
+        bar.close()
+
+    runs, histories, seconds = {}, {}, {}
+    for row in rows:
+        found = [outcomes[(row, s)] for s in ([0] if row == RAW_INPUT else seed_list)]
+        runs[row] = [o["run"] for o in found]
+        histories[row] = [o["histories"] for o in found] if row != RAW_INPUT else []
+        seconds[row] = sum(o["seconds"] for o in found)
+    return BenchResult(config, rows, runs, histories, seconds, batches, time.perf_counter() - started,
+                       row_params, sources, resumed)
 
 
 def _cell(mean, half_width):
@@ -250,15 +423,17 @@ def format_table(result):
     """The accuracy table as text, in percent: mean ± 95% CI half width over seeds."""
     summary = result.summary()
     header = ["", *[f"concat {SHORT_NAMES[m]}" for m in METRICS], *[f"sep {SHORT_NAMES[m]}" for m in METRICS],
-              "seconds"]
+              "seconds", "parameters"]
     lines = [header]
     for row in result.rows:
         s = summary[row]
         lines.append([row, *[_cell(*s["concatenated"][m]) for m in METRICS],
-                      *[_cell(*s["separated"][m]) for m in METRICS], f"{result.seconds[row]:.0f}"])
+                      *[_cell(*s["separated"][m]) for m in METRICS], f"{result.seconds[row]:.0f}",
+                      describe_params(result, row)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in lines]
+    last = len(header) - 1
+    text = ["  ".join(cell.ljust(w) if i in (0, last) else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
     c = result.config
     title = (f"Reality Check protocol on {c['dataset']}: {c['num_folds']}-fold CV over the first half of the "
              f"classes, test on the second half; {c['seeds']} seed(s), {c['epochs']} epochs x "
@@ -268,21 +443,33 @@ def format_table(result):
     return "\n".join([title, *text])
 
 
+def describe_params(result, row):
+    """The parameters a row trained with, for tables: ``tuned: a=1, b=2`` or ``defaults``."""
+    source = result.sources.get(row, "")
+    if not source:
+        return ""
+    values = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in result.params.get(row, {}).items())
+    return f"{source}: {values}" if values else source
+
+
 def write_csv(result, path):
     """One line per row: mean and CI half width (fractions in [0, 1]) of every metric."""
     summary = result.summary()
-    columns = ["row", "batches", "seeds", "seconds"]
+    columns = ["row", "batches", "params_source", "params", "seeds", "seconds"]
     for kind in ("concatenated", "separated"):
         for m in METRICS:
             columns += [f"{kind}_{m}", f"{kind}_{m}_ci95"]
     lines = [",".join(columns)]
     for row in result.rows:
-        cells = [row, result.batches[row], str(len(result.runs[row])), f"{result.seconds[row]:.1f}"]
+        params = json.dumps(result.params.get(row, {}), sort_keys=True) if result.sources.get(row) else ""
+        cells = [row, result.batches[row], result.sources.get(row, ""), params, str(len(result.runs[row])),
+                 f"{result.seconds[row]:.1f}"]
         for kind in ("concatenated", "separated"):
             for m in METRICS:
                 mean, ci = summary[row][kind][m]
                 cells += [f"{mean:.6f}", "" if np.isnan(ci) else f"{ci:.6f}"]
-        lines.append(",".join(f'"{c}"' if "," in c else c for c in cells))
+        lines.append(",".join('"' + c.replace('"', '""') + '"' if "," in c or '"' in c else c for c in cells))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return outputs.write_text(path, "\n".join(lines) + "\n")
@@ -299,6 +486,7 @@ def write_json(result, path):
     payload = {
         "config": result.config, "total_seconds": result.total_seconds,
         "rows": [{"row": row, "batches": result.batches[row], "seconds": result.seconds[row],
+                  "params_source": result.sources.get(row, ""), "params": result.params.get(row, {}),
                   "summary": {kind: {m: pair(summary[row][kind][m]) for m in METRICS}
                               for kind in ("concatenated", "separated")},
                   "runs": result.runs[row], "histories": result.histories[row]}

@@ -77,6 +77,12 @@ class GlyphDataset(torch.utils.data.Dataset):
         image = torch.from_numpy(self.images[index]).float().div_(255).unsqueeze(0)
         return image, int(self.labels[index])
 
+    def __getitems__(self, indices):
+        """A batch at once (DataLoader and Subset use it): the same items as
+        ``[self[i] for i in indices]``, converted in one operation."""
+        images = torch.from_numpy(self.images[np.asarray(indices)]).float().div_(255).unsqueeze(1)
+        return list(zip(images.unbind(0), self.labels[np.asarray(indices)].tolist()))
+
 
 def _render(font, character, canvas, scale, angle, shift):
     """One glyph: baseline and horizontal centre at fixed places on a supersampled canvas

@@ -1,5 +1,6 @@
 """The small trunk the embedded benchmark trains: a four-block CNN for 1×32×32 glyphs."""
 
+import torch
 from torch import nn
 
 
@@ -25,7 +26,13 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(*blocks)
         self.embedding = nn.Linear(channels[-1], embedding_size)
         self.embedding_size = embedding_size
+        # Channels-last tensors: the same function, about 1.6 times faster on a CPU thread
+        # for these few-channel convolutions, batch norms and poolings (measured in
+        # examples/README.md, "Throughput").
+        self.to(memory_format=torch.channels_last)
 
     def forward(self, images):
+        if images.dim() == 4:
+            images = images.contiguous(memory_format=torch.channels_last)
         features = self.features(images)
         return self.embedding(features.mean(dim=(2, 3)))

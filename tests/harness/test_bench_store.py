@@ -1,0 +1,94 @@
+"""The bench's parallel jobs, its store of finished runs (resume, refusal of another
+configuration) and --params, through the console script where it matters."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pml_rank.harness import bench
+from pml_rank.harness.data import load_glyphs
+
+PML_RANK = Path(sys.executable).parent / "pml-rank"
+TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
+
+
+@pytest.fixture(scope="module")
+def glyph_cache(tmp_path_factory):
+    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
+    load_glyphs(cache_dir=folder)
+    return folder
+
+
+def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache):
+    kwargs = dict(epochs=1, iterations_per_epoch=3, seeds=2, num_classes=24, cache_dir=glyph_cache, progress=False,
+                  params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}})
+    serial = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=1, **kwargs)
+    parallel = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=2, **kwargs)
+    assert serial.rows == parallel.rows
+    for row in serial.rows:
+        assert serial.runs[row] == parallel.runs[row], row
+        assert serial.histories[row] == parallel.histories[row], row
+    assert parallel.params["RaMBORecallLoss"] == {"lambda_val": 4.0, "memory_size": 0}
+    assert parallel.sources["RaMBORecallLoss"] == "tuned" and parallel.sources["pml:TripletMarginLoss"] == "defaults"
+
+
+def store_rows(out):
+    path = out / bench.STORE_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache):
+    out = tmp_path / "out"
+    args = [str(PML_RANK), "bench", "pml:TripletMarginLoss", "--seeds", "3", "--workers", "1", "--untuned", *TINY,
+            "--cache-dir", str(glyph_cache), "--out", str(out)]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(r["row"] == "pml:TripletMarginLoss" for r in store_rows(out)):
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    kept = [r for r in store_rows(out) if r["row"] == "pml:TripletMarginLoss"]
+    assert process.returncode == 130 and "resumes" in stderr, stdout + stderr
+    assert 1 <= len(kept) < 3
+
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"resumed: {3 + len(kept)}" in result.stdout  # the untrained row's 3 seeds and the kept runs
+    payload = json.loads((out / "bench.json").read_text())
+    (triplet,) = [row for row in payload["rows"] if row["row"] == "pml:TripletMarginLoss"]
+    assert len(triplet["runs"]) == 3
+    for record in kept:  # the stored runs are the ones reported, not recomputed
+        assert triplet["runs"][record["seed"]] == record["run"]
+    assert len([r for r in store_rows(out) if r["row"] == "pml:TripletMarginLoss"]) == 3
+
+    changed = subprocess.run([*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True,
+                             timeout=300)
+    assert changed.returncode == 2 and "another configuration" in changed.stderr
+    assert "epochs 1 there, 2 now" in changed.stderr
+    assert (out / "bench.json").read_text() == json.dumps(payload, indent=1)  # nothing overwritten
+
+
+def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph_cache):
+    tuned = tmp_path / "tuned.json"
+    params = {"lambda_val": 4.0, "margin": 0.05, "memory_size": 0, "weighting": "loglog"}
+    tuned.write_text(json.dumps({"RaMBORecallLoss": {"params": params, "value": 0.5, "trials": 20, "study": "s"}}))
+    out = tmp_path / "out"
+    result = subprocess.run([str(PML_RANK), "bench", "--params", str(tuned), "RaMBORecallLoss", "pml:TripletMarginLoss",
+                             "--seeds", "1", "--workers", "1", *TINY, "--cache-dir",
+                             str(glyph_cache), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tuned (tuned.json): lambda_val=4" in result.stdout
+    rows = {row["row"]: row for row in json.loads((out / "bench.json").read_text())["rows"]}
+    assert rows["RaMBORecallLoss"]["params"] == params
+    assert rows["RaMBORecallLoss"]["params_source"] == "tuned (tuned.json)"
+    assert rows["pml:TripletMarginLoss"]["params_source"] == "defaults"
+    assert "params_source" in (out / "bench.csv").read_text().splitlines()[0]

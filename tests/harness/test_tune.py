@@ -1,0 +1,210 @@
+"""`pml-rank tune` end to end through the console script, on tiny budgets: SQLite (resume to N,
+two workers on one file), a PostgreSQL server the test starts itself, a worker killed with
+SIGKILL mid-trial, and the plugins' search spaces."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from pml_rank.harness import tune  # noqa: E402
+from pml_rank.harness.data import load_glyphs  # noqa: E402
+
+PML_RANK = Path(sys.executable).parent / "pml-rank"
+TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
+
+
+@pytest.fixture(scope="module")
+def glyph_cache(tmp_path_factory):
+    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
+    load_glyphs(cache_dir=folder)
+    return folder
+
+
+def run_tune(*args, cache, check=True, timeout=300):
+    result = subprocess.run([str(PML_RANK), "tune", *args, *TINY, "--cache-dir", str(cache)], capture_output=True,
+                            text=True, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def trials_of(url, loss):
+    config = tune.budget_config(epochs=1, iterations_per_epoch=2, num_classes=24)
+    study = optuna.load_study(study_name=tune.study_name(loss, config), storage=url)
+    return study.get_trials(deepcopy=False)
+
+
+def states(trials):
+    return [t.state.name for t in trials]
+
+
+def finished(trials):
+    return [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
+
+
+def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    result = run_tune("RaMBORecallLoss", "--trials", "3", "--workers", "2", "--storage", url, "--out", str(tmp_path),
+                      cache=glyph_cache)
+    assert "RaMBORecallLoss" in result.stdout and "lambda_val" in result.stdout
+    tuned = json.loads((tmp_path / "tuned.json").read_text())
+    entry = tuned["RaMBORecallLoss"]
+    assert entry["trials"] == 3 and set(entry) >= {"params", "value", "trials", "study"}
+    assert {"lambda_val", "margin", "memory_size", "weighting"} <= set(entry["params"])
+    trials = trials_of(url, "RaMBORecallLoss")
+    assert len(finished(trials)) == 3 and "RUNNING" not in states(trials)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2  # both workers ran trials on the one file
+    assert (tmp_path / "tune-RaMBORecallLoss.png").read_bytes()[:4] == b"\x89PNG"
+    assert max(t.value for t in trials if t.value is not None) == pytest.approx(entry["value"])
+
+    run_tune("RaMBORecallLoss", "--trials", "4", "--workers", "1", "--storage", url, "--out", str(tmp_path),
+             cache=glyph_cache)
+    trials = trials_of(url, "RaMBORecallLoss")
+    assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
+    assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
+    # A different budget is a different study: the old trials are not mixed in.
+    config = tune.budget_config(epochs=2, iterations_per_epoch=2, num_classes=24)
+    assert tune.study_name("RaMBORecallLoss", config) != entry["study"]
+
+
+def test_example_plugins_search_space_is_used(tmp_path, glyph_cache):
+    run_tune("BinomialDevianceLoss", "--trials", "1", "--workers", "1", "--out", str(tmp_path), cache=glyph_cache)
+    entry = json.loads((tmp_path / "tuned.json").read_text())["BinomialDevianceLoss"]
+    assert set(entry["params"]) == {"alpha", "beta", "cost"}
+    assert entry["trials"] == 1
+    assert (tmp_path / "tune.db").exists()  # the default storage: SQLite in --out
+
+
+def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    args = [str(PML_RANK), "tune", "pml:TripletMarginLoss", "--trials", "2", "--workers", "1", "--heartbeat", "1",
+            "--no-prune", "--storage", url, "--out", str(tmp_path), *TINY, "--cache-dir", str(glyph_cache)]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                trials = trials_of(url, "pml:TripletMarginLoss")
+            except KeyError:  # the study does not exist yet
+                trials = []
+            if len(finished(trials)) >= 1 and "RUNNING" in states(trials):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("no second trial started")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the command and its worker, mid-trial
+        process.wait()
+    assert "RUNNING" in states(trials_of(url, "pml:TripletMarginLoss"))
+
+    run_tune("pml:TripletMarginLoss", "--trials", "2", "--workers", "1", "--heartbeat", "1", "--no-prune",
+             "--storage", url, "--out", str(tmp_path), cache=glyph_cache)
+    trials = trials_of(url, "pml:TripletMarginLoss")
+    assert len(finished(trials)) == 2 and "RUNNING" not in states(trials)
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    assert len(failed) == 1
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == failed[0].number]
+    assert len(retried) == 1 and retried[0].params == failed[0].params  # the lost trial, run again
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache):
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    args = [str(PML_RANK), "tune", "pml:TripletMarginLoss", "--trials", "50", "--workers", "1", "--no-prune",
+            "--storage", url, "--out", str(tmp_path), *TINY, "--cache-dir", str(glyph_cache)]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if finished(trials_of(url, "pml:TripletMarginLoss")):
+                break
+        except KeyError:
+            pass
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, out + err
+    assert "interrupted" in err and "Traceback" not in err
+    assert json.loads((tmp_path / "tuned.json").read_text())["pml:TripletMarginLoss"]["trials"] >= 1
+    assert "RUNNING" not in states(trials_of(url, "pml:TripletMarginLoss"))
+
+
+# ----------------------------------------------------------------------------- PostgreSQL
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pg_bin(name):
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))
+    return str(candidates[-1]) if candidates else None
+
+
+@pytest.fixture(scope="module")
+def postgres_url(tmp_path_factory):
+    """A PostgreSQL server of our own on 127.0.0.1 and a free port, stopped afterwards. As root,
+    initdb and the server run as the `postgres` user (initdb refuses root)."""
+    pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if not (initdb and pg_ctl):
+        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
+    prefix = []
+    if os.geteuid() == 0:
+        runuser = shutil.which("runuser")
+        try:
+            import pwd
+
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            user = None
+        if runuser is None or user is None:
+            pytest.skip("running as root, and no `postgres` user or runuser to start PostgreSQL as")
+        prefix = [runuser, "-u", "postgres", "--"]
+    root = tmp_path_factory.mktemp("postgres")
+    data, log = root / "data", root / "server.log"
+    if prefix:
+        os.chmod(root, 0o755)
+        for parent in [root, *root.parents]:  # postgres must reach its folder
+            if parent == Path("/"):
+                break
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                os.chmod(parent, mode | 0o001)
+        os.chown(root, user.pw_uid, user.pw_gid)
+    port = _free_port()
+    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "pmlrank", "--auth=trust", "-E", "UTF8"], check=True,
+                   capture_output=True)
+    started = subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-o",
+                              f"-h 127.0.0.1 -p {port} -k {root}", "start"], capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.skip(f"PostgreSQL did not start: {started.stderr} {log.read_text() if log.exists() else ''}")
+    try:
+        yield f"postgresql+psycopg://pmlrank:secret-password@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True)
+
+
+def test_two_workers_share_one_study_on_postgresql(tmp_path, glyph_cache, postgres_url):
+    result = run_tune("RaMBORecallLoss", "--trials", "3", "--workers", "2", "--storage", postgres_url,
+                      "--out", str(tmp_path), cache=glyph_cache)
+    trials = trials_of(postgres_url, "RaMBORecallLoss")
+    assert len(finished(trials)) == 3 and "RUNNING" not in states(trials)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2
+    text = (tmp_path / "tuned.json").read_text()
+    assert json.loads(text)["RaMBORecallLoss"]["trials"] == 3
+    assert "secret-password" not in text and "secret-password" not in result.stdout + result.stderr
