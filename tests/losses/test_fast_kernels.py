@@ -215,3 +215,24 @@ def test_counted_ranks_equal_sorted_ones_on_float32_cosine_similarities(seed):
     counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
     for got, expected in zip(counted, sorted_ranks(scores, positives, 0.2, incoming)):
         assert torch.equal(got, expected)
+
+
+def test_fastap_antipodal_pairs_put_their_weight_on_the_last_centre():
+    # Distance exactly 4 (cos = -1): the position is the last centre itself; the kernel
+    # takes the frac of the position and moves those pairs to the last bin.
+    from pml_rank.harness.references.fastap import fast_ap_loss
+    from pml_rank.losses import FastAPLoss
+
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    embeddings, labels = torch.cat([x, -x]), torch.arange(16) % 3
+    ours = value_and_grad(FastAPLoss(), embeddings, labels)
+    expected = value_and_grad(fast_ap_loss, embeddings, labels)
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize("n", [1, 5, 256, 300, 600])
+def test_symmetrize_in_place_equals_matrix_plus_transpose(n):
+    from pml_rank.losses.fastap import _symmetrize_
+
+    matrix = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(_symmetrize_(matrix.clone()), matrix + matrix.T)
