@@ -318,7 +318,7 @@ def _quiet_optuna():
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
 
 
-def run_worker(job):
+def run_worker(job, ready=None):
     """One worker: for each loss in turn, runs trials until its study holds `job.trials`
     finished ones (counting those other workers are running). Returns the number of
     trials this worker finished."""
@@ -334,6 +334,11 @@ def run_worker(job):
     data = load(job.cache_dir, job.config["num_classes"])
     make_trunk = trunk_for(job.config["embedding_size"])
     spaces = search_spaces()
+    if ready is not None:  # the local workers start trials together, none runs ahead while another still loads
+        try:
+            ready.wait(timeout=300)
+        except Exception:  # a sibling died or is very slow: go on alone
+            pass
     done = 0
     for loss in job.losses:
         recipe = recipes([loss])[loss]
@@ -356,9 +361,9 @@ def run_worker(job):
     return done
 
 
-def _worker_main(job):
+def _worker_main(job, ready=None):
     try:
-        run_worker(job)
+        run_worker(job, ready)
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -492,7 +497,8 @@ def tune(losses, trials, config, storage, out, workers=1, cache_dir=None, thread
         return {loss: min(counts(study)[0], targets[loss]) for loss, study in studies.items()}
 
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker_main, args=(job,), daemon=False) for _ in range(workers)]
+    ready = context.Barrier(workers)
+    processes = [context.Process(target=_worker_main, args=(job, ready), daemon=False) for _ in range(workers)]
     interrupted = False
     bar = tqdm(total=sum(targets.values()), desc="pml-rank tune", unit="trial", disable=not progress,
                dynamic_ncols=True)
