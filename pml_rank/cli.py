@@ -52,18 +52,50 @@ def _cmd_speed(args):
     from .plugins import registry
 
     names = args.losses or sorted(registry.losses())
-    unknown = [n for n in names if n not in registry.losses()]
+    known = set(registry.losses()) | set(speed.CASES)
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise UsageError(f"argument losses: unknown loss {', '.join(unknown)}; "
-                         f"registered: {', '.join(sorted(registry.losses()))}")
+                         f"registered: {', '.join(sorted(registry.losses()))}; "
+                         f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}")
     out = _prepare_out(args.out)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or threads)
+    try:
+        return _speed_runs(speed, names, args, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _speed_runs(speed, names, args, out):
+    import datetime
+    import os
+    import shlex
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results, underflow = [], []
     for name in names:
         sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
         result = speed.measure(name, sizes=sizes, dim=args.dim, repeats=args.repeats,
-                               device=args.device, seed=args.seed)
+                               device=args.device, seed=args.seed, runs=args.runs)
+        results.append(result)
         print(speed.format_table(result))
         path = speed.write_json(result, out / f"speed-{name}.json")
         print(f"written: {path}\n")
+    if args.underflow:
+        for name in names:
+            size = max(args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES)
+            underflow.append(speed.measure_underflow(name, size=size, dim=args.dim, repeats=args.repeats,
+                                                     device=args.device, seed=args.seed, runs=args.runs))
+        print("No slow path: each loss on underflow-provoking inputs / on its usual inputs "
+              f"(median of per-round ratios, min-max)\n{speed.format_underflow(underflow)}\n")
+    if args.report:
+        command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
+        for path in speed.write_report(results, underflow, args.report, command, started, load_start):
+            print(f"written: {path}")
     return 0
 
 
@@ -259,12 +291,24 @@ def build_parser():
                         f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}")
     p.add_argument("--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=5,
-                   help="timed runs per contender and size, >= 1; the table shows their median "
-                        "(default %(default)s)")
+                   help="interleaved rounds per run and size, each timing every contender once, >= 1; "
+                        "the table shows the median of the per-round ratios (default %(default)s)")
     p.add_argument("--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=0,
                    help="seed of the random inputs, >= 0 (default %(default)s)")
     p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
+    p.add_argument("--runs", type=positive_int, default=1,
+                   help="repeat the whole measurement this many times, >= 1; ratios pool every round "
+                        "(default %(default)s)")
+    p.add_argument("--underflow", action="store_true",
+                   help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
+                        "against its usual inputs (the no-slow-path case), at the largest size (default: off)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
+                        "with other work, 1 keeps a descheduled worker thread from stalling every parallel op")
+    p.add_argument("--report", metavar="PATH",
+                   help="also write PATH.json and PATH.md: every table with its spread, the command, "
+                        "date and machine, e.g. examples/results/speed (default: none)")
     p.set_defaults(run=_cmd_speed)
 
     p = commands.add_parser(
@@ -320,7 +364,9 @@ def build_parser():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as given, for reports that name it
     try:
         return args.run(args)
     except UsageError as error:

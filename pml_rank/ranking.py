@@ -15,7 +15,7 @@ This is the one place in pml-rank that ranks. Conventions:
   integer keys (faster; a radix sort for one sequence). The rank among the positives is
   a cumulative count in sorted order (`ranks_among_positives`), never a second sort.
 - The losses need ranks at the positives only (`blackbox_ranks_of_positives`). When every
-  sequence has few positives (at most log2(n) / 2, as in in-batch retrieval), Algorithm 1
+  sequence has few positives (at most log2(n), as in in-batch retrieval), Algorithm 1
   moves only them, and their ranks and the perturbed ranking are counted by comparing
   each positive with its sequence, O(positives · n), instead of sorting every row,
   O(n log n): the same ranks and gradients, ties included.
@@ -181,14 +181,19 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
-    (at most log2(n) / 2) the ranks are therefore counted, O(positives · n), instead
+    (at most log2(n)) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `ranks_among_positives`)."""
     _check_lambda("blackbox_ranks_of_positives", lambda_val)
     sequences, n = scores.shape
-    per_sequence = positives.sum(-1)
-    if int(per_sequence.max()) <= math.log2(max(n, 2)) / 2:  # measured break-even, n = 511 to 8191
-        ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale)
+    # The positives' indices give their number per sequence: counting the mask itself
+    # (a sum, which first copies the bool matrix) costs twice as much.
+    indices = positives.nonzero(as_tuple=True)
+    per_sequence = torch.bincount(indices[0], minlength=sequences)
+    # Measured break-even (2048 sequences, CPU): about 12 positives at n = 2047, 22 at n = 8191.
+    if sequences and int(per_sequence.max()) <= math.log2(max(n, 2)):
+        slots = _Slots(positives, indices, per_sequence)
+        ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
     index, among = ranks_among_positives(positives, order)
@@ -208,13 +213,17 @@ class _Slots:
     """The positives of each sequence side by side: [sequences, slots] tensors padded with
     NaN values, so that every comparison broadcasts over the sequence's n elements."""
 
-    def __init__(self, positives):
-        self.sequence, self.element = positives.nonzero(as_tuple=True)  # by sequence, then position
-        per_sequence = positives.sum(-1)
+    def __init__(self, positives, indices=None, per_sequence=None):
+        """`indices` (``positives.nonzero(as_tuple=True)``) and `per_sequence` (the
+        number of positives per sequence) when already at hand."""
+        self.sequence, self.element = positives.nonzero(as_tuple=True) if indices is None else indices
+        if per_sequence is None:  # by sequence, then position: counted from the indices
+            per_sequence = torch.bincount(self.sequence, minlength=len(positives))
         first = per_sequence.cumsum(0) - per_sequence
         self.slot = torch.arange(len(self.sequence), device=positives.device) - first[self.sequence]
         self.shape = (len(positives), int(per_sequence.max()) if len(positives) else 0)
         self.elements = self.spread(self.element, 0)
+        self.valid = self.spread(torch.ones_like(self.element, dtype=torch.bool), False)
 
     def spread(self, per_positive, pad):
         out = per_positive.new_full(self.shape, pad)
@@ -224,26 +233,58 @@ class _Slots:
     def gather(self, per_slot):
         return per_slot[self.sequence, self.slot]
 
-    def chunks(self, n, budget=1 << 24):
-        """Slices of sequences with at most `budget` slot-element pairs."""
+    def chunks(self, n, budget=1 << 18):
+        """Slices of sequences with at most `budget` slot-element pairs. Small enough that
+        the temporaries stay in cache and are reused rather than freshly mapped (page
+        faults): at batch 2048, 2^18 took the counting passes from 455 to 300 ms a step
+        against 2^24 (2^15 to 2^19 measured)."""
         step = max(1, budget // max(1, self.shape[1] * n))
         return [slice(start, start + step) for start in range(0, self.shape[0], step)]
 
 
+def _counts(scores, values, slots):
+    """[sequences, slots] int32 counts of the elements of each sequence greater than each
+    slot's value, and of the elements equal to it (the positive itself included;
+    padding slots count 0)."""
+    greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
+    equal = torch.empty_like(greater)
+    for part in slots.chunks(scores.shape[-1]):
+        rows, slot_values = scores[part, None, :], values[part, :, None]
+        # Summed as int32: counting a bool tensor as int64 first copies it (10 times slower).
+        greater[part] = (rows > slot_values).sum(-1, dtype=torch.int32)
+        equal[part] = (rows >= slot_values).sum(-1, dtype=torch.int32) - greater[part]
+    return greater, equal
+
+
+def _slot_counts(first, second, compare):
+    """Per slot s: the number of slots t of the same sequence with compare(first_t, second_s)."""
+    return compare(first[:, None, :], second[:, :, None]).sum(-1, dtype=torch.int32)
+
+
 class _CountedRanks(torch.autograd.Function):
+    """Ranks of the positives by counting, and Algorithm 1's perturbed ranking by
+    counting crossings. In a sequence where no other element equals a positive's value
+    (before the perturbation, and after it), the elements above a positive are just the
+    larger ones: two comparison passes each way. Sequences with such ties (a few per
+    batch of 2048 cosine similarities in float32) are redone with the tie rules of a
+    stable sort (`_above`)."""
+
     @staticmethod
-    def forward(ctx, scores, positives, lambda_val, loss_scale):
-        slots = _Slots(positives)
+    def forward(ctx, scores, positives, lambda_val, loss_scale, slots=None):
+        slots = _Slots(positives) if slots is None else slots
         values = slots.spread(scores[slots.sequence, slots.element], float("nan"))
-        above = torch.empty(slots.shape, dtype=torch.long, device=scores.device)
-        for part in slots.chunks(scores.shape[-1]):
-            above[part] = torch.count_nonzero(_above(scores[part], values[part], slots.elements[part]), -1)
+        greater, equal = _counts(scores, values, slots)
+        above = greater.long()
+        tied = ((equal != 1) & slots.valid).any(-1)
+        if bool(tied.any()):
+            rows = tied.nonzero().squeeze(1)
+            above[rows] = _above(scores[rows], values[rows], slots.elements[rows]).sum(-1)
         # The rank among positives compares the slots with each other (padding: NaN).
         pairs = (values[:, :, None] < values[:, None, :]) | (
             (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :]))
         among = torch.count_nonzero(pairs, -1)
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
-        ctx.save_for_backward(scores, values, above)
+        ctx.save_for_backward(scores, values, above, tied)
         ranks = (slots.gather(above) + 1).to(scores.dtype) / scores.shape[-1]
         among = slots.gather(among) + 1
         ctx.mark_non_differentiable(among, slots.sequence, slots.element)
@@ -251,29 +292,62 @@ class _CountedRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ranks, *_):
-        scores, values, above = ctx.saved_tensors
+        scores, values, above, tied = ctx.saved_tensors
         slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
-            return torch.zeros_like(scores), None, None, None
+            return torch.zeros_like(scores), None, None, None, None
         # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: a
         # positive moves down by the elements that pass above it and up by those it
         # leaves behind; every other element moves by the positives that cross it.
         step = slots.spread(grad_ranks * (ctx.lambda_val / k), 0)
         new_values = values + step
-        perturbed = scores.index_put((slots.sequence, slots.element), slots.gather(new_values))
-        change = torch.empty_like(scores)
-        own = torch.empty(slots.shape, dtype=scores.dtype, device=scores.device)
-        for part in slots.chunks(scores.shape[-1]):
-            before = _above(scores[part], values[part], slots.elements[part])
-            rows, new = perturbed[part, None, :], new_values[part, :, None]
-            after = (rows > new) | ((rows == new) & before)
-            own[part] = torch.count_nonzero(after, -1) - above[part]
-            # At most log2(n) / 2 slots: the per-element sums fit in a byte.
-            left_behind = before.view(torch.int8) - after.view(torch.int8)
-            change[part] = left_behind.sum(1, dtype=torch.int8)
-        change[slots.sequence, slots.element] = slots.gather(own)
-        return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None
+        change, own, tied_after = _crossings_without_ties(scores, values, new_values, above, slots)
+        tied = tied | tied_after
+        if bool(tied.any()):
+            rows = tied.nonzero().squeeze(1)
+            change[rows], own[rows] = _crossings(scores[rows], values[rows], new_values[rows], above[rows],
+                                                 slots.elements[rows], slots.valid[rows])
+        change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
+        return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
+
+
+def _crossings_without_ties(scores, values, new_values, above, slots):
+    """rk(perturbed) − rk(scores): per element that is no positive, and per positive
+    slot (`own`), exact in every sequence without ties before or after the perturbation;
+    and which sequences have ties after it. The comparisons use the unperturbed scores;
+    the positives' own columns, where that is wrong, are corrected slot by slot."""
+    change = torch.empty_like(scores)
+    greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
+    equal = torch.empty_like(greater)
+    for part in slots.chunks(scores.shape[-1]):
+        rows = scores[part, None, :]
+        before = rows > values[part, :, None]
+        after = rows > new_values[part, :, None]
+        greater[part] = after.sum(-1, dtype=torch.int32)
+        equal[part] = (rows >= new_values[part, :, None]).sum(-1, dtype=torch.int32) - greater[part]
+        # At most log2(n) slots: the per-element sums fit in a byte.
+        change[part] = (before.view(torch.int8) - after.view(torch.int8)).sum(1, dtype=torch.int8)
+    # In the positives' columns the perturbed sequence holds new_values, not values.
+    greater += _slot_counts(new_values, new_values, torch.gt) - _slot_counts(values, new_values, torch.gt)
+    equal += _slot_counts(new_values, new_values, torch.eq) - _slot_counts(values, new_values, torch.eq)
+    tied_after = ((equal != 1) & slots.valid).any(-1)
+    return change, greater - above, tied_after
+
+
+def _crossings(scores, values, new_values, above, elements, valid):
+    """rk(perturbed) − rk(scores) per element and per slot (`own`) for the sequences
+    given, ties ranked as a stable sort ranks them (ties among perturbed scores keep
+    their forward order)."""
+    sequence, slot = valid.nonzero(as_tuple=True)
+    perturbed = scores.index_put((sequence, elements[sequence, slot]), new_values[sequence, slot])
+    before = _above(scores, values, elements)
+    rows, new = perturbed[:, None, :], new_values[:, :, None]
+    after = (rows > new) | ((rows == new) & before)
+    own = after.sum(-1) - above
+    # At most log2(n) slots: the per-element sums fit in a byte.
+    change = (before.view(torch.int8) - after.view(torch.int8)).sum(1, dtype=torch.int8)
+    return change.to(scores.dtype), own
 
 
 def shift_by_margin(scores, positives, margin):
@@ -281,7 +355,7 @@ def shift_by_margin(scores, positives, margin):
     if margin == 0:
         return scores
     half = margin / 2
-    return scores + torch.where(positives, -half, half).to(scores.dtype)
+    return torch.where(positives, -half, half).to(scores.dtype).add_(scores)  # no second N x M buffer
 
 
 def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None):

@@ -43,6 +43,17 @@ def labelled_batch(per_class):
     return make
 
 
+def scaled(inputs, scale):
+    """`inputs` with the embeddings (or scores) multiplied by `scale`: large norms turn
+    unnormalised inner products into exponent arguments of hundreds or thousands."""
+
+    def make(size, dim, generator, device):
+        values, labels = inputs(size, dim, generator, device)
+        return (values.detach() * scale).requires_grad_(), labels
+
+    return make
+
+
 def similarity_floor():
     """The cosine-similarity matrix product alone: no embedding loss can be cheaper."""
 
@@ -122,12 +133,25 @@ class SpeedCase:
     # used when the command line names none (None: DEFAULT_BATCH_SIZES).
     size_name: str = "batch"
     default_sizes: Optional[tuple] = None
+    # Untimed calls of every contender before the rounds (fills a score memory).
+    prime: int = 0
+    # The no-slow-path case (`measure_underflow`): inputs that drive exp/sigmoid/softplus
+    # arguments far outside (-87, 87), where float32 results underflow to denormals or
+    # zero (or overflow) and a CPU may take a slow path, and the loss to time on them
+    # (None: `ours`), e.g. a steeper AUC sigmoid.
+    underflow_inputs: Optional[Callable] = None
+    underflow_loss: Optional[Callable] = None
+    underflow_scale: float = 30.0  # default underflow inputs: `inputs` times this
 
     def contenders(self, size):
         named = {"ours": self.ours, "pml": self.pml, "reference": self.reference, "floor": self.floor}
         if self.reference_max_size is not None and size > self.reference_max_size:
             named["reference"] = None
         return {name: factory for name, factory in named.items() if factory is not None}
+
+    def underflow(self):
+        """(loss factory, inputs factory) of the no-slow-path case."""
+        return self.underflow_loss or self.ours, self.underflow_inputs or scaled(self.inputs, self.underflow_scale)
 
 
 def _npairs_pml():
@@ -138,6 +162,12 @@ def _npairs_pml():
     return losses.NPairsLoss(distance=distances.DotProductSimilarity(normalize_embeddings=False),
                              embedding_regularizer=regularizers.LpRegularizer(power=2),
                              embedding_reg_weight=0.002)
+def _steep_auc():
+    """AUCLoss with a sigmoid 10 times steeper than its default: slope · (score − threshold)
+    reaches thousands, far past where exp underflows."""
+    return registry.losses()["AUCLoss"](slope=10 * AUCLoss().slope)
+
+
 def auc_reference():
     """AUC-BH's Algorithm 1 as a loop, with AUCLoss's default step and slope."""
 
@@ -149,16 +179,20 @@ def auc_reference():
 # alone against the floor. Keep entries alphabetical.
 CASES = {
     # The reference's per-row autograd takes about a minute per call at batch 2048.
-    "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024),
+    "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024,
+                         underflow_loss=_steep_auc),
     "FastAPLoss": SpeedCase(
         ours=registered("FastAPLoss"), pml=pml_loss("FastAPLoss"),
         reference=function("harness.references.fastap.fast_ap_loss"), reference_max_size=1024),
-    "NPairsMCLoss": SpeedCase(ours=registered("NPairsMCLoss"), pml=_npairs_pml,
-                              reference=function("harness.references.npairs.npairs_loss", mode="mc", l2_reg_weight=0.002),
+    # The loop references take about 20 s per call at batch 2048: skipped above 1024.
+    "NPairsMCLoss": SpeedCase(ours=registered("NPairsMCLoss"), pml=_npairs_pml, reference_max_size=1024,
+                              reference=function("harness.references.npairs.npairs_loss", mode="mc",
+                                                 l2_reg_weight=0.002),
                               inputs=labelled_batch(per_class=2)),
     # PML has no one-vs-one N-pair loss: its NPairsLoss (same pairs, softmax) is the nearest.
-    "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml,
-                               reference=function("harness.references.npairs.npairs_loss", mode="ovo", l2_reg_weight=0.002),
+    "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml, reference_max_size=1024,
+                               reference=function("harness.references.npairs.npairs_loss", mode="ovo",
+                                                  l2_reg_weight=0.002),
                                inputs=labelled_batch(per_class=2)),
     # The AP loss on one sequence of scores (paper Table 6), 10% positives. The memory
     # is off in the recall case: the reference has none.
@@ -166,10 +200,12 @@ CASES = {
         ours=function("ranking.average_precision_loss", lambda_val=0.5, margin=0.15),
         reference=function("harness.references.rambo.average_precision_loss", lambda_val=0.5, margin=0.15),
         floor=sort_floor, inputs=labelled_scores(positive_rate=0.1),
-        size_name="scores", default_sizes=(100_000, 1_000_000)),
+        size_name="scores", default_sizes=(100_000, 1_000_000), underflow_scale=1e4),
     "RaMBORecallLoss": SpeedCase(
         ours=registered("RaMBORecallLoss", memory_size=0),
         reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02)),
+    # The same with its default score memory (3 batches), full before the timed rounds.
+    "RaMBORecallLoss-memory3": SpeedCase(ours=registered("RaMBORecallLoss"), prime=3),
 }
 
 
@@ -235,53 +271,118 @@ def peak_memory(fn, inputs, device):
     return peak
 
 
+def summary(values):
+    """Median and min-max of a list of per-round ratios."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def round_ratios(times, pairs):
+    """Per-round ratios ``times[a][i] / times[b][i]`` for each (key, a, b) in `pairs`:
+    contenders timed in the same round share that moment's machine load, so their ratio
+    is steadier than a ratio of separately taken medians."""
+    return {key: [x / y for x, y in zip(times[a], times[b]) if y > 0] for key, a, b in pairs}
+
+
+def _prepare(factory, device, prime, inputs):
+    fn = factory()
+    if isinstance(fn, torch.nn.Module):
+        fn.to(device)
+    for _ in range(prime):
+        _run(fn, inputs)
+    return fn
+
+
+def _interleaved(contenders, rounds, warmup, device, bar):
+    """{label: [seconds per timed round]} for {label: (fn, inputs)}, every round timing
+    each contender once, in turn, so that a noisy moment hurts them all alike."""
+    times = {label: [] for label in contenders}
+    for round_ in range(warmup + rounds):
+        for label, (fn, inputs) in contenders.items():
+            elapsed = _timed(fn, inputs, device)
+            if round_ >= warmup:
+                times[label].append(elapsed)
+            bar.update()
+    return times
+
+
+def _aggregate(times_per_run, pairs):
+    """Pools the rounds of every run: per ratio key, the median of all per-round ratios,
+    their min-max, each run's own median and the raw ratios."""
+    pooled = {key: [] for key, _, _ in pairs}
+    run_medians = {key: [] for key, _, _ in pairs}
+    for times in times_per_run:
+        for key, values in round_ratios(times, pairs).items():
+            pooled[key] += values
+            if values:
+                run_medians[key].append(statistics.median(values))
+    pooled = {key: values for key, values in pooled.items() if values}
+    return ({key: summary(values) for key, values in pooled.items()},
+            {key: run_medians[key] for key in pooled}, pooled)
+
+
+def _machine():
+    import platform
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"platform": platform.platform(), "cpu": model, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_average": load}
+
+
 def measure(name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=1,
-            device="cpu", seed=0, progress=True):
+            device="cpu", seed=0, progress=True, runs=1):
     """Time and measure every contender of loss `name` at each size.
 
-    Returns a JSON-ready dict with one row per size: median seconds and peak bytes per
-    contender, and the ratios of ours to each other contender.
+    `runs` repeats the whole measurement (fresh losses, warm-up, `repeats` interleaved
+    rounds). Returns a JSON-ready dict with one row per size: median seconds and peak
+    bytes per contender; ``ratios``, ours over each other contender, time as the
+    median of the per-round ratios of all runs' rounds (memory: one measurement);
+    ``spread``, those ratios' min and max; ``run_medians``, each run's own median;
+    ``round_ratios``, the ratios themselves.
     """
     device = torch.device(device)
     case = case_for(name)
     rows = []
-    steps = sum(len(case.contenders(s)) * (warmup + repeats + 1) for s in sizes)
+    steps = sum(len(case.contenders(s)) * (runs * (warmup + repeats) + 1) for s in sizes)
     bar = tqdm(total=steps, desc=f"speed {name}", disable=not progress, leave=False)
     for size in sizes:
         generator = torch.Generator().manual_seed(seed)
         inputs = case.inputs(size, dim, generator, device)
-        fns = {label: factory() for label, factory in case.contenders(size).items()}
-        for fn in fns.values():
-            if isinstance(fn, torch.nn.Module):
-                fn.to(device)
-        times = {label: [] for label in fns}
-        for round_ in range(warmup + repeats):
-            # Interleave the contenders so that a noisy moment hurts them all alike.
-            for label, fn in fns.items():
-                elapsed = _timed(fn, inputs, device)
-                if round_ >= warmup:
-                    times[label].append(elapsed)
-                bar.update()
+        factories = case.contenders(size)
+        pairs = [(f"time_vs_{label}", "ours", label) for label in factories if label != "ours"]
+        times_per_run = []
+        for _ in range(runs):
+            fns = {label: (_prepare(factory, device, case.prime, inputs), inputs)
+                   for label, factory in factories.items()}
+            times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
         memory = {}
-        for label, fn in fns.items():
-            memory[label] = peak_memory(fn, inputs, device)
+        for label, factory in factories.items():
+            memory[label] = peak_memory(_prepare(factory, device, case.prime, inputs), inputs, device)
             bar.update()
-        seconds = {label: statistics.median(t) for label, t in times.items()}
-        ratios = {
-            f"time_vs_{label}": seconds["ours"] / seconds[label]
-            for label in seconds if label != "ours" and seconds[label] > 0
-        }
+        seconds = {label: statistics.median(t for times in times_per_run for t in times[label])
+                   for label in factories}
+        stats, run_medians, raw = _aggregate(times_per_run, pairs)
+        ratios = {key: value["median"] for key, value in stats.items()}
         ratios.update({
             f"memory_vs_{label}": memory["ours"] / memory[label]
             for label in memory if label != "ours" and memory[label] > 0
         })
-        rows.append({"size": size, "seconds": seconds, "peak_bytes": memory, "ratios": ratios})
+        rows.append({"size": size, "seconds": seconds, "peak_bytes": memory, "ratios": ratios,
+                     "spread": {key: [value["min"], value["max"]] for key, value in stats.items()},
+                     "run_medians": run_medians, "round_ratios": raw})
     bar.close()
     return {
         "loss": name,
         "size_name": case.size_name,
         "dim": dim,
         "repeats": repeats,
+        "runs": runs,
         "device": str(device),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -289,10 +390,49 @@ def measure(name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=
     }
 
 
+def measure_underflow(name, size=2048, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0,
+                      progress=True, runs=1):
+    """The no-slow-path case: loss `name` on its usual inputs against the same loss on
+    inputs that push exponent arguments far out of float range (`SpeedCase.underflow`),
+    interleaved. ``ratio`` is the median of the per-round ratios underflow / normal."""
+    device = torch.device(device)
+    case = case_for(name)
+    underflow_loss, underflow_inputs = case.underflow()
+    inputs = {"normal": case.inputs(size, dim, torch.Generator().manual_seed(seed), device),
+              "underflow": underflow_inputs(size, dim, torch.Generator().manual_seed(seed), device)}
+    factories = {"normal": case.ours, "underflow": underflow_loss}
+    bar = tqdm(total=2 * runs * (warmup + repeats), desc=f"underflow {name}", disable=not progress, leave=False)
+    times_per_run = []
+    for _ in range(runs):
+        fns = {label: (_prepare(factories[label], device, case.prime, inputs[label]), inputs[label])
+               for label in factories}
+        times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
+    bar.close()
+    stats, run_medians, raw = _aggregate(times_per_run, [("underflow_vs_normal", "underflow", "normal")])
+    stat = stats["underflow_vs_normal"]
+    return {
+        "loss": name, "size_name": case.size_name, "size": size, "dim": dim, "repeats": repeats, "runs": runs,
+        "seconds": {label: statistics.median(t for times in times_per_run for t in times[label]) for label in fns},
+        "ratio": stat["median"], "spread": [stat["min"], stat["max"]],
+        "run_medians": run_medians["underflow_vs_normal"], "round_ratios": raw["underflow_vs_normal"],
+        "largest_abs_input": float(inputs["underflow"][0].detach().abs().max()),
+    }
+
+
+def _ratio_cell(row, key):
+    if key not in row["ratios"]:
+        return "-"
+    if key in row.get("spread", {}):
+        low, high = row["spread"][key]
+        return f"{row['ratios'][key]:.3f} ({low:.2f}-{high:.2f})"
+    return f"{row['ratios'][key]:.3f}"
+
+
 def format_table(result):
     labels = list(result["rows"][0]["seconds"]) if result["rows"] else []
-    lines = [f"{result['loss']}: forward+backward, dim {result['dim']}, median of "
-             f"{result['repeats']}, {result['device']}, {result['threads']} threads"]
+    rounds = result["repeats"] * result.get("runs", 1)
+    lines = [f"{result['loss']}: forward+backward, dim {result['dim']}, {result.get('runs', 1)} run(s) of "
+             f"{result['repeats']} rounds, {result['device']}, {result['threads']} threads"]
     header = [result["size_name"]] + [f"{label} s" for label in labels] + [f"{label} MB" for label in labels]
     ratio_keys = sorted({k for row in result["rows"] for k in row["ratios"]})
     header += [k.replace("_vs_", "/") for k in ratio_keys]
@@ -301,14 +441,77 @@ def format_table(result):
         cells = [str(row["size"])]
         cells += [f"{row['seconds'].get(label, float('nan')):.4f}" for label in labels]
         cells += [f"{row['peak_bytes'].get(label, float('nan')) / 2**20:.1f}" for label in labels]
-        cells += [f"{row['ratios'][k]:.3f}" if k in row["ratios"] else "-" for k in ratio_keys]
+        cells += [_ratio_cell(row, k) for k in ratio_keys]
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(r, widths)))
-    lines.append("ratios are ours / other (time = median seconds, memory = peak above inputs); "
-                 "below 1 means ours is faster or leaner")
+    lines.append(f"ratios are ours / other: time = median of the {rounds} per-round ratios (min-max), "
+                 "memory = peak above inputs; below 1 means ours is faster or leaner")
     return "\n".join(lines)
+
+
+def format_underflow(results):
+    from .text_table import format_text_table
+
+    rows = [(r["loss"], r["size"], f"{r['seconds']['normal']:.4f}", f"{r['seconds']['underflow']:.4f}",
+             f"{r['ratio']:.3f}", f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}") for r in results]
+    return format_text_table(("loss", "size", "normal s", "underflow s", "underflow/normal", "min-max"), rows)
+
+
+def report_markdown(report):
+    """The readable side of a speed report: time ratios with their spread, memory
+    ratios, the no-slow-path case."""
+    machine = report["machine"]
+    lines = [f"# pml-rank speed report, {report['date']}", "",
+             f"Command: `{report['command']}`", "",
+             f"Machine: {machine['cpu']}, {machine['cpu_count']} CPU(s), {machine['platform']}; "
+             f"Python {machine['python']}, torch {machine['torch']}, {machine['threads']} thread(s); "
+             f"load average at start {report['load_average_start']}, at end {report['load_average_end']}.", "",
+             "Time ratios are ours / other, forward+backward: the median of the per-round ratios "
+             "(contenders interleaved within each round) over all rounds of all runs, with their "
+             "min-max and each run's median. Memory: peak bytes above the inputs, one measurement. "
+             "floor = the cosine-similarity matrix product (forward+backward) alone.", "",
+             "| loss | size | ratio | median | min-max | run medians |", "| --- | ---: | --- | ---: | --- | --- |"]
+    for result in report["results"]:
+        for row in result["rows"]:
+            for key in sorted(row["ratios"], key=lambda k: (not k.startswith("time"), k)):
+                if key in row["spread"]:
+                    low, high = row["spread"][key]
+                    runs = ", ".join(f"{v:.3f}" for v in row["run_medians"][key])
+                    lines.append(f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
+                                 f"{row['ratios'][key]:.3f} | {low:.3f}-{high:.3f} | {runs} |")
+                else:
+                    lines.append(f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
+                                 f"{row['ratios'][key]:.3f} | | |")
+    if report.get("underflow"):
+        lines += ["", "No slow path: each loss on inputs that push exp/sigmoid arguments far out of float "
+                  "range (embeddings ×30, AUC slope ×10, AP scores ×1e4) against its usual inputs.", "",
+                  "| loss | size | underflow / normal | min-max | largest input |",
+                  "| --- | ---: | ---: | --- | ---: |"]
+        for r in report["underflow"]:
+            low, high = r["spread"]
+            lines.append(f"| {r['loss']} | {r['size']} | {r['ratio']:.3f} | {low:.3f}-{high:.3f} "
+                         f"| {r['largest_abs_input']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results, underflow, path, command, started, load_average_start=None):
+    """`path`.json (everything, raw per-round ratios included) and `path`.md (tables).
+    `started` is the measurement's start (a datetime), `load_average_start` the load then."""
+    import datetime
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    machine = _machine()
+    report = {"date": started.isoformat(timespec="seconds"),
+              "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": command, "machine": machine, "load_average_start": load_average_start,
+              "load_average_end": machine.pop("load_average"), "results": results, "underflow": underflow}
+    json_path, md_path = path.with_suffix(".json"), path.with_suffix(".md")
+    json_path.write_text(json.dumps(report, indent=2))
+    md_path.write_text(report_markdown(report))
+    return json_path, md_path
 
 
 def write_json(result, path):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
+from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
 
@@ -61,11 +62,41 @@ def relaxed_roc_area(positive_scores, negative_scores, thresholds, slope):
     """Trapezoid area under the ROC curve with sigmoid-relaxed rates at `thresholds`
     (ascending). Scores are ``(..., n)``, usually one per anchor; leading dimensions
     are independent batches."""
-    tpr = torch.sigmoid(slope * (positive_scores.unsqueeze(-1) - thresholds)).mean(-2)
-    fpr = torch.sigmoid(slope * (negative_scores.unsqueeze(-1) - thresholds)).mean(-2)
+    tpr = _SigmoidRates.apply(positive_scores, thresholds, slope)
+    fpr = _SigmoidRates.apply(negative_scores, thresholds, slope)
     # Both rates fall as the threshold rises: each interval adds its mean TPR times
     # the FPR it gives up.
     return ((tpr[..., :-1] + tpr[..., 1:]) * (fpr[..., :-1] - fpr[..., 1:])).sum(-1) / 2
+
+
+# sigmoid(±60) is 1 and 8.8e-27 (exactly 1 and 0 to float32 and float64 precision next
+# to the rates' other terms); beyond about ±87 float32's exp, and so sigmoid, under-
+# or overflows and can take a slow path (measured here 5 times slower per element).
+# The default slope (about 340) puts most (score, threshold) pairs there.
+SIGMOID_CLAMP = 60.0
+
+
+class _SigmoidRates(torch.autograd.Function):
+    """``sigmoid(slope · (scores[..., :, None] − thresholds)).mean(-2)``: the relaxed rate
+    at each threshold, over the last dimension of `scores`, with the arguments clamped
+    to ±SIGMOID_CLAMP. Keeps the sigmoid matrix for the backward pass, where the
+    gradient is one matrix-vector product: slope / n · σ(1 − σ) @ grad."""
+
+    @staticmethod
+    def forward(ctx, scores, thresholds, slope):
+        sigma = torch.sub(scores.unsqueeze(-1), thresholds).mul_(slope)
+        sigma.clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        ctx.save_for_backward(sigma)
+        ctx.slope = slope
+        return sigma.mean(-2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_rates):
+        (sigma,) = ctx.saved_tensors
+        derivative = torch.addcmul(sigma, sigma, sigma, value=-1)  # σ(1 − σ)
+        grad = (derivative @ grad_rates.unsqueeze(-1)).squeeze(-1)
+        return grad.mul_(ctx.slope / sigma.shape[-2]), None, None
 
 
 def exact_roc_area(positive_scores, negative_scores):
@@ -121,10 +152,17 @@ class AUCLoss(RankLossBase):
         self.num_anchors = len(anchors)
         if len(anchors) == 0:
             return self.zero_losses()
-        # Only the chosen pairs need gradients: N x D work instead of a second N x N.
-        anchor_emb = self.distance.maybe_normalize(embeddings[anchors])
-        hps = self.distance.pairwise_distance(anchor_emb, self.distance.maybe_normalize(ref_emb[positives]))
-        hns = self.distance.pairwise_distance(anchor_emb, self.distance.maybe_normalize(ref_emb[negatives]))
+        # Only the chosen pairs need gradients: N x D work instead of a second N x N,
+        # with the rows normalised once and gathered once.
+        if ref_emb is embeddings:
+            rows = self.distance.maybe_normalize(embeddings)[torch.cat([anchors, positives, negatives])]
+            anchor_emb, positive_emb, negative_emb = rows.view(3, len(anchors), -1).unbind(0)
+        else:
+            anchor_emb = self.distance.maybe_normalize(embeddings[anchors])
+            pairs = self.distance.maybe_normalize(ref_emb)[torch.cat([positives, negatives])]
+            positive_emb, negative_emb = pairs.view(2, len(anchors), -1).unbind(0)
+        hps = self.distance.pairwise_distance(anchor_emb, positive_emb)
+        hns = self.distance.pairwise_distance(anchor_emb, negative_emb)
         if self.collect_stats:
             self.mean_hardest_pos_sim = hps.detach().float().mean().item()
             self.mean_hardest_neg_sim = hns.detach().float().mean().item()

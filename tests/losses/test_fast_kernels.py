@@ -1,0 +1,217 @@
+"""The numeric kernels made fast stay exact: values and gradients against the
+straightforward references and PML on seeded data, large-norm inputs and steep
+sigmoids included (where exponent arguments leave float range), no denormal in the
+gradients they produce, and counted ranks equal to sorted ones in tied and untied
+sequences side by side."""
+
+import math
+
+import pytest
+import torch
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.distances import DotProductSimilarity
+
+from pml_rank import ranking
+from pml_rank.harness.references import auc as auc_reference
+from pml_rank.harness.references import npairs as npairs_reference
+from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss
+from pml_rank.losses.auc import relaxed_roc_area, thresholds
+from pml_rank.losses.npairs import EXP_FLOOR
+
+
+def value_and_grad(loss_fn, embeddings, *args):
+    embeddings = embeddings.detach().clone().requires_grad_()
+    loss = loss_fn(embeddings, *args)
+    loss.backward()
+    return loss.detach(), embeddings.grad
+
+
+def large_norm_pairs(seed, pairs=12, dim=8, scale=6.0, dtype=torch.float64):
+    """Two samples per class, inner products of a few hundred: most exp arguments of the
+    N-pair losses lie below -87 (float32 underflow) and below EXP_FLOOR, none above 700
+    (so that the float64 reference does not overflow)."""
+    generator = torch.Generator().manual_seed(seed)
+    embeddings = torch.randn(2 * pairs, dim, generator=generator, dtype=dtype) * scale
+    return embeddings, torch.arange(2 * pairs) // 2
+
+
+def denormals(tensor):
+    return int(((tensor != 0) & (tensor.abs() < torch.finfo(tensor.dtype).tiny)).sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("mode, loss_class", [("mc", NPairsMCLoss), ("ovo", NPairsOVOLoss)])
+def test_npairs_large_norms_equal_reference_in_float64(seed, mode, loss_class):
+    embeddings, labels = large_norm_pairs(seed)
+    f = embeddings[::2] @ embeddings[1::2].T
+    margins = f - f.diagonal().unsqueeze(1)
+    assert margins.min() < -200 and margins.max() < 700  # far past the clamp, still finite for the reference
+    ours = value_and_grad(loss_class(), embeddings, labels)
+    expected = value_and_grad(lambda e, lab: npairs_reference.npairs_loss(e, lab, mode, 0.002), embeddings, labels)
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize("mode, loss_class", [("mc", NPairsMCLoss), ("ovo", NPairsOVOLoss)])
+def test_npairs_large_norms_in_float32_match_float64(mode, loss_class):
+    embeddings, labels = large_norm_pairs(5)
+    ours = value_and_grad(loss_class(), embeddings.float(), labels)
+    expected = value_and_grad(lambda e, lab: npairs_reference.npairs_loss(e, lab, mode, 0.002), embeddings, labels)
+    torch.testing.assert_close(ours[0].double(), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1].double(), expected[1], rtol=1e-4, atol=1e-5)
+
+
+def test_npairs_mc_equals_pml_at_the_speed_harness_underflow_scale():
+    # The harness's no-slow-path inputs: dim 512, 30 times the usual norm. PML's
+    # NPairsLoss (cross entropy, log-sum-exp) is exact there, if slow on some CPUs.
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(64, 512, generator=generator) * 30
+    labels = torch.arange(64) // 2
+    distance = DotProductSimilarity(normalize_embeddings=False)
+    ours = value_and_grad(NPairsMCLoss(l2_reg_weight=0), embeddings, labels)
+    pml = value_and_grad(pml_losses.NPairsLoss(distance=distance), embeddings, labels)
+    torch.testing.assert_close(ours, pml)
+
+
+@pytest.mark.parametrize("loss_class", [NPairsMCLoss, NPairsOVOLoss])
+def test_npairs_similarity_gradient_has_no_denormals(loss_class):
+    generator = torch.Generator().manual_seed(1)
+    # Rows spread over thousands: every exp/sigmoid argument class, in float32.
+    similarities = (torch.randn(256, 256, generator=generator) * 3000).requires_grad_()
+    losses = loss_class().per_anchor_losses(similarities)
+    losses.sum().backward()
+    assert torch.isfinite(losses).all() and torch.isfinite(similarities.grad).all()
+    assert denormals(similarities.grad) == 0 and denormals(losses) == 0
+    # Exact: per row, the log-sum-exp (mc) or the sum of softplus terms (ovo) in float64.
+    margins = similarities.detach().double() - similarities.detach().double().diagonal().unsqueeze(1)
+    if loss_class is NPairsMCLoss:
+        expected = torch.logsumexp(margins, dim=1)
+    else:
+        expected = torch.nn.functional.softplus(margins.fill_diagonal_(-math.inf)).sum(1)
+    torch.testing.assert_close(losses.detach().double(), expected, rtol=1e-6, atol=1e-3)
+
+
+def test_npairs_terms_below_the_floor_are_below_float_precision():
+    # What leaving out exp(EXP_FLOOR) per term costs a row of a million: nothing float64 resolves.
+    assert 1e6 * math.exp(EXP_FLOOR) < torch.finfo(torch.float64).eps
+
+
+def reference_area(positive, negative, grid, slope):
+    """The rates without any clamping, in float64."""
+    tpr = torch.sigmoid(slope * (positive.unsqueeze(-1) - grid)).mean(-2)
+    fpr = torch.sigmoid(slope * (negative.unsqueeze(-1) - grid)).mean(-2)
+    return ((tpr[..., :-1] + tpr[..., 1:]) * (fpr[..., :-1] - fpr[..., 1:])).sum(-1) / 2
+
+
+@pytest.mark.parametrize("slope_factor", [1, 10, 100])
+@pytest.mark.parametrize("shape", [(300,), (3, 50)])
+def test_relaxed_area_with_steep_sigmoids_equals_the_unclamped_formula(slope_factor, shape):
+    generator = torch.Generator().manual_seed(slope_factor)
+    positive = (torch.rand(shape, generator=generator, dtype=torch.float64) * 1.2 - 0.3).requires_grad_()
+    negative = (torch.rand(shape, generator=generator, dtype=torch.float64) * 1.2 - 0.9).requires_grad_()
+    slope = AUCLoss().slope * slope_factor
+    grid = thresholds(0.005, dtype=torch.float64)
+    assert (slope * (positive.detach().unsqueeze(-1) - grid)).abs().max() > 87  # out of float32 exp range
+    ours = relaxed_roc_area(positive, negative, grid, slope)
+    expected = reference_area(positive, negative, grid, slope)
+    torch.testing.assert_close(ours, expected)
+    grads = torch.autograd.grad(ours.sum(), (positive, negative))
+    expected_grads = torch.autograd.grad(expected.sum(), (positive, negative))
+    torch.testing.assert_close(grads, expected_grads)
+
+
+def test_relaxed_area_gradient_in_float32_has_no_denormals():
+    generator = torch.Generator().manual_seed(0)
+    positive = (torch.rand(2048, generator=generator) * 0.6).requires_grad_()
+    negative = (torch.rand(2048, generator=generator) * 0.6 - 0.3).requires_grad_()
+    area = relaxed_roc_area(positive, negative, thresholds(0.005), 10 * AUCLoss().slope)
+    area.backward()
+    assert denormals(positive.grad) == 0 and denormals(negative.grad) == 0
+    expected = reference_area(positive.detach().double(), negative.detach().double(),
+                              thresholds(0.005, dtype=torch.float64), 10 * AUCLoss().slope)
+    torch.testing.assert_close(area.detach().double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auc_loss_with_its_steep_default_sigmoid_equals_algorithm_1(seed):
+    # slope · (score − threshold) reaches ±680: far out of float32's exp range, still in
+    # float64's, where the reference's 1 / (1 + exp(−x)) has finite gradients (steeper
+    # slopes: the relaxed-area tests above, against torch.sigmoid).
+    generator = torch.Generator().manual_seed(seed)
+    embeddings = torch.randn(24, 6, generator=generator, dtype=torch.float64) * 30  # large norms, cosine anyway
+    labels = torch.randint(5, (24,), generator=generator)
+    loss = AUCLoss()
+    ours = value_and_grad(loss, embeddings, labels)
+    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope),
+                              embeddings, labels)
+    torch.testing.assert_close(ours, expected)
+
+
+def test_auc_loss_with_ref_emb_equals_algorithm_1_after_the_single_gather():
+    generator = torch.Generator().manual_seed(3)
+    embeddings = torch.randn(16, 5, generator=generator, dtype=torch.float64)
+    refs = torch.randn(20, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    labels, ref_labels = torch.randint(4, (16,), generator=generator), torch.randint(4, (20,), generator=generator)
+    loss = AUCLoss()
+    ours = value_and_grad(lambda e, lab: loss(e, lab, ref_emb=refs, ref_labels=ref_labels), embeddings, labels)
+    ref_grad = refs.grad.clone()
+    refs.grad = None
+    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope, ref_emb=refs,
+                                                                       ref_labels=ref_labels), embeddings, labels)
+    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(ref_grad, refs.grad)
+
+
+def sorted_ranks(scores, positives, lambda_val, incoming):
+    x = scores.clone().requires_grad_()
+    ranks, order = ranking.blackbox_rank(x, lambda_val, None, return_order=True)
+    index, among = ranking.ranks_among_positives(positives, order)
+    (ranks[index] * incoming[index]).sum().backward()
+    return dense(ranks[index].detach(), index, scores), dense(among, index, scores), x.grad
+
+
+def dense(values, index, like):
+    return torch.zeros(like.shape, dtype=values.dtype).index_put(tuple(index), values)
+
+
+def test_counted_ranks_redo_exactly_the_tied_sequences_only(monkeypatch):
+    """Distinct float32 scores (multiples of 1/64, so perturbed values are exact); then a
+    tie before the perturbation in sequence 1, a negative meeting a perturbed positive in
+    sequence 2, two perturbed positives meeting in sequence 3. The counted path equals
+    the sorted one everywhere and applies the tie rules to those three sequences only."""
+    rows, n, lambda_val = 8, 40, 1.0
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randperm(rows * n, generator=generator).view(rows, n).float() / 64
+    positives = torch.zeros(rows, n, dtype=torch.bool)
+    positives[:, [3, 17, 30]] = True
+    incoming = torch.zeros(rows, n)
+    incoming[positives] = torch.tensor([1.0, -2.0, 2.0]).repeat(rows)
+    scores[1, 5] = scores[1, 17]                       # tie with a positive before
+    scores[2, 9] = scores[2, 3] + lambda_val * 1.0     # meets positive 3 after its step of +1
+    scores[3, 30] = scores[3, 17] - 4.0                # positives 17 (-2) and 30 (+2) meet after
+    redone = []
+    exact = ranking._crossings
+    monkeypatch.setattr(ranking, "_crossings", lambda s, *rest: redone.append(len(s)) or exact(s, *rest))
+    x = scores.clone().requires_grad_()
+    ranks, among, *index = ranking._CountedRanks.apply(x, positives, lambda_val, None)
+    (ranks * incoming[tuple(index)]).sum().backward()
+    counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
+    for got, expected in zip(counted, sorted_ranks(scores, positives, lambda_val, incoming)):
+        assert torch.equal(got, expected)
+    assert redone == [3]  # sequences 1, 2 and 3, in one exact pass
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counted_ranks_equal_sorted_ones_on_float32_cosine_similarities(seed):
+    # Batch-sized rows of float32 cosines: a few exact ties per batch are to be expected.
+    generator = torch.Generator().manual_seed(seed)
+    embeddings = torch.nn.functional.normalize(torch.randn(256, 16, generator=generator), dim=1)
+    scores = embeddings @ embeddings.T
+    labels = torch.arange(256) // 4
+    positives = labels[:, None] == labels[None, :]
+    incoming = torch.randn(256, 256, generator=generator)
+    x = scores.clone().requires_grad_()
+    ranks, among, *index = ranking._CountedRanks.apply(x, positives, 0.2, None)
+    (ranks * incoming[tuple(index)]).sum().backward()
+    counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
+    for got, expected in zip(counted, sorted_ranks(scores, positives, 0.2, incoming)):
+        assert torch.equal(got, expected)
