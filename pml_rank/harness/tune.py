@@ -259,10 +259,28 @@ def with_params(recipe, params):
     return dataclasses.replace(recipe, make_loss=functools.partial(recipe.make_loss, **params))
 
 
-def _objective(loss, recipe, space, data, make_trunk, config, device):
+class SurplusTrial(Exception):
+    """Two workers started a trial at once when one more was missing: the later one gives up
+    (it ends FAIL, is not counted and not retried), so a study never overshoots N."""
+
+
+def _check_surplus(trial, target):
+    from optuna.trial import TrialState
+
+    study_trials = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                  TrialState.RUNNING))
+    finished = sum(t.state != TrialState.RUNNING for t in study_trials)
+    running = sorted(t.number for t in study_trials if t.state == TrialState.RUNNING)
+    if trial.number in running[max(target - finished, 0):] and "failed_trial" not in trial.system_attrs:
+        raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
+
+
+def _objective(loss, recipe, space, data, make_trunk, config, device, target=None):
     import optuna
 
     def objective(trial):
+        if target is not None:
+            _check_surplus(trial, target)
         params = space(trial)
         trial.set_user_attr("params", params)
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
@@ -303,7 +321,8 @@ class _NoInterruptRecords:
 
     @staticmethod
     def filter(record):
-        return "KeyboardInterrupt" not in record.getMessage()
+        message = record.getMessage()
+        return "KeyboardInterrupt" not in message and "SurplusTrial" not in message
 
 
 def _quiet_optuna():
@@ -344,7 +363,7 @@ def run_worker(job, ready=None):
         recipe = recipes([loss])[loss]
         target = target_trials(loss, job.trials)
         study = open_study(loss, job.config, storage, job.prune)
-        objective = _objective(loss, recipe, spaces[loss], data, make_trunk, job.config, job.device)
+        objective = _objective(loss, recipe, spaces[loss], data, make_trunk, job.config, job.device, target)
         while True:
             optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
             finished, running, waiting = counts(study)
@@ -356,7 +375,10 @@ def run_worker(job, ready=None):
             asked = len(study.get_trials(deepcopy=False))
             runner = optuna.load_study(study_name=study.study_name, storage=storage,
                                        sampler=_sampler(job.config["seed"], asked), pruner=_pruner(job.prune))
-            runner.optimize(objective, n_trials=1, catch=())
+            try:
+                runner.optimize(objective, n_trials=1, catch=())
+            except SurplusTrial:
+                continue
             done += 1
     return done
 
