@@ -259,10 +259,28 @@ def with_params(recipe, params):
     return dataclasses.replace(recipe, make_loss=functools.partial(recipe.make_loss, **params))
 
 
-def _objective(loss, recipe, space, data, make_trunk, config, device):
+class SurplusTrial(Exception):
+    """Two workers started a trial at once when one more was missing: the later one gives up
+    (it ends FAIL, is not counted and not retried), so a study never overshoots N."""
+
+
+def _check_surplus(trial, target):
+    from optuna.trial import TrialState
+
+    study_trials = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                  TrialState.RUNNING))
+    finished = sum(t.state != TrialState.RUNNING for t in study_trials)
+    running = sorted(t.number for t in study_trials if t.state == TrialState.RUNNING)
+    if trial.number in running[max(target - finished, 0):] and "failed_trial" not in trial.system_attrs:
+        raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
+
+
+def _objective(loss, recipe, space, data, make_trunk, config, device, target=None):
     import optuna
 
     def objective(trial):
+        if target is not None:
+            _check_surplus(trial, target)
         params = space(trial)
         trial.set_user_attr("params", params)
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
@@ -303,7 +321,8 @@ class _NoInterruptRecords:
 
     @staticmethod
     def filter(record):
-        return "KeyboardInterrupt" not in record.getMessage()
+        message = record.getMessage()
+        return "KeyboardInterrupt" not in message and "SurplusTrial" not in message
 
 
 def _quiet_optuna():
@@ -318,7 +337,7 @@ def _quiet_optuna():
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
 
 
-def run_worker(job):
+def run_worker(job, ready=None):
     """One worker: for each loss in turn, runs trials until its study holds `job.trials`
     finished ones (counting those other workers are running). Returns the number of
     trials this worker finished."""
@@ -334,12 +353,17 @@ def run_worker(job):
     data = load(job.cache_dir, job.config["num_classes"])
     make_trunk = trunk_for(job.config["embedding_size"])
     spaces = search_spaces()
+    if ready is not None:  # the local workers start trials together, none runs ahead while another still loads
+        try:
+            ready.wait(timeout=300)
+        except Exception:  # a sibling died or is very slow: go on alone
+            pass
     done = 0
     for loss in job.losses:
         recipe = recipes([loss])[loss]
         target = target_trials(loss, job.trials)
         study = open_study(loss, job.config, storage, job.prune)
-        objective = _objective(loss, recipe, spaces[loss], data, make_trunk, job.config, job.device)
+        objective = _objective(loss, recipe, spaces[loss], data, make_trunk, job.config, job.device, target)
         while True:
             optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
             finished, running, waiting = counts(study)
@@ -351,14 +375,17 @@ def run_worker(job):
             asked = len(study.get_trials(deepcopy=False))
             runner = optuna.load_study(study_name=study.study_name, storage=storage,
                                        sampler=_sampler(job.config["seed"], asked), pruner=_pruner(job.prune))
-            runner.optimize(objective, n_trials=1, catch=())
+            try:
+                runner.optimize(objective, n_trials=1, catch=())
+            except SurplusTrial:
+                continue
             done += 1
     return done
 
 
-def _worker_main(job):
+def _worker_main(job, ready=None):
     try:
-        run_worker(job)
+        run_worker(job, ready)
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -492,7 +519,8 @@ def tune(losses, trials, config, storage, out, workers=1, cache_dir=None, thread
         return {loss: min(counts(study)[0], targets[loss]) for loss, study in studies.items()}
 
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_worker_main, args=(job,), daemon=False) for _ in range(workers)]
+    ready = context.Barrier(workers)
+    processes = [context.Process(target=_worker_main, args=(job, ready), daemon=False) for _ in range(workers)]
     interrupted = False
     bar = tqdm(total=sum(targets.values()), desc="pml-rank tune", unit="trial", disable=not progress,
                dynamic_ncols=True)
