@@ -20,22 +20,30 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, 
 SOURCE = "Gajić et al., CVPR-W 2022 (AUC-BH), supplementary"
 
 # The loss with the paper's hardest positive / hardest negative per anchor (Algorithm 1).
-RUNS = (
-    Run("AUCLoss + BatchHardMiner", loss="AUCLoss", miner="pml:BatchHardMiner",
-        paper_row="AUC R50-512, im 224"),
-)
+RUNS = (Run("AUCLoss + BatchHardMiner", loss="AUCLoss", miner="pml:BatchHardMiner", paper_row="AUC R50-512, im 224"),)
 
 SETUP = Setup(
-    backbone="resnet50", embedding_size=512, batch_size=128, samples_per_class=4,
-    optimizer="adam", lr=5e-6, embedder_lr_factor=10, weight_decay=4e-4, epochs=80, lr_drop=(35, 0.3),
+    backbone="resnet50",
+    embedding_size=512,
+    batch_size=128,
+    samples_per_class=4,
+    optimizer="adam",
+    lr=5e-6,
+    embedder_lr_factor=10,
+    weight_decay=4e-4,
+    epochs=80,
+    lr_drop=(35, 0.3),
     notes="optimizer, learning rate and schedule are not in the AUC supplementary: RaMBO's "
-          "CUB-200 recipe (Adam 5e-6, x10 on the embedding layer, weight decay 4e-4, 80 epochs, "
-          "x0.3 after 35); the last epoch is measured (no test-set model selection); --image-size "
-          "256 compares with the 'im 256' row",
+    "CUB-200 recipe (Adam 5e-6, x10 on the embedding layer, weight decay 4e-4, 80 epochs, "
+    "x0.3 after 35); the last epoch is measured (no test-set model selection); --image-size "
+    "256 compares with the 'im 256' row",
 )
 
 # Table 1: columns im (input size) and mb (batch) of the paper are in the row labels.
-TABLE_1 = PaperTable(SOURCE + ", table 1: CUB-200-2011", ("R@1", "R@8"), paper_rows("""
+TABLE_1 = PaperTable(
+    SOURCE + ", table 1: CUB-200-2011",
+    ("R@1", "R@8"),
+    paper_rows("""
 Histogram Loss G-512 (im 256, mb 128) | 50.3 | 82.4
 N-Pair-Loss G-64 (mb 120) | 51.0 | 83.2
 Binomial Deviance G-512 (im 256, mb 128) | 52.8 | 83.9
@@ -52,16 +60,21 @@ RaMBO R50-512 log log (im 224, mb 128) | 64.0 | 90.6
 RankMI R50-128 (mb 120) | 66.7 | 91.0
 AUC R50-512, im 224 | 58.19 | 86.36
 AUC R50-512, im 256 | 62.10 | 89.45
-"""))
+"""),
+)
 
-TABLE_2 = PaperTable(SOURCE + ", table 2: CUB-200-2011 cropped", ("R@1", "R@8"), paper_rows("""
+TABLE_2 = PaperTable(
+    SOURCE + ", table 2: CUB-200-2011 cropped",
+    ("R@1", "R@8"),
+    paper_rows("""
 PDDM Triplet G-128 (mb 64) | 50.9 | 82.5
 PDDM Quadruplet G-128 (mb 64) | 58.3 | 88.4
 HDC G-384 (mb 100) | 60.7 | 89.2
 Margin G-128 (im 224, mb 128) | 63.9 | 90.6
 AUC R50-512, im 224 | 68.28 | 92.31
 AUC R50-512, im 256 | 70.81 | 93.53
-"""))
+"""),
+)
 
 HARDWARE = "one GPU with 16 GB (ResNet-50, batch 128 at 224 px; ~470k training images seen)"
 

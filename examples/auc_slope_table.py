@@ -36,7 +36,11 @@ SLOPES = tuple(float(s) for s in np.geomspace(5, 5000, 37))
 TOLERANCE = 0.0005
 BATCH_SIZE = 128
 # Regimes of the exact area, for the summary.
-REGIMES = {"untrained (area < 0.05)": (0.0, 0.05), "overlapping": (0.05, 0.95), "separated (area > 0.95)": (0.95, 1.0001)}
+REGIMES = {
+    "untrained (area < 0.05)": (0.0, 0.05),
+    "overlapping": (0.05, 0.95),
+    "separated (area > 0.95)": (0.95, 1.0001),
+}
 
 
 def random_batch(generator, finder=AUCLoss(step=0.01, slope=1.0)):
@@ -79,10 +83,12 @@ def random_batches(count, seed, progress=True):
 def relaxed_areas(hps, hns, step, slope, chunk=64):
     """Relaxed area of every batch, float32 and in chunks to bound memory."""
     grid = thresholds(step)
-    return torch.cat([
-        relaxed_roc_area(hps[i:i + chunk].float(), hns[i:i + chunk].float(), grid, slope).double()
-        for i in range(0, len(hps), chunk)
-    ])
+    return torch.cat(
+        [
+            relaxed_roc_area(hps[i : i + chunk].float(), hns[i : i + chunk].float(), grid, slope).double()
+            for i in range(0, len(hps), chunk)
+        ]
+    )
 
 
 def derive_table(hps, hns, exact, steps=STEPS, slopes=SLOPES, progress=True):
@@ -96,8 +102,9 @@ def derive_table(hps, hns, exact, steps=STEPS, slopes=SLOPES, progress=True):
             bar.update()
         mean_abs_error = np.array(mean_abs_error)
         chosen = int(np.argmax(mean_abs_error <= mean_abs_error.min() + TOLERANCE))
-        table.append({"step": step, "slope": round(slopes[chosen], 1), "chosen": chosen,
-                      "mean_abs_error": mean_abs_error})
+        table.append(
+            {"step": step, "slope": round(slopes[chosen], 1), "chosen": chosen, "mean_abs_error": mean_abs_error}
+        )
     bar.close()
     return table
 
@@ -109,8 +116,11 @@ def summarize(hps, hns, exact, step, slope):
     for name, (low, high) in REGIMES.items():
         selected = error[(exact >= low) & (exact < high)]
         if len(selected):
-            summary[name] = {"batches": len(selected), "mean_abs_error": round(selected.abs().mean().item(), 5),
-                             "max_abs_error": round(selected.abs().max().item(), 5)}
+            summary[name] = {
+                "batches": len(selected),
+                "mean_abs_error": round(selected.abs().mean().item(), 5),
+                "max_abs_error": round(selected.abs().max().item(), 5),
+            }
     return summary
 
 
@@ -145,14 +155,21 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, default=250, help="random batches of 128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=SLOPE_TABLE, help="the JSON table to write")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: next to --out; next to this script for the shipped table)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="PNG (default: next to --out; next to this script for the shipped table)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a few batches and steps, to check the script runs")
     args = parser.parse_args(argv)
     default_step = AUCLoss.__init__.__defaults__[0]
     steps, slopes, batches = STEPS, SLOPES, args.batches
     if args.smoke:
         steps, slopes, batches = (default_step, 0.1), SLOPES[::4], 8
-    plot_path = args.plot or (Path(__file__).parent if args.out == SLOPE_TABLE else args.out.parent) / "auc_slope_table.png"
+    plot_path = (
+        args.plot or (Path(__file__).parent if args.out == SLOPE_TABLE else args.out.parent) / "auc_slope_table.png"
+    )
 
     hps, hns, exact = random_batches(batches, args.seed)
     table = derive_table(hps, hns, exact, steps, slopes)
@@ -161,8 +178,8 @@ def main(argv=None):
     result = {
         "description": "AUCLoss sigmoid slope per threshold step; written by examples/auc_slope_table.py",
         "method": f"smallest slope whose mean |relaxed - exact ROC area| over {batches} random batches of "
-                  f"{BATCH_SIZE} is within {TOLERANCE} of the best of {len(slopes)} log-spaced slopes "
-                  f"{slopes[0]:g}..{slopes[-1]:g}; thresholds -1..1; seed {args.seed}",
+        f"{BATCH_SIZE} is within {TOLERANCE} of the best of {len(slopes)} log-spaced slopes "
+        f"{slopes[0]:g}..{slopes[-1]:g}; thresholds -1..1; seed {args.seed}",
         "steps": [row["step"] for row in table],
         "slopes": [row["slope"] for row in table],
         "error_on_fresh_batches": {str(row["step"]): summarize(*fresh, row["step"], row["slope"]) for row in table},
@@ -174,7 +191,8 @@ def main(argv=None):
         plot(table, slopes, *fresh, default_step, plot_path)
         print(f"wrote {args.out} and {plot_path}")
     for row in table:
-        print(f"step {row['step']:<6} slope {row['slope']:<8} fresh batches: {result['error_on_fresh_batches'][str(row['step'])]}")
+        fresh_error = result["error_on_fresh_batches"][str(row["step"])]
+        print(f"step {row['step']:<6} slope {row['slope']:<8} fresh batches: {fresh_error}")
     return result
 
 

@@ -51,9 +51,16 @@ def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
 
 def bench_iteration_seconds(train_set, val_set, epochs, iterations):
     started = time.perf_counter()
-    train_model(losses.TripletMarginLoss(), train_set, trunk=SmallCNN(embedding_size=DEFAULTS["embedding_size"]),
-                val_set=val_set, epochs=epochs, batch_size=DEFAULTS["batch_size"], iterations_per_epoch=iterations,
-                lr=DEFAULTS["lr"])
+    train_model(
+        losses.TripletMarginLoss(),
+        train_set,
+        trunk=SmallCNN(embedding_size=DEFAULTS["embedding_size"]),
+        val_set=val_set,
+        epochs=epochs,
+        batch_size=DEFAULTS["batch_size"],
+        iterations_per_epoch=iterations,
+        lr=DEFAULTS["lr"],
+    )
     return (time.perf_counter() - started) / (epochs * iterations)
 
 
@@ -75,8 +82,10 @@ def main(argv=None):
     raw, raw_nchw, bench = min(raw), min(raw_nchw), min(bench)
     print(f"raw step (SmallCNN channels-last + triplet + Adam, batch {DEFAULTS['batch_size']}): {1000 * raw:.2f} ms")
     print(f"raw step, contiguous (NCHW) layout: {1000 * raw_nchw:.2f} ms")
-    print(f"bench, one fold model, {args.epochs} epochs x {args.iterations} iterations with validation: "
-          f"{1000 * bench:.2f} ms per iteration")
+    print(
+        f"bench, one fold model, {args.epochs} epochs x {args.iterations} iterations with validation: "
+        f"{1000 * bench:.2f} ms per iteration"
+    )
     print(f"throughput ratio bench / raw step: {raw / bench:.2f} (to the NCHW raw step: {raw_nchw / bench:.2f})")
 
 

@@ -56,8 +56,7 @@ def main(argv=None):
 
     dataset = torch.utils.data.TensorDataset(data, labels)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, seed=0, drop_last=True)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler,
-                                         drop_last=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size // world, sampler=sampler, drop_last=True)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         total = 0.0

@@ -38,8 +38,9 @@ def synthetic_hierarchy(categories, classes_per_category, per_class, dim, seed):
     centres near their category's centre, samples near their class centre."""
     generator = torch.Generator().manual_seed(seed)
     category_centres = 3.0 * torch.randn(categories, dim, generator=generator)
-    class_centres = (category_centres.repeat_interleave(classes_per_category, 0)
-                     + 1.0 * torch.randn(categories * classes_per_category, dim, generator=generator))
+    class_centres = category_centres.repeat_interleave(classes_per_category, 0) + 1.0 * torch.randn(
+        categories * classes_per_category, dim, generator=generator
+    )
     class_labels = torch.arange(len(class_centres)).repeat_interleave(per_class)
     data = class_centres[class_labels] + 0.8 * torch.randn(len(class_labels), dim, generator=generator)
     category_labels = class_labels // classes_per_category
@@ -50,8 +51,7 @@ def split_by_class(data, class_labels, category_labels, train_fraction=0.5):
     """Class-disjoint split: the first half of each category's classes trains."""
     classes_per_category = int((category_labels == 0).sum() // (class_labels == 0).sum())
     train = (class_labels % classes_per_category) < int(classes_per_category * train_fraction)
-    return ((data[train], class_labels[train], category_labels[train]),
-            (data[~train], class_labels[~train]))
+    return ((data[train], class_labels[train], category_labels[train]), (data[~train], class_labels[~train]))
 
 
 def hierarchical_batches(class_labels, category_labels, args):
@@ -70,8 +70,9 @@ def hierarchical_batches(class_labels, category_labels, args):
 
 def random_class_batches(class_labels, category_labels, args, num_batches):
     """The baseline: `--per-class` samples of classes drawn from any category."""
-    sampler = samplers.MPerClassSampler(class_labels, m=args.per_class, batch_size=args.batch_size,
-                                        length_before_new_iter=num_batches * args.batch_size)
+    sampler = samplers.MPerClassSampler(
+        class_labels, m=args.per_class, batch_size=args.batch_size, length_before_new_iter=num_batches * args.batch_size
+    )
     return torch.utils.data.BatchSampler(sampler, args.batch_size, drop_last=True)
 
 
@@ -89,12 +90,14 @@ def same_category_negative_share(batch_sampler, class_labels, category_labels):
 def train(batch_sampler, train_set, args, seed):
     data, class_labels, _ = train_set
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(data.shape[1], 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, args.embedding_size))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(data.shape[1], 64), torch.nn.ReLU(), torch.nn.Linear(64, args.embedding_size)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_func = FastAPLoss(num_bins=args.num_bins)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data, class_labels),
-                                         batch_sampler=batch_sampler)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data, class_labels), batch_sampler=batch_sampler
+    )
     losses = []
     for _ in tqdm(range(args.epochs), desc="epochs", leave=False):
         for batch_data, batch_labels in loader:
@@ -121,8 +124,9 @@ def parse_args(argv=None):
     parser.add_argument("--per-class", type=int, default=8, help="samples per class in a batch")
     parser.add_argument("--categories-per-batch", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--batches-per-pair", type=int, default=2,
-                        help="batches drawn for each pair of categories per epoch")
+    parser.add_argument(
+        "--batches-per-pair", type=int, default=2, help="batches drawn for each pair of categories per epoch"
+    )
     parser.add_argument("--chunk-size", type=int, default=64, help="samples embedded with a graph at a time")
     parser.add_argument("--num-bins", type=int, default=10)
     parser.add_argument("--embedding-size", type=int, default=16)
@@ -142,7 +146,8 @@ def main(argv=None):
     args = parse_args(argv)
     out = outputs.prepare_output_dir(args.out)  # before any work
     data, class_labels, category_labels = synthetic_hierarchy(
-        args.categories, args.classes_per_category, 2 * args.per_class, args.dim, args.seed)
+        args.categories, args.classes_per_category, 2 * args.per_class, args.dim, args.seed
+    )
     train_set, test_set = split_by_class(data, class_labels, category_labels)
     _, train_classes, train_categories = train_set
 
@@ -150,7 +155,8 @@ def main(argv=None):
     contenders = {
         "category-based (HierarchicalSampler)": hierarchical,
         "random classes (MPerClassSampler)": random_class_batches(
-            train_classes, train_categories, args, num_batches=len(hierarchical)),
+            train_classes, train_categories, args, num_batches=len(hierarchical)
+        ),
     }
     results = {"args": vars(args)}
     curves = {}
@@ -158,7 +164,8 @@ def main(argv=None):
         model, losses = train(batch_sampler, train_set, args, seed=args.seed)
         results[name] = {
             "same_category_negative_share": same_category_negative_share(
-                batch_sampler, train_classes, train_categories),
+                batch_sampler, train_classes, train_categories
+            ),
             "test_precision_at_1": precision_at_1(model, test_set),
             "final_loss": losses[-1],
         }

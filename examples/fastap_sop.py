@@ -25,7 +25,6 @@ from rambo_retrieval import rambo_setup  # noqa: E402
 from pml_rank.harness.reproduce import PaperTable, Run, Script, Variant, paper_rows  # noqa: E402
 
 
-
 def fastap_runs(paper_row):
     return (
         Run("FastAPLoss (pml-rank)", loss="FastAPLoss", loss_kwargs={"num_bins": 10}, paper_row=paper_row),
@@ -33,28 +32,42 @@ def fastap_runs(paper_row):
     )
 
 
-
-SOP = PaperTable("Cakir et al., CVPR 2019 (FastAP), as reported in RaMBO (CVPR 2020) table 2: "
-                 "Stanford Online Products", ("R@1", "R@10", "R@100", "R@1000"), paper_rows("""
+SOP = PaperTable(
+    "Cakir et al., CVPR 2019 (FastAP), as reported in RaMBO (CVPR 2020) table 2: Stanford Online Products",
+    ("R@1", "R@10", "R@100", "R@1000"),
+    paper_rows("""
 FastAP R50-512 | 76.4 | 89.1 | 95.4 | 98.5
-"""))
+"""),
+)
 
 # RaMBO's table 4 lists both of Cakir et al.'s implementations; the Matlab one is marked "?".
-INSHOP = PaperTable("Cakir et al., CVPR 2019 (FastAP), as reported in RaMBO (CVPR 2020) table 4: "
-                    "In-shop Clothes (query vs gallery)", ("R@1", "R@10", "R@20", "R@30", "R@50"), paper_rows("""
+INSHOP = PaperTable(
+    "Cakir et al., CVPR 2019 (FastAP), as reported in RaMBO (CVPR 2020) table 4: In-shop Clothes (query vs gallery)",
+    ("R@1", "R@10", "R@20", "R@30", "R@50"),
+    paper_rows("""
 FastAP-Matlab R50-512 (?) | 90.9? | 97.7? | 98.5? | 98.8? | 99.1?
 FastAP-Python R50-512 | 83.8 | 95.5 | 96.9 | 97.5 | 98.2
-"""))
+"""),
+)
 
 SCRIPT = Script(
     name="fastap_sop",
     title="FastAP on Stanford Online Products and In-shop (FastAP paper's numbers via RaMBO tables 2 and 4)",
     variants={
-        "sop": Variant("sop", SOP, rambo_setup(lr=3e-6), fastap_runs("FastAP R50-512"),
-                       "one GPU with 16 GB and a day per row (~4.8M training images seen)"),
-        "inshop": Variant("inshop", INSHOP, rambo_setup(lr=1e-5, samples_per_class=8),
-                          fastap_runs("FastAP-Python R50-512"),
-                          "one GPU with 16 GB (~2.1M training images seen per row)"),
+        "sop": Variant(
+            "sop",
+            SOP,
+            rambo_setup(lr=3e-6),
+            fastap_runs("FastAP R50-512"),
+            "one GPU with 16 GB and a day per row (~4.8M training images seen)",
+        ),
+        "inshop": Variant(
+            "inshop",
+            INSHOP,
+            rambo_setup(lr=1e-5, samples_per_class=8),
+            fastap_runs("FastAP-Python R50-512"),
+            "one GPU with 16 GB (~2.1M training images seen per row)",
+        ),
     },
 )
 

@@ -24,43 +24,69 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, 
 
 SOURCE = "Sohn, NIPS 2016 (N-pair), table 2"
 
-NOTES = ("optimizer, learning rate and schedule are not in the slides: Adam 1e-5 "
-         "(x10 on the embedding layer), 60 epochs; F1 omitted; the 60-pair-mc row draws its 60 "
-         "classes at random, -nm rows mine them")
+NOTES = (
+    "optimizer, learning rate and schedule are not in the slides: Adam 1e-5 "
+    "(x10 on the embedding layer), 60 epochs; F1 omitted; the 60-pair-mc row draws its 60 "
+    "classes at random, -nm rows mine them"
+)
 
 
 def npair_setup(embedding_size):
-    return Setup(backbone="googlenet", embedding_size=embedding_size, batch_size=120, samples_per_class=2,
-                 optimizer="adam", lr=1e-5, embedder_lr_factor=10, epochs=60, notes=NOTES)
+    return Setup(
+        backbone="googlenet",
+        embedding_size=embedding_size,
+        batch_size=120,
+        samples_per_class=2,
+        optimizer="adam",
+        lr=1e-5,
+        embedder_lr_factor=10,
+        epochs=60,
+        notes=NOTES,
+    )
 
 
 TRIPLET = Run("TripletMarginLoss (PML)", loss="pml:TripletMarginLoss", paper_row="triplet")
 # 60-pair-mc draws its 60 classes at random (two examples each: PML's MPerClassSampler, m=2);
 # -nm mines them with pml-rank's HardNegativeClassSampler.
 NPAIR_MC = Run("NPairsMCLoss", loss="NPairsMCLoss", paper_row="60-pair-mc")
-NPAIR_MC_NM = Run("NPairsMCLoss + hard negative classes", loss="NPairsMCLoss",
-                  sampler="hard_negative_class", paper_row="60-pair-mc-nm")
+NPAIR_MC_NM = Run(
+    "NPairsMCLoss + hard negative classes",
+    loss="NPairsMCLoss",
+    sampler="hard_negative_class",
+    paper_row="60-pair-mc-nm",
+)
 
 # The slides print methods as columns; here they are rows. Columns: NMI, then recall@K.
 # Our copy of the slides is an OCR'd text: triplet-nm's R@4 on CUB-200 is missing from it
 # ("-"), and three cells are split across columns there and joined here (Car-196 triplet
 # R@8 "84.1 8" = 84.18; 60-pair-mc R@8 ".60" after "91" = 91.60; Online product 60-pair-ovo
 # K=1 "60 71" = 60.71).
-CUB = PaperTable(SOURCE + ": CUB-200", ("NMI", "R@1", "R@2", "R@4", "R@8"), paper_rows("""
+CUB = PaperTable(
+    SOURCE + ": CUB-200",
+    ("NMI", "R@1", "R@2", "R@4", "R@8"),
+    paper_rows("""
 triplet | 55.83 | 43.30 | 55.84 | 67.30 | 77.48
 triplet-nm | 57.87 | 46.47 | 58.58 | - | 80.17
 60-pair-ovo | 58.55 | 48.73 | 60.48 | 72.08 | 81.62
 60-pair-mc | 60.39 | 50.96 | 63.34 | 74.29 | 83.22
-"""))
+"""),
+)
 
-CARS = PaperTable(SOURCE + ": Car-196", ("NMI", "R@1", "R@2", "R@4", "R@8"), paper_rows("""
+CARS = PaperTable(
+    SOURCE + ": Car-196",
+    ("NMI", "R@1", "R@2", "R@4", "R@8"),
+    paper_rows("""
 triplet | 58.25 | 53.84 | 66.02 | 75.91 | 84.18
 triplet-nm | 59.94 | 61.62 | 73.48 | 81.88 | 87.81
 60-pair-ovo | 63.87 | 69.52 | 78.76 | 85.80 | 90.94
 60-pair-mc | 63.95 | 71.12 | 79.74 | 86.48 | 91.60
-"""))
+"""),
+)
 
-SOP = PaperTable(SOURCE + ": Online product", ("NMI", "R@1", "R@10", "R@100", "R@1000"), paper_rows("""
+SOP = PaperTable(
+    SOURCE + ": Online product",
+    ("NMI", "R@1", "R@10", "R@100", "R@1000"),
+    paper_rows("""
 triplet | 86.11 | 53.32 | 72.75 | 87.66 | 96.43
 triplet-nm | 87.23 | 62.39 | 79.69 | 91.10 | 97.25
 triplet-lifted structure | 87.5 | 61.8 | 79.9 | 91.1 | 97.3
@@ -68,18 +94,30 @@ triplet-lifted structure | 87.5 | 61.8 | 79.9 | 91.1 | 97.3
 60-pair-ovo-nm | 87.45 | 63.85 | 81.22 | 91.89 | 97.51
 60-pair-mc | 87.77 | 65.25 | 82.15 | 92.60 | 97.92
 60-pair-mc-nm | 88.10 | 67.73 | 83.76 | 92.98 | 97.81
-"""))
+"""),
+)
 
 SCRIPT = Script(
     name="npair_table2",
     title="Multi-class N-pair loss, unseen-class retrieval (N-pair paper, table 2)",
     variants={
-        "cub200": Variant("cub200", CUB, npair_setup(64), (TRIPLET, NPAIR_MC),
-                          "one GPU with 8 GB (GoogLeNet, batch 120; ~350k images seen per row)"),
-        "cars196": Variant("cars196", CARS, npair_setup(64), (TRIPLET, NPAIR_MC),
-                           "one GPU with 8 GB (~490k images seen per row)"),
-        "sop": Variant("sop", SOP, npair_setup(512), (TRIPLET, NPAIR_MC, NPAIR_MC_NM),
-                       "one GPU with 8 GB and a day (~3.6M images seen per row; k-means on 60k test images)"),
+        "cub200": Variant(
+            "cub200",
+            CUB,
+            npair_setup(64),
+            (TRIPLET, NPAIR_MC),
+            "one GPU with 8 GB (GoogLeNet, batch 120; ~350k images seen per row)",
+        ),
+        "cars196": Variant(
+            "cars196", CARS, npair_setup(64), (TRIPLET, NPAIR_MC), "one GPU with 8 GB (~490k images seen per row)"
+        ),
+        "sop": Variant(
+            "sop",
+            SOP,
+            npair_setup(512),
+            (TRIPLET, NPAIR_MC, NPAIR_MC_NM),
+            "one GPU with 8 GB and a day (~3.6M images seen per row; k-means on 60k test images)",
+        ),
     },
 )
 

@@ -36,9 +36,17 @@ def synthetic_images(num_classes, per_class, seed):
 
 def small_cnn(dim):
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, dim))
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, dim),
+    )
 
 
 def run(refresh_every, args):
@@ -51,23 +59,39 @@ def run(refresh_every, args):
 
     def end_of_epoch(trainer):
         now = time.perf_counter()
-        epochs.append({"epoch": trainer.epoch, "seconds": now - state["start"],
-                       "mining_seconds": sampler.mining_seconds - state["mining"]})
+        epochs.append(
+            {
+                "epoch": trainer.epoch,
+                "seconds": now - state["start"],
+                "mining_seconds": sampler.mining_seconds - state["mining"],
+            }
+        )
         epochs[-1]["mining_share"] = epochs[-1]["mining_seconds"] / epochs[-1]["seconds"]
         state["start"], state["mining"] = now, sampler.mining_seconds
         return True
 
     trainer = trainers.MetricLossOnly(
-        models={"trunk": trunk}, optimizers={"trunk_optimizer": torch.optim.Adam(trunk.parameters(), 1e-3)},
-        batch_size=2 * args.n, loss_funcs={"metric_loss": NPairsMCLoss()}, dataset=dataset, sampler=sampler,
-        dataloader_num_workers=0, data_device=torch.device("cpu"), end_of_epoch_hook=end_of_epoch)
+        models={"trunk": trunk},
+        optimizers={"trunk_optimizer": torch.optim.Adam(trunk.parameters(), 1e-3)},
+        batch_size=2 * args.n,
+        loss_funcs={"metric_loss": NPairsMCLoss()},
+        dataset=dataset,
+        sampler=sampler,
+        dataloader_num_workers=0,
+        data_device=torch.device("cpu"),
+        end_of_epoch_hook=end_of_epoch,
+    )
     sampler.attach_trainer(trainer)
     state["start"] = time.perf_counter()
     trainer.train(num_epochs=args.epochs)
     total_share = sum(e["mining_seconds"] for e in epochs) / sum(e["seconds"] for e in epochs)
-    return {"refresh_every": refresh_every or sampler.batches_per_epoch, "epochs": epochs,
-            "mining_share": total_share,
-            "embedded_examples": sampler.embedded_examples, "mined_batches": sampler.mined_batches}
+    return {
+        "refresh_every": refresh_every or sampler.batches_per_epoch,
+        "epochs": epochs,
+        "mining_share": total_share,
+        "embedded_examples": sampler.embedded_examples,
+        "mined_batches": sampler.mined_batches,
+    }
 
 
 def main():
@@ -89,9 +113,11 @@ def main():
     results = {"setup": vars(args), "runs": [run(refresh, args) for refresh in (None, 1)]}
     for result in results["runs"]:
         shares = ", ".join(f"{e['mining_share']:.1%}" for e in result["epochs"])
-        print(f"refresh_every={result['refresh_every']}: mining share {result['mining_share']:.1%} "
-              f"(per epoch {shares}) "
-              f"({result['embedded_examples']} examples embedded in {result['mined_batches']} batches)")
+        print(
+            f"refresh_every={result['refresh_every']}: mining share {result['mining_share']:.1%} "
+            f"(per epoch {shares}) "
+            f"({result['embedded_examples']} examples embedded in {result['mined_batches']} batches)"
+        )
     outputs.write_text(out / "npairs-mining-cost.json", json.dumps(results, indent=2))
     plot(results, out / "npairs-mining-cost.png")
 
@@ -105,8 +131,12 @@ def plot(results, path):
     fig, ax = plt.subplots(figsize=(5, 3))
     for result in results["runs"]:
         epochs = [e["epoch"] for e in result["epochs"]]
-        ax.plot(epochs, [100 * e["mining_share"] for e in result["epochs"]], marker="o",
-                label=f"refresh_every={result['refresh_every']}")
+        ax.plot(
+            epochs,
+            [100 * e["mining_share"] for e in result["epochs"]],
+            marker="o",
+            label=f"refresh_every={result['refresh_every']}",
+        )
     ax.axhline(5, color="gray", linestyle="--", label="5% budget")
     ax.set_xlabel("epoch")
     ax.set_ylabel("mining time, % of epoch")

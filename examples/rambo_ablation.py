@@ -48,18 +48,21 @@ def ablation_runs(lambda_val, margin, weighting):
     full = dict(lambda_val=lambda_val, margin=margin, weighting=weighting, memory_size=3)
     return (
         Run(f"RaMBORecallLoss {weighting}", loss="RaMBORecallLoss", loss_kwargs=full, paper_row="Full RaMBO"),
-        Run("memory_size=0", loss="RaMBORecallLoss", loss_kwargs={**full, "memory_size": 0},
-            paper_row="No batch memory"),
+        Run(
+            "memory_size=0", loss="RaMBORecallLoss", loss_kwargs={**full, "memory_size": 0}, paper_row="No batch memory"
+        ),
         Run("margin=0", loss="RaMBORecallLoss", loss_kwargs={**full, "margin": 0}, paper_row="No margin"),
     )
 
 
 def variant(dataset):
     lr, lambda_val, margin, weighting, per_class = SETTINGS[dataset]
-    table = PaperTable(f"Rolínek et al., CVPR 2020 (RaMBO), table 7: {TITLES[dataset]}", ("R@1",),
-                       paper_rows(TABLE_7[dataset]))
-    return Variant(dataset, table, rambo_setup(lr, per_class), ablation_runs(lambda_val, margin, weighting),
-                   HARDWARE[dataset])
+    table = PaperTable(
+        f"Rolínek et al., CVPR 2020 (RaMBO), table 7: {TITLES[dataset]}", ("R@1",), paper_rows(TABLE_7[dataset])
+    )
+    return Variant(
+        dataset, table, rambo_setup(lr, per_class), ablation_runs(lambda_val, margin, weighting), HARDWARE[dataset]
+    )
 
 
 SCRIPT = Script(

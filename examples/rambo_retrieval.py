@@ -22,29 +22,47 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, 
 SOURCE = "Rolínek et al., CVPR 2020 (RaMBO)"
 
 # Deviations we know of, printed with the results.
-NOTES = ("the paper's super-label batches for SOP and In-shop (Cakir et al.) are replaced by PML's "
-         "MPerClassSampler; the embedding layer's learning rate factor ('defaults of Cakir et al.') is "
-         "not given, we use x10; the last epoch is measured, while the paper reports the epoch "
-         "of best test R@1")
+NOTES = (
+    "the paper's super-label batches for SOP and In-shop (Cakir et al.) are replaced by PML's "
+    "MPerClassSampler; the embedding layer's learning rate factor ('defaults of Cakir et al.') is "
+    "not given, we use x10; the last epoch is measured, while the paper reports the epoch "
+    "of best test R@1"
+)
 
 
 def rambo_runs(lambda_val, margin):
     """The paper's two rows: the rank weighted by log once or twice (eq. 20)."""
     return tuple(
-        Run(f"RaMBORecallLoss {weighting}", loss="RaMBORecallLoss",
+        Run(
+            f"RaMBORecallLoss {weighting}",
+            loss="RaMBORecallLoss",
             loss_kwargs=dict(lambda_val=lambda_val, margin=margin, weighting=weighting, memory_size=3),
-            paper_row=f"RaMBO R50-512 {weighting.replace('loglog', 'log log')}")
+            paper_row=f"RaMBO R50-512 {weighting.replace('loglog', 'log log')}",
+        )
         for weighting in ("log", "loglog")
     )
 
 
 def rambo_setup(lr, samples_per_class=4):
-    return Setup(backbone="resnet50", embedding_size=512, batch_size=128, samples_per_class=samples_per_class,
-                 optimizer="adam", lr=lr, embedder_lr_factor=10, weight_decay=4e-4, epochs=80,
-                 lr_drop=(35, 0.3), notes=NOTES)
+    return Setup(
+        backbone="resnet50",
+        embedding_size=512,
+        batch_size=128,
+        samples_per_class=samples_per_class,
+        optimizer="adam",
+        lr=lr,
+        embedder_lr_factor=10,
+        weight_decay=4e-4,
+        epochs=80,
+        lr_drop=(35, 0.3),
+        notes=NOTES,
+    )
 
 
-TABLE_3 = PaperTable(SOURCE + ", table 3: CUB-200-2011", ("R@1", "R@2", "R@4", "R@8"), paper_rows("""
+TABLE_3 = PaperTable(
+    SOURCE + ", table 3: CUB-200-2011",
+    ("R@1", "R@2", "R@4", "R@8"),
+    paper_rows("""
 Contrastive G-512 | 26.4 | 37.7 | 49.8 | 62.3
 Triplet G-512 | 36.1 | 48.6 | 59.3 | 70.0
 LiftedStruct G-512 | 47.2 | 58.9 | 70.2 | 80.2
@@ -63,10 +81,13 @@ ABE-8 G-512 | 60.6 | 71.5 | 80.5 | 87.7
 Proxy NCA R50-512 | 64.0 | 75.4 | 84.2 | 90.5
 RaMBO R50-512 log | 63.5 | 74.8 | 84.1 | 90.4
 RaMBO R50-512 log log | 64.0 | 75.3 | 84.1 | 90.6
-"""))
+"""),
+)
 
-TABLE_2 = PaperTable(SOURCE + ", table 2: Stanford Online Products", ("R@1", "R@10", "R@100", "R@1000"),
-                     paper_rows("""
+TABLE_2 = PaperTable(
+    SOURCE + ", table 2: Stanford Online Products",
+    ("R@1", "R@10", "R@100", "R@1000"),
+    paper_rows("""
 Contrastive G-512 | 42.0 | 58.2 | 73.8 | 89.1
 Triplet G-512 | 42.1 | 63.5 | 82.5 | 94.8
 LiftedStruct G-512 | 62.1 | 79.8 | 91.3 | 97.4
@@ -84,11 +105,14 @@ ABE-8 G-512 | 76.3 | 88.4 | 94.8 | 98.2
 FastAP R50-512 | 76.4 | 89.1 | 95.4 | 98.5
 RaMBO R50-512 log | 77.8 | 90.1 | 95.9 | 98.7
 RaMBO R50-512 log log | 78.6 | 90.5 | 96.0 | 98.7
-"""))
+"""),
+)
 
 # The paper marks the FastAP-Matlab numbers with "?" (its footnote 3: not reproducible).
-TABLE_4 = PaperTable(SOURCE + ", table 4: In-shop Clothes (query vs gallery)",
-                     ("R@1", "R@10", "R@20", "R@30", "R@50"), paper_rows("""
+TABLE_4 = PaperTable(
+    SOURCE + ", table 4: In-shop Clothes (query vs gallery)",
+    ("R@1", "R@10", "R@20", "R@30", "R@50"),
+    paper_rows("""
 FashionNet V | 53.0 | 73.0 | 76.0 | 77.0 | 80.0
 HDC G-384 | 62.1 | 84.9 | 89.0 | 91.2 | 93.1
 DREML R18-48 | 78.4 | 93.7 | 95.8 | 96.7 | -
@@ -99,19 +123,34 @@ FastAP-Matlab R50-512 (?) | 90.9? | 97.7? | 98.5? | 98.8? | 99.1?
 FastAP-Python R50-512 | 83.8 | 95.5 | 96.9 | 97.5 | 98.2
 RaMBO R50-512 log | 88.1 | 97.0 | 97.9 | 98.4 | 98.8
 RaMBO R50-512 log log | 86.3 | 96.2 | 97.4 | 97.9 | 98.5
-"""))
+"""),
+)
 
 SCRIPT = Script(
     name="rambo_retrieval",
     title="RaMBO recall loss, image retrieval (RaMBO paper, tables 3, 2 and 4)",
     variants={
-        "cub200": Variant("cub200", TABLE_3, rambo_setup(lr=5e-6), rambo_runs(lambda_val=0.2, margin=0.02),
-                          "one GPU with 16 GB (ResNet-50, batch 128; ~470k training images seen)"),
-        "sop": Variant("sop", TABLE_2, rambo_setup(lr=3e-6), rambo_runs(lambda_val=4, margin=0.02),
-                       "one GPU with 16 GB and a day (~4.8M training images seen, 120k test images)"),
-        "inshop": Variant("inshop", TABLE_4, rambo_setup(lr=1e-5, samples_per_class=8),
-                          rambo_runs(lambda_val=0.2, margin=0.05),
-                          "one GPU with 16 GB (~2.1M training images seen)"),
+        "cub200": Variant(
+            "cub200",
+            TABLE_3,
+            rambo_setup(lr=5e-6),
+            rambo_runs(lambda_val=0.2, margin=0.02),
+            "one GPU with 16 GB (ResNet-50, batch 128; ~470k training images seen)",
+        ),
+        "sop": Variant(
+            "sop",
+            TABLE_2,
+            rambo_setup(lr=3e-6),
+            rambo_runs(lambda_val=4, margin=0.02),
+            "one GPU with 16 GB and a day (~4.8M training images seen, 120k test images)",
+        ),
+        "inshop": Variant(
+            "inshop",
+            TABLE_4,
+            rambo_setup(lr=1e-5, samples_per_class=8),
+            rambo_runs(lambda_val=0.2, margin=0.05),
+            "one GPU with 16 GB (~2.1M training images seen)",
+        ),
     },
 )
 

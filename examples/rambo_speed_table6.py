@@ -33,8 +33,12 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks the script runs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the paper: one core)")
-    parser.add_argument("--reference-max", type=int, default=10_000_000,
-                        help="skip the reference above this length (it needs ~6x our memory)")
+    parser.add_argument(
+        "--reference-max",
+        type=int,
+        default=10_000_000,
+        help="skip the reference above this length (it needs ~6x our memory)",
+    )
     parser.add_argument("--out", default="pml-rank-results")
     return parser.parse_args(argv)
 
@@ -51,9 +55,17 @@ def table(result):
     for row in result["rows"]:
         ours, ref = row["seconds"]["ours"], row["seconds"].get("reference")
         paper = PAPER_CPU.get(row["size"])
-        rows.append([f"{row['size']:,}", seconds(ours), seconds(ref),
-                     f"{ours / ref:.3f}" if ref else "-", seconds(paper),
-                     seconds(PAPER_GPU.get(row["size"])), f"{ours / paper:.2f}" if paper else "-"])
+        rows.append(
+            [
+                f"{row['size']:,}",
+                seconds(ours),
+                seconds(ref),
+                f"{ours / ref:.3f}" if ref else "-",
+                seconds(paper),
+                seconds(PAPER_GPU.get(row["size"])),
+                f"{ours / paper:.2f}" if paper else "-",
+            ]
+        )
     return format_text_table(header, rows, align="r" * len(header))
 
 
@@ -67,12 +79,21 @@ def plot(result, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, [row["seconds"]["ours"] for row in result["rows"]], "o-", label="ours (this CPU)")
     with_ref = [row for row in result["rows"] if "reference" in row["seconds"]]
-    ax.plot([r["size"] for r in with_ref], [r["seconds"]["reference"] for r in with_ref], "s-",
-            label="two-argsort reference (this CPU)")
+    ax.plot(
+        [r["size"] for r in with_ref],
+        [r["seconds"]["reference"] for r in with_ref],
+        "s-",
+        label="two-argsort reference (this CPU)",
+    )
     for paper, label in ((PAPER_CPU, "paper, 1 CPU core"), (PAPER_GPU, "paper, V100")):
         ax.plot(list(paper), list(paper.values()), "--", marker=".", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="forward+backward seconds",
-           title=f"RaMBO AP loss (Table 6), {result['threads']} thread(s)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length",
+        ylabel="forward+backward seconds",
+        title=f"RaMBO AP loss (Table 6), {result['threads']} thread(s)",
+    )
     ax.legend()
     fig.tight_layout()
     outputs.save_figure(fig, path, dpi=120)
@@ -90,8 +111,10 @@ def main(argv=None):
         repeats = args.repeats
     speed.CASES[CASE] = dataclasses.replace(speed.CASES["RaMBOAPLoss"], reference_max_size=args.reference_max)
     result = speed.measure(CASE, sizes=sizes, repeats=repeats)
-    print(f"RaMBO Table 6: AP loss forward+backward, median of {repeats}, {result['threads']} thread(s), "
-          f"torch {result['torch']}")
+    print(
+        f"RaMBO Table 6: AP loss forward+backward, median of {repeats}, {result['threads']} thread(s), "
+        f"torch {result['torch']}"
+    )
     print(table(result))
     result["paper_cpu_seconds"], result["paper_gpu_seconds"] = PAPER_CPU, PAPER_GPU
     outputs.write_text(out / "rambo_table6.json", json.dumps(result, indent=2))

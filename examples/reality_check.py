@@ -34,12 +34,23 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, 
 SOURCE = "Musgrave et al., ECCV 2020 (A Metric Learning Reality Check)"
 
 SETUP = Setup(
-    backbone="bn-inception", embedding_size=128, batch_size=32, samples_per_class=4, optimizer="rmsprop",
-    lr=1e-6, epochs=100, patience=10, protocol="reality-check", image_size=227, resize=256,
-    augmentation="random-resized-crop", freeze_batchnorm=True, repeats=5,
+    backbone="bn-inception",
+    embedding_size=128,
+    batch_size=32,
+    samples_per_class=4,
+    optimizer="rmsprop",
+    lr=1e-6,
+    epochs=100,
+    patience=10,
+    protocol="reality-check",
+    image_size=227,
+    resize=256,
+    augmentation="random-resized-crop",
+    freeze_batchnorm=True,
+    repeats=5,
     notes="loss hyperparameters: PML's defaults for the baselines (the paper tuned them), the "
-          "papers' defaults for pml-rank's losses; 100 epochs with patience 10; 'Pretrained' is the "
-          "untrained embedding layer on the pretrained trunk",
+    "papers' defaults for pml-rank's losses; 100 epochs with patience 10; 'Pretrained' is the "
+    "untrained embedding layer on the pretrained trunk",
 )
 
 RUNS = (
@@ -55,7 +66,10 @@ RUNS = (
 )
 
 # Columns: P@1, RP, MAP@R of the concatenated (512-d) embeddings, then of the separated (128-d).
-CUB = PaperTable(SOURCE + ": accuracy on CUB200", ("P@1", "RP", "MAP@R"), paper_rows("""
+CUB = PaperTable(
+    SOURCE + ": accuracy on CUB200",
+    ("P@1", "RP", "MAP@R"),
+    paper_rows("""
 Pretrained | 51.05 | 24.85 | 14.21 | 50.54 | 25.12 | 14.53
 Contrastive | 68.13 ± 0.31 | 37.24 ± 0.28 | 26.53 ± 0.29 | 59.73 ± 0.40 | 31.98 ± 0.29 | 21.18 ± 0.28
 Triplet | 64.24 ± 0.26 | 34.55 ± 0.24 | 23.69 ± 0.23 | 55.76 ± 0.27 | 29.55 ± 0.16 | 18.75 ± 0.15
@@ -71,9 +85,13 @@ SNR | 66.44 ± 0.56 | 36.56 ± 0.34 | 25.75 ± 0.36 | 58.06 ± 0.39 | 31.21 ± 0
 MS | 65.04 ± 0.28 | 35.40 ± 0.12 | 24.70 ± 0.13 | 57.60 ± 0.24 | 30.84 ± 0.13 | 20.15 ± 0.14
 MS+Miner | 67.73 ± 0.18 | 37.37 ± 0.19 | 26.52 ± 0.18 | 59.41 ± 0.30 | 31.93 ± 0.15 | 21.01 ± 0.14
 SoftTriple | 67.27 ± 0.39 | 37.34 ± 0.19 | 26.51 ± 0.20 | 59.94 ± 0.33 | 32.12 ± 0.14 | 21.31 ± 0.14
-"""))
+"""),
+)
 
-CARS = PaperTable(SOURCE + ": accuracy on Cars196", ("P@1", "RP", "MAP@R"), paper_rows("""
+CARS = PaperTable(
+    SOURCE + ": accuracy on Cars196",
+    ("P@1", "RP", "MAP@R"),
+    paper_rows("""
 Pretrained | 46.89 | 13.77 | 5.91 | 43.27 | 13.37 | 5.64
 Contrastive | 81.78 ± 0.43 | 35.11 ± 0.45 | 24.89 ± 0.50 | 69.80 ± 0.38 | 27.78 ± 0.34 | 17.24 ± 0.35
 Triplet | 79.13 ± 0.42 | 33.71 ± 0.45 | 23.02 ± 0.51 | 65.68 ± 0.58 | 26.67 ± 0.36 | 15.82 ± 0.36
@@ -89,9 +107,13 @@ SNR | 82.02 ± 0.48 | 35.22 ± 0.43 | 25.03 ± 0.48 | 69.69 ± 0.46 | 27.55 ± 0
 MS | 85.14 ± 0.29 | 38.09 ± 0.19 | 28.07 ± 0.22 | 73.77 ± 0.19 | 29.92 ± 0.16 | 19.32 ± 0.18
 MS+Miner | 83.67 ± 0.34 | 37.08 ± 0.31 | 27.01 ± 0.35 | 71.80 ± 0.22 | 29.44 ± 0.21 | 18.86 ± 0.20
 SoftTriple | 84.49 ± 0.26 | 37.03 ± 0.21 | 27.08 ± 0.21 | 73.69 ± 0.21 | 29.29 ± 0.16 | 18.89 ± 0.16
-"""))
+"""),
+)
 
-SOP = PaperTable(SOURCE + ": accuracy on SOP", ("P@1", "RP", "MAP@R"), paper_rows("""
+SOP = PaperTable(
+    SOURCE + ": accuracy on SOP",
+    ("P@1", "RP", "MAP@R"),
+    paper_rows("""
 Pretrained | 50.71 | 25.97 | 23.44 | 47.25 | 23.84 | 21.36
 Contrastive | 73.12 ± 0.20 | 47.29 ± 0.24 | 44.39 ± 0.24 | 69.34 ± 0.26 | 43.41 ± 0.28 | 40.37 ± 0.28
 Triplet | 72.65 ± 0.28 | 46.46 ± 0.38 | 43.37 ± 0.37 | 67.33 ± 0.34 | 40.94 ± 0.39 | 37.70 ± 0.38
@@ -107,19 +129,20 @@ SNR | 73.40 ± 0.09 | 47.43 ± 0.13 | 44.54 ± 0.13 | 69.45 ± 0.10 | 43.34 ± 0
 MS | 74.50 ± 0.24 | 48.77 ± 0.32 | 45.79 ± 0.32 | 70.43 ± 0.33 | 44.25 ± 0.38 | 41.15 ± 0.38
 MS+Miner | 75.09 ± 0.17 | 49.51 ± 0.20 | 46.55 ± 0.20 | 71.25 ± 0.15 | 45.19 ± 0.16 | 42.10 ± 0.16
 SoftTriple | 76.12 ± 0.17 | 50.21 ± 0.18 | 47.35 ± 0.19 | 70.88 ± 0.20 | 43.83 ± 0.20 | 40.92 ± 0.20
-"""))
+"""),
+)
 
 SCRIPT = Script(
     name="reality_check",
-    title="Reality Check protocol: P@1, R-Precision, MAP@R (Reality Check paper, tables for "
-          "CUB200, Cars196, SOP)",
+    title="Reality Check protocol: P@1, R-Precision, MAP@R (Reality Check paper, tables for CUB200, Cars196, SOP)",
     variants={
-        "cub200": Variant("cub200", CUB, SETUP, RUNS,
-                          "one GPU with 8 GB; 4 folds x 8 losses x 5 repeats = 160 trainings (days)"),
-        "cars196": Variant("cars196", CARS, SETUP, RUNS,
-                           "one GPU with 8 GB; 160 trainings (days)"),
-        "sop": Variant("sop", SOP, SETUP, RUNS,
-                       "one GPU with 8 GB; 160 trainings on 60k images each (a week or several GPUs)"),
+        "cub200": Variant(
+            "cub200", CUB, SETUP, RUNS, "one GPU with 8 GB; 4 folds x 8 losses x 5 repeats = 160 trainings (days)"
+        ),
+        "cars196": Variant("cars196", CARS, SETUP, RUNS, "one GPU with 8 GB; 160 trainings (days)"),
+        "sop": Variant(
+            "sop", SOP, SETUP, RUNS, "one GPU with 8 GB; 160 trainings on 60k images each (a week or several GPUs)"
+        ),
     },
     # --smoke: the untrained row, a PML baseline, and the rows with a sampler or score memory.
     smoke_rows=("Pretrained", "Contrastive", "RaMBOAPLoss", "NPairsMCLoss"),

@@ -37,15 +37,17 @@ def welch(a, b):
     se = math.sqrt(va + vb)
     if se == 0:
         return float(b.mean() - a.mean()), 0.0
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     return float(b.mean() - a.mean()), float(stats.t.ppf(0.975, dof) * se)
 
 
 def table(untuned, tuned, kind="concatenated"):
     a, b = per_seed(untuned, kind), per_seed(tuned, kind)
     params = {row["row"]: row.get("params", {}) for row in tuned["rows"]}
-    lines = [f"| row | untuned MAP@R ({kind}) | tuned MAP@R | tuned − untuned | exceeds 95% CI | tuned parameters |",
-             "|---|---:|---:|---:|:---:|---|"]
+    lines = [
+        f"| row | untuned MAP@R ({kind}) | tuned MAP@R | tuned − untuned | exceeds 95% CI | tuned parameters |",
+        "|---|---:|---:|---:|:---:|---|",
+    ]
     for row in b:
         if row not in a or row in ("raw input", "untrained"):
             continue
@@ -53,8 +55,10 @@ def table(untuned, tuned, kind="concatenated"):
         diff, half = welch(a[row], b[row])
         significant = "yes" if abs(diff) > half else "no"
         shown = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params[row].items())
-        lines.append(f"| {row} | {100 * ma:.2f} ± {100 * ca:.2f} | {100 * mb:.2f} ± {100 * cb:.2f} | "
-                     f"{100 * diff:+.2f} ± {100 * half:.2f} | {significant} | {shown or 'defaults'} |")
+        lines.append(
+            f"| {row} | {100 * ma:.2f} ± {100 * ca:.2f} | {100 * mb:.2f} ± {100 * cb:.2f} | "
+            f"{100 * diff:+.2f} ± {100 * half:.2f} | {significant} | {shown or 'defaults'} |"
+        )
     return "\n".join(lines)
 
 

@@ -26,8 +26,10 @@ def _cmd_list(args):
     from .harness.text_table import format_text_table
     from .plugins import KINDS, registry
 
-    rows = [(c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
-            for c in registry.components()]
+    rows = [
+        (c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
+        for c in registry.components()
+    ]
     print(format_text_table(("name", "kind", "distribution", "class"), rows, align="llll"))
     return 0
 
@@ -55,9 +57,11 @@ def _cmd_speed(args):
     known = set(registry.losses()) | set(speed.CASES)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise UsageError(f"argument losses: unknown loss {', '.join(unknown)}; "
-                         f"registered: {', '.join(sorted(registry.losses()))}; "
-                         f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}")
+        raise UsageError(
+            f"argument losses: unknown loss {', '.join(unknown)}; "
+            f"registered: {', '.join(sorted(registry.losses()))}; "
+            f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}"
+        )
     out = _prepare_out(args.out)
     import torch
 
@@ -79,8 +83,9 @@ def _speed_runs(speed, names, args, out):
     results, underflow = [], []
     for name in names:
         sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
-        result = speed.measure(name, sizes=sizes, dim=args.dim, repeats=args.repeats,
-                               device=args.device, seed=args.seed, runs=args.runs)
+        result = speed.measure(
+            name, sizes=sizes, dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs
+        )
         results.append(result)
         print(speed.format_table(result))
         path = speed.write_json(result, out / f"speed-{name}.json")
@@ -88,10 +93,21 @@ def _speed_runs(speed, names, args, out):
     if args.underflow:
         for name in names:
             size = max(args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES)
-            underflow.append(speed.measure_underflow(name, size=size, dim=args.dim, repeats=args.repeats,
-                                                     device=args.device, seed=args.seed, runs=args.runs))
-        print("No slow path: each loss on underflow-provoking inputs / on its usual inputs "
-              f"(median of per-round ratios, min-max)\n{speed.format_underflow(underflow)}\n")
+            underflow.append(
+                speed.measure_underflow(
+                    name,
+                    size=size,
+                    dim=args.dim,
+                    repeats=args.repeats,
+                    device=args.device,
+                    seed=args.seed,
+                    runs=args.runs,
+                )
+            )
+        print(
+            "No slow path: each loss on underflow-provoking inputs / on its usual inputs "
+            f"(median of per-round ratios, min-max)\n{speed.format_underflow(underflow)}\n"
+        )
     if args.report:
         command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
         for path in speed.write_report(results, underflow, args.report, command, started, load_start):
@@ -137,27 +153,43 @@ def _cmd_bench(args):
         raise UsageError(str(error)) from None
     out = _prepare_out(args.out)
     try:
-        result = bench.run_bench(list(contenders), dataset=args.dataset, epochs=args.epochs,
-                                 iterations_per_epoch=args.iterations, batch_size=args.batch_size,
-                                 seeds=args.seeds, embedding_size=args.embedding_size, lr=args.lr,
-                                 device=args.device, cache_dir=args.cache_dir, num_classes=args.classes,
-                                 params=params, params_source=source, threads=args.threads,
-                                 workers=args.workers or os.cpu_count() or 1,
-                                 store=os.path.join(out, bench.STORE_FILE))
+        result = bench.run_bench(
+            list(contenders),
+            dataset=args.dataset,
+            epochs=args.epochs,
+            iterations_per_epoch=args.iterations,
+            batch_size=args.batch_size,
+            seeds=args.seeds,
+            embedding_size=args.embedding_size,
+            lr=args.lr,
+            device=args.device,
+            cache_dir=args.cache_dir,
+            num_classes=args.classes,
+            params=params,
+            params_source=source,
+            threads=args.threads,
+            workers=args.workers or os.cpu_count() or 1,
+            store=os.path.join(out, bench.STORE_FILE),
+        )
     except bench.BudgetError as error:  # what needs the data: more classes than it has
         raise UsageError(str(error)) from None
     except bench.StoreMismatchError as error:
         print(f"pml-rank bench: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\npml-rank bench: interrupted; finished runs are kept in {out}/{bench.STORE_FILE} "
-              "and the same command resumes", file=sys.stderr)
+        print(
+            f"\npml-rank bench: interrupted; finished runs are kept in {out}/{bench.STORE_FILE} "
+            "and the same command resumes",
+            file=sys.stderr,
+        )
         return 130
     if source:
         differences = bench.tuned_budget_differences(args.params or SHIPPED_PARAMS, result.config)
         if differences:
-            print(f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
-                  file=sys.stderr)
+            print(
+                f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
+                file=sys.stderr,
+            )
     if result.resumed:
         print(f"resumed: {result.resumed} finished run(s) read from {out}/{bench.STORE_FILE}")
     print(bench.format_table(result))
@@ -179,8 +211,10 @@ def _cmd_tune(args):
     spaces = tune.search_spaces()
     missing = [name for name in contenders if name not in spaces]
     if missing and args.losses:
-        raise UsageError(f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
-                         "one with the pml_rank_search_spaces hook)")
+        raise UsageError(
+            f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
+            "one with the pml_rank_search_spaces hook)"
+        )
     contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
     try:
         bench.check_budget(contenders, args.batch_size, args.classes)
@@ -188,33 +222,54 @@ def _cmd_tune(args):
         raise UsageError(str(error)) from None
     losses = list(contenders)
     args.out = str(_prepare_out(args.out))
-    config = tune.budget_config(dataset=args.dataset, epochs=args.epochs, iterations_per_epoch=args.iterations,
-                                batch_size=args.batch_size, embedding_size=args.embedding_size, lr=args.lr,
-                                num_classes=args.classes, seed=args.seed)
+    config = tune.budget_config(
+        dataset=args.dataset,
+        epochs=args.epochs,
+        iterations_per_epoch=args.iterations,
+        batch_size=args.batch_size,
+        embedding_size=args.embedding_size,
+        lr=args.lr,
+        num_classes=args.classes,
+        seed=args.seed,
+    )
     storage = args.storage or tune.default_storage(args.out)
-    command = "pml-rank tune " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "tune") \
-        if sys.argv[1:2] == ["tune"] else None
+    command = (
+        "pml-rank tune " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "tune")
+        if sys.argv[1:2] == ["tune"]
+        else None
+    )
     if command and args.storage:
         command = command.replace(args.storage, tune.redact(args.storage))
     workers = args.workers or os.cpu_count() or 1
     try:
-        result = tune.tune(losses, args.trials, config, storage, args.out, workers=workers, cache_dir=args.cache_dir,
-                           threads=args.threads, device=args.device, heartbeat=args.heartbeat,
-                           prune=not args.no_prune, command=command)
+        result = tune.tune(
+            losses,
+            args.trials,
+            config,
+            storage,
+            args.out,
+            workers=workers,
+            cache_dir=args.cache_dir,
+            threads=args.threads,
+            device=args.device,
+            heartbeat=args.heartbeat,
+            prune=not args.no_prune,
+            command=command,
+        )
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
     print(tune.format_table(result.entries))
-    print(f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); "
-          f"storage {tune.redact(storage)}")
+    print(
+        f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); storage {tune.redact(storage)}"
+    )
     if result.interrupted:
         print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
         return 130
     return 0
 
 
-OUT_HELP = ("folder for the results, created if missing and checked writable before any work "
-            "(default: %(default)s)")
+OUT_HELP = "folder for the results, created if missing and checked writable before any work (default: %(default)s)"
 
 
 def add_budget_arguments(parser):
@@ -227,34 +282,72 @@ def add_budget_arguments(parser):
     work. Imports no torch unless --device names something other than cpu."""
     from .harness import arguments
 
-    parser.add_argument("--dataset", default=DEFAULTS["dataset"], choices=DATASET_NAMES,
-                        help="data set (default: %(default)s, generated locally, no download)")
-    parser.add_argument("--epochs", type=arguments.positive_int, default=DEFAULTS["epochs"],
-                        help="epochs per fold model, >= 1 (default %(default)s)")
-    parser.add_argument("--iterations", type=arguments.positive_int, default=DEFAULTS["iterations_per_epoch"],
-                        help="iterations per epoch, >= 1 (default %(default)s)")
-    parser.add_argument("--batch-size", type=arguments.positive_int, default=DEFAULTS["batch_size"],
-                        help="batch size (default %(default)s); a multiple of 4 and >= 8 for the m=4 rows, "
-                             "even and >= 4 for the N-pair rows")
-    parser.add_argument("--classes", type=arguments.at_least(2), metavar="N",
-                        help=f"use only the first N classes, for quick runs (default: all). Half are for "
-                             f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
-                             f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
-                             f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
-                             f"{minimum_classes(2, DEFAULTS['batch_size'])}")
-    parser.add_argument("--embedding-size", type=arguments.positive_int, default=DEFAULTS["embedding_size"],
-                        help="embedding dimension, >= 1 (default %(default)s)")
-    parser.add_argument("--lr", type=arguments.positive_float, default=DEFAULTS["lr"],
-                        help="Adam learning rate, a finite number > 0 (default %(default)s)")
-    parser.add_argument("--threads", type=arguments.positive_int, default=DEFAULTS["threads"],
-                        help="torch CPU threads, >= 1 (default %(default)s: the small CNN's steps are too "
-                             "short to gain from more, and lose much when other processes compete for "
-                             "the cores)")
-    parser.add_argument("--cache-dir", metavar="DIR",
-                        help="where the generated data set is cached (default: $PML_RANK_CACHE when set, "
-                             "else ~/.cache/pml-rank)")
-    parser.add_argument("--device", type=arguments.device, default=DEFAULTS["device"],
-                        help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)")
+    parser.add_argument(
+        "--dataset",
+        default=DEFAULTS["dataset"],
+        choices=DATASET_NAMES,
+        help="data set (default: %(default)s, generated locally, no download)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=arguments.positive_int,
+        default=DEFAULTS["epochs"],
+        help="epochs per fold model, >= 1 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=arguments.positive_int,
+        default=DEFAULTS["iterations_per_epoch"],
+        help="iterations per epoch, >= 1 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=arguments.positive_int,
+        default=DEFAULTS["batch_size"],
+        help="batch size (default %(default)s); a multiple of 4 and >= 8 for the m=4 rows, "
+        "even and >= 4 for the N-pair rows",
+    )
+    parser.add_argument(
+        "--classes",
+        type=arguments.at_least(2),
+        metavar="N",
+        help=f"use only the first N classes, for quick runs (default: all). Half are for "
+        f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
+        f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
+        f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
+        f"{minimum_classes(2, DEFAULTS['batch_size'])}",
+    )
+    parser.add_argument(
+        "--embedding-size",
+        type=arguments.positive_int,
+        default=DEFAULTS["embedding_size"],
+        help="embedding dimension, >= 1 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=arguments.positive_float,
+        default=DEFAULTS["lr"],
+        help="Adam learning rate, a finite number > 0 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=arguments.positive_int,
+        default=DEFAULTS["threads"],
+        help="torch CPU threads, >= 1 (default %(default)s: the small CNN's steps are too "
+        "short to gain from more, and lose much when other processes compete for "
+        "the cores)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where the generated data set is cached (default: $PML_RANK_CACHE when set, else ~/.cache/pml-rank)",
+    )
+    parser.add_argument(
+        "--device",
+        type=arguments.device,
+        default=DEFAULTS["device"],
+        help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)",
+    )
     return parser
 
 
@@ -284,80 +377,134 @@ def build_parser():
         help="forward+backward time and peak memory against PML and the paper's reference",
     )
     p.add_argument("losses", nargs="*", help="registered loss names (default: all)")
-    per_loss = "; ".join(f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
-                         for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items())
-    p.add_argument("--sizes", type=at_least(2), nargs="+", metavar="N",
-                   help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
-                        f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}")
+    per_loss = "; ".join(
+        f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
+        for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items()
+    )
+    p.add_argument(
+        "--sizes",
+        type=at_least(2),
+        nargs="+",
+        metavar="N",
+        help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
+        f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}",
+    )
     p.add_argument("--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=5,
-                   help="interleaved rounds per run and size, each timing every contender once, >= 1; "
-                        "the table shows the median of the per-round ratios (default %(default)s)")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        help="interleaved rounds per run and size, each timing every contender once, >= 1; "
+        "the table shows the median of the per-round ratios (default %(default)s)",
+    )
     p.add_argument("--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)")
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="seed of the random inputs, >= 0 (default %(default)s)")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the random inputs, >= 0 (default %(default)s)"
+    )
     p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
-    p.add_argument("--runs", type=positive_int, default=1,
-                   help="repeat the whole measurement this many times, >= 1; ratios pool every round "
-                        "(default %(default)s)")
-    p.add_argument("--underflow", action="store_true",
-                   help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
-                        "against its usual inputs (the no-slow-path case), at the largest size (default: off)")
-    p.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
-                        "with other work, 1 keeps a descheduled worker thread from stalling every parallel op")
-    p.add_argument("--report", metavar="PATH",
-                   help="also write PATH.json and PATH.md: every table with its spread, the command, "
-                        "date and machine, e.g. examples/results/speed (default: none)")
+    p.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        help="repeat the whole measurement this many times, >= 1; ratios pool every round (default %(default)s)",
+    )
+    p.add_argument(
+        "--underflow",
+        action="store_true",
+        help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
+        "against its usual inputs (the no-slow-path case), at the largest size (default: off)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
+        "with other work, 1 keeps a descheduled worker thread from stalling every parallel op",
+    )
+    p.add_argument(
+        "--report",
+        metavar="PATH",
+        help="also write PATH.json and PATH.md: every table with its spread, the command, "
+        "date and machine, e.g. examples/results/speed (default: none)",
+    )
     p.set_defaults(run=_cmd_speed)
 
     p = commands.add_parser(
         "bench",
         help="every registered loss and PML's baselines under the Reality Check protocol "
-             "on the embedded glyph data set",
+        "on the embedded glyph data set",
     )
-    p.add_argument("losses", nargs="*",
-                   help="registered loss names and pml:<name> baselines (default: all registered "
-                        "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)")
+    p.add_argument(
+        "losses",
+        nargs="*",
+        help="registered loss names and pml:<name> baselines (default: all registered "
+        "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)",
+    )
     add_budget_arguments(p)
-    p.add_argument("--seeds", type=positive_int, default=DEFAULTS["seeds"],
-                   help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
-                        "1 gives no interval (default %(default)s)")
-    p.add_argument("--out", default="pml-rank-results",
-                   help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench-runs.jsonl, the store "
-                                   "of finished runs (rerunning the same command resumes)")
-    p.add_argument("--params", metavar="FILE",
-                   help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the "
-                        "default glyph budget")
+    p.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=DEFAULTS["seeds"],
+        help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
+        "1 gives no interval (default %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        default="pml-rank-results",
+        help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench-runs.jsonl, the store "
+        "of finished runs (rerunning the same command resumes)",
+    )
+    p.add_argument(
+        "--params",
+        metavar="FILE",
+        help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the default glyph budget",
+    )
     p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
-    p.add_argument("--workers", type=positive_int,
-                   help="processes running (row, seed) jobs in parallel, results identical to a serial run "
-                        "(default: the number of cores)")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        help="processes running (row, seed) jobs in parallel, results identical to a serial run "
+        "(default: the number of cores)",
+    )
     p.set_defaults(run=_cmd_bench)
 
     p = commands.add_parser(
         "tune",
         help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
         description="Searches each loss's declared space with a seeded TPE sampler; the objective is the mean "
-                    "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
-                    "classes. One study per (loss, data set, budget); rerunning resumes.")
+        "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
+        "classes. One study per (loss, data set, budget); rerunning resumes.",
+    )
     p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
-    p.add_argument("--trials", type=positive_int, default=20,
-                   help="finished trials each study should hold, >= 1 (default %(default)s); a rerun resumes to N")
-    p.add_argument("--workers", type=positive_int,
-                   help="local worker processes on the storage (default: the number of cores)")
-    p.add_argument("--storage", metavar="URL",
-                   help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
-                        "(default: sqlite:///OUT/tune.db)")
+    p.add_argument(
+        "--trials",
+        type=positive_int,
+        default=20,
+        help="finished trials each study should hold, >= 1 (default %(default)s); a rerun resumes to N",
+    )
+    p.add_argument(
+        "--workers", type=positive_int, help="local worker processes on the storage (default: the number of cores)"
+    )
+    p.add_argument(
+        "--storage",
+        metavar="URL",
+        help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
+        "(default: sqlite:///OUT/tune.db)",
+    )
     p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
     add_budget_arguments(p)
-    p.add_argument("--seed", type=non_negative_int, default=0,
-                   help="seed of the sampler and of the fold models (default 0)")
-    p.add_argument("--heartbeat", type=positive_float, default=20.0,
-                   help="seconds between a running trial's heartbeats; a trial silent for twice this is "
-                        "failed and retried (default %(default)s)")
-    p.add_argument("--no-prune", action="store_true",
-                   help="no median pruning between folds (default: prune after the second fold)")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed of the sampler and of the fold models (default 0)"
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=positive_float,
+        default=20.0,
+        help="seconds between a running trial's heartbeats; a trial silent for twice this is "
+        "failed and retried (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-prune", action="store_true", help="no median pruning between folds (default: prune after the second fold)"
+    )
     p.set_defaults(run=_cmd_tune)
 
     return parser

@@ -47,7 +47,7 @@ def large_batch_backward(embed, loss_func, data, labels, chunk_size, miner=None)
         chunks = []
         for start in starts:
             rng_states.append(_rng_state())
-            chunks.append(embed(data[start:start + chunk_size]))
+            chunks.append(embed(data[start : start + chunk_size]))
     after_first_pass = _rng_state()
     embeddings = torch.cat(chunks).requires_grad_()
     del chunks
@@ -63,8 +63,8 @@ def large_batch_backward(embed, loss_func, data, labels, chunk_size, miner=None)
 
     for start, rng in zip(starts, rng_states):
         _set_rng_state(rng)
-        chunk = embed(data[start:start + chunk_size])
-        chunk.backward(grad[start:start + chunk_size].to(chunk.dtype))
+        chunk = embed(data[start : start + chunk_size])
+        chunk.backward(grad[start : start + chunk_size].to(chunk.dtype))
     _set_rng_state(after_first_pass)
     return loss.detach()
 
@@ -109,7 +109,11 @@ class LargeBatchMetricLossOnly(MetricLossOnly):
             return weight * self.maybe_get_metric_loss(embeddings, labels, indices_tuple)
 
         loss = large_batch_backward(
-            self.compute_embeddings, weighted_loss, data, labels, self.chunk_size,
+            self.compute_embeddings,
+            weighted_loss,
+            data,
+            labels,
+            self.chunk_size,
             miner=self.mining_funcs.get("tuple_miner"),
         )
         # The loss tracker multiplies by the weight again for the total.
@@ -123,7 +127,8 @@ class LargeBatchMetricLossOnly(MetricLossOnly):
             return
         self._checked_batchnorm = True
         training = [
-            f"{name}.{layer_name}" for name, model in self.models.items()
+            f"{name}.{layer_name}"
+            for name, model in self.models.items()
             for layer_name, layer in model.named_modules()
             if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.training
         ]

@@ -267,8 +267,11 @@ def _call_search_space_hooks(manager, plugin, where):
             continue
         for name, space in returned.items():
             if not isinstance(name, str) or not callable(space):
-                _warn(where, f"{hook_name}() returned the entry {name!r}: {space!r}; a loss name (str) "
-                             "mapped to a callable space(trial) was expected; that entry is skipped")
+                _warn(
+                    where,
+                    f"{hook_name}() returned the entry {name!r}: {space!r}; a loss name (str) "
+                    "mapped to a callable space(trial) was expected; that entry is skipped",
+                )
                 continue
             yield name, space
 

@@ -281,7 +281,8 @@ class _CountedRanks(torch.autograd.Function):
             above[rows] = _above(scores[rows], values[rows], slots.elements[rows]).sum(-1)
         # The rank among positives compares the slots with each other (padding: NaN).
         pairs = (values[:, :, None] < values[:, None, :]) | (
-            (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :]))
+            (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :])
+        )
         among = torch.count_nonzero(pairs, -1)
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
         ctx.save_for_backward(scores, values, above, tied)
@@ -306,8 +307,9 @@ class _CountedRanks(torch.autograd.Function):
         tied = tied | tied_after
         if bool(tied.any()):
             rows = tied.nonzero().squeeze(1)
-            change[rows], own[rows] = _crossings(scores[rows], values[rows], new_values[rows], above[rows],
-                                                 slots.elements[rows], slots.valid[rows])
+            change[rows], own[rows] = _crossings(
+                scores[rows], values[rows], new_values[rows], above[rows], slots.elements[rows], slots.valid[rows]
+            )
         change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
 
@@ -366,7 +368,8 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     shifted = shift_by_margin(scores, positives, margin)
     (sequence, element), ranks, among_positives = blackbox_ranks_of_positives(
-        shifted, positives, lambda_val, loss_scale)
+        shifted, positives, lambda_val, loss_scale
+    )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
@@ -424,10 +427,10 @@ def map_loss(scores, targets, lambda_val=0.5, margin=0.15, apc_weight=1 / 3):
     if not 0 <= apc_weight <= 1:
         raise ValueError(f"map_loss: apc_weight must be in [0, 1], got {apc_weight!r}")
     scale = LossScale()
-    per_class = _ap_loss("map_loss", scores.T, targets.T if torch.is_tensor(targets) else targets,
-                         lambda_val, margin, scale)
-    across_classes = _ap_loss("map_loss", scores.reshape(-1), targets.reshape(-1),
-                              lambda_val, margin, scale)
+    per_class = _ap_loss(
+        "map_loss", scores.T, targets.T if torch.is_tensor(targets) else targets, lambda_val, margin, scale
+    )
+    across_classes = _ap_loss("map_loss", scores.reshape(-1), targets.reshape(-1), lambda_val, margin, scale)
     return scale.attach((1 - apc_weight) * per_class + apc_weight * across_classes)
 
 

@@ -45,9 +45,7 @@ def fake_distribution(tmp_path, monkeypatch):
             written_modules.append(module)
         info = root / f"{dist_name.replace('-', '_')}-0.1.dist-info"
         info.mkdir()
-        info.joinpath("METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n"
-        )
+        info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
         lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
         info.joinpath("entry_points.txt").write_text(f"[pml_rank]\n{lines}")
         importlib.invalidate_caches()

@@ -35,8 +35,9 @@ def run(command, tmp_path, cwd=None):
     out, cache = tmp_path / "out", tmp_path / "cache"
     env = dict(os.environ, PML_RANK_CACHE=str(cache), PYTHONWARNINGS="ignore")
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or tmp_path,
-                          timeout=5 * NO_WORK_SECONDS)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=cwd or tmp_path, timeout=5 * NO_WORK_SECONDS
+    )
     seconds = time.monotonic() - started
     assert not cache.exists(), "the data set was loaded"
     if out.exists():
@@ -93,43 +94,60 @@ def test_bad_argument_is_refused_before_any_work(argv, names, tmp_path):
 def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
     if _cuda_available():
         pytest.skip("this machine has CUDA")
-    status, stderr, seconds = run(_entry_point() + [command, "--device", "cuda", "--out", str(tmp_path / "out")],
-                                  tmp_path)
+    status, stderr, seconds = run(
+        _entry_point() + [command, "--device", "cuda", "--out", str(tmp_path / "out")], tmp_path
+    )
     assert_refused(status, stderr, seconds, "--device", "cuda")
 
 
 def test_an_unknown_device_is_refused(tmp_path):
-    status, stderr, seconds = run(_entry_point() + ["bench", "--device", "gpu0", "--out", str(tmp_path / "out")],
-                                  tmp_path)
+    status, stderr, seconds = run(
+        _entry_point() + ["bench", "--device", "gpu0", "--out", str(tmp_path / "out")], tmp_path
+    )
     assert_refused(status, stderr, seconds, "--device", "gpu0")
 
 
 def test_batch_size_refusal_says_what_each_kind_of_row_needs(tmp_path):
-    status, stderr, seconds = run(_entry_point() + ["bench", "--batch-size", "3", "--out", str(tmp_path / "out")],
-                                  tmp_path)
+    status, stderr, seconds = run(
+        _entry_point() + ["bench", "--batch-size", "3", "--out", str(tmp_path / "out")], tmp_path
+    )
     assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "m=4 rows", "even", "N-pair rows")
 
 
 def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
     # 6 is even: the N-pair rows alone take it (and are refused for their too few classes instead).
-    status, stderr, seconds = run(_entry_point() + ["bench", "pml:NPairsLoss", "--batch-size", "6", "--classes", "2",
-                                                    "--out", str(tmp_path / "out")], tmp_path)
+    status, stderr, seconds = run(
+        _entry_point()
+        + ["bench", "pml:NPairsLoss", "--batch-size", "6", "--classes", "2", "--out", str(tmp_path / "out")],
+        tmp_path,
+    )
     assert_refused(status, stderr, seconds, "--classes")
     assert "--batch-size" not in stderr
-    status, stderr, seconds = run(_entry_point() + ["bench", "pml:NPairsLoss", "pml:TripletMarginLoss",
-                                                    "--batch-size", "6", "--out", str(tmp_path / "out")], tmp_path)
+    status, stderr, seconds = run(
+        _entry_point()
+        + ["bench", "pml:NPairsLoss", "pml:TripletMarginLoss", "--batch-size", "6", "--out", str(tmp_path / "out")],
+        tmp_path,
+    )
     assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "pml:TripletMarginLoss")
 
 
 def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
     batch = budget.DEFAULTS["batch_size"]
-    status, stderr, seconds = run(_entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")],
-                                  tmp_path)
-    assert_refused(status, stderr, seconds, "--classes", f"{budget.minimum_classes(4, batch)} for the m=4 rows",
-                   f"{budget.minimum_classes(2, batch)} for the N-pair rows")
+    status, stderr, seconds = run(
+        _entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path
+    )
+    assert_refused(
+        status,
+        stderr,
+        seconds,
+        "--classes",
+        f"{budget.minimum_classes(4, batch)} for the m=4 rows",
+        f"{budget.minimum_classes(2, batch)} for the N-pair rows",
+    )
     # With the m=4 rows alone, the N-pair minimum is not asked for.
-    status, stderr, seconds = run(_entry_point() + ["bench", "AUCLoss", "--classes", "9", "--out",
-                                                    str(tmp_path / "out")], tmp_path)
+    status, stderr, seconds = run(
+        _entry_point() + ["bench", "AUCLoss", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path
+    )
     assert_refused(status, stderr, seconds, "--classes", str(budget.minimum_classes(4, batch)))
     assert "N-pair" not in stderr
 
@@ -151,8 +169,9 @@ def test_out_that_is_a_file_is_refused_before_any_work(tmp_path):
     a_file = tmp_path / "results.txt"
     a_file.write_text("keep me")
     for out in (a_file, a_file / "below"):
-        status, stderr, seconds = run(_entry_point() + ["bench", "AUCLoss", "--classes", "24", "--out", str(out)],
-                                      tmp_path)
+        status, stderr, seconds = run(
+            _entry_point() + ["bench", "AUCLoss", "--classes", "24", "--out", str(out)], tmp_path
+        )
         assert_refused(status, stderr, seconds, "--out", str(out))
     assert a_file.read_text() == "keep me"
 
@@ -172,8 +191,12 @@ def test_read_only_out_is_refused_before_any_work(tmp_path):
 
 def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
     script = ROOT / "examples" / "auc_cub200.py"
-    cases = [(["--epochs", "0"], ["--epochs"]), (["--batch-size", "3"], ["--batch-size"]),
-             (["--seed", "-2"], ["--seed"]), (["--out", str(tmp_path / "x.txt")], ["--out"])]
+    cases = [
+        (["--epochs", "0"], ["--epochs"]),
+        (["--batch-size", "3"], ["--batch-size"]),
+        (["--seed", "-2"], ["--seed"]),
+        (["--out", str(tmp_path / "x.txt")], ["--out"]),
+    ]
     if not _cuda_available():
         cases.append((["--device", "cuda"], ["--device", "cuda"]))
     (tmp_path / "x.txt").write_text("")
@@ -184,8 +207,9 @@ def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
 
 def test_help_imports_no_torch():
     for argv in (["--help"], ["bench", "--help"], ["speed", "--help"]):
-        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "pml_rank.cli", *argv],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "pml_rank.cli", *argv], capture_output=True, text=True
+        )
         assert done.returncode == 0
         imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()}
         assert "torch" not in imported
@@ -194,8 +218,9 @@ def test_help_imports_no_torch():
 def _options(command):
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [a for a in subparsers.choices[command]._actions
-            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    return [
+        a for a in subparsers.choices[command]._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
 
 
 @pytest.mark.parametrize("command", ["bench", "speed"])

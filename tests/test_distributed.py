@@ -53,8 +53,7 @@ def _free_port():
 
 def _worker(rank, port, names, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     try:
         results = {}
         for name in names:
@@ -90,15 +89,16 @@ def test_two_gloo_processes_equal_one_process_on_the_whole_batch(name, distribut
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the wrapper is not involved here
             loss = single(embeddings, labels)
-        (grad,) = torch.autograd.grad(loss, embeddings) if loss.requires_grad else (
-            torch.zeros_like(embeddings),)
+        (grad,) = torch.autograd.grad(loss, embeddings) if loss.requires_grad else (torch.zeros_like(embeddings),)
         for rank, results in enumerate(distributed_results):
             rank_loss, rank_grad = results[name][step]
             own = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            torch.testing.assert_close(rank_loss, WORLD_SIZE * loss.detach(),
-                                       msg=f"{name}, step {step}, rank {rank}: loss")
-            torch.testing.assert_close(rank_grad, WORLD_SIZE * grad[own],
-                                       msg=f"{name}, step {step}, rank {rank}: gradient")
+            torch.testing.assert_close(
+                rank_loss, WORLD_SIZE * loss.detach(), msg=f"{name}, step {step}, rank {rank}: loss"
+            )
+            torch.testing.assert_close(
+                rank_grad, WORLD_SIZE * grad[own], msg=f"{name}, step {step}, rank {rank}: gradient"
+            )
 
 
 def test_torchrun_example_trains_with_two_processes():
@@ -111,9 +111,21 @@ def test_torchrun_example_trains_with_two_processes():
     script = Path(__file__).parents[1] / "examples" / "distributed_training.py"
     loss = "AUCLoss" if "AUCLoss" in _losses() else "BinomialDevianceLoss"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script), "--loss", loss, "--epochs", "3"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            "--loss",
+            loss,
+            "--epochs",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     losses = [float(v) for v in re.findall(rf"mean {loss} (\S+)", result.stdout)]

@@ -65,7 +65,7 @@ def test_example_loss_trains_inside_pml_metric_loss_only():
         dataset = _clustered_dataset()
         trunk = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
         # Looked up by name in PML's own namespace, as a config-driven pipeline would.
-        loss_func = getattr(pml_losses, "BinomialDevianceLoss")()
+        loss_func = pml_losses.BinomialDevianceLoss()
         before = _mean_loss(trunk, loss_func, dataset)
         trainer = trainers.MetricLossOnly(
             models={"trunk": trunk, "embedder": torch.nn.Identity()},

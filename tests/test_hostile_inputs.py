@@ -17,8 +17,7 @@ CASES_PER_LOSS = 200
 
 def _losses():
     """pml-rank's own losses (third-party plugins make their own promises)."""
-    return sorted(c.name for c in pml_rank.registry.components()
-                  if c.kind == "losses" and c.distribution == "pml-rank")
+    return sorted(c.name for c in pml_rank.registry.components() if c.kind == "losses" and c.distribution == "pml-rank")
 
 
 @st.composite
@@ -37,15 +36,14 @@ def hostile_batches(draw):
     else:
         labels = [i // 2 if i < size // 2 else size + i for i in range(size)]
     seed = draw(st.integers(0, 2**16))
-    embeddings = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed),
-                             dtype=torch.float64)
+    embeddings = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     if draw(st.booleans()):  # ties: duplicated rows
         source = draw(st.lists(st.integers(0, size - 1), min_size=size, max_size=size))
         embeddings = embeddings[source]
     # Huge and tiny norms, within what the dtype can hold.
     exponent = draw(st.integers(-30, 30))
     limit = torch.finfo(dtype)
-    scale = min(max(10.0 ** exponent, limit.tiny * 1e3), limit.max / (10 * dim))
+    scale = min(max(10.0**exponent, limit.tiny * 1e3), limit.max / (10 * dim))
     embeddings = (embeddings * scale).to(dtype)
     poison = draw(st.sampled_from([None, None, None, float("nan"), float("inf")]))
     if poison is not None:
@@ -54,8 +52,9 @@ def hostile_batches(draw):
 
 
 @pytest.mark.parametrize("name", _losses())
-@settings(max_examples=CASES_PER_LOSS, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=CASES_PER_LOSS, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(batch=hostile_batches())
 def test_hostile_batches_give_finite_results_or_a_clear_error(name, batch):
     embeddings, labels, extreme_norms = batch

@@ -20,7 +20,9 @@ DIM_IN, DIM_OUT = 6, 5
 def model(dropout=0.0, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(DIM_IN, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(DIM_IN, 16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
         torch.nn.Linear(16, DIM_OUT),
     ).double()
 
@@ -64,8 +66,11 @@ def assert_same_step(loss_func, chunk_size=5, miner=None, data_and_labels=None):
 @pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
 def test_every_registered_loss_chunked_equals_full_batch(name):
     loss_class = pml_rank.registry.losses()[name]
-    required = [p.name for p in inspect.signature(loss_class).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [
+        p.name
+        for p in inspect.signature(loss_class).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     if required:
         pytest.skip(f"{name}() needs arguments: {', '.join(required)}")
     assert_same_step(loss_class())
@@ -93,7 +98,7 @@ def test_dropout_sees_the_same_random_numbers_in_both_passes():
     # The same chunks embedded with a graph, in the same order, from the same seed.
     net = model(dropout=0.5)
     torch.manual_seed(123)
-    embeddings = torch.cat([net(data[i:i + 8]) for i in range(0, 24, 8)])
+    embeddings = torch.cat([net(data[i : i + 8]) for i in range(0, 24, 8)])
     expected = FastAPLoss()(embeddings, labels)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
@@ -156,9 +161,15 @@ def test_trainer_warns_about_batchnorm_in_training_mode():
     trunk = torch.nn.Sequential(torch.nn.Linear(DIM_IN, 8), torch.nn.BatchNorm1d(8)).double()
     dataset = torch.utils.data.TensorDataset(data, labels)
     trainer = LargeBatchMetricLossOnly(
-        models={"trunk": trunk}, optimizers={}, batch_size=16,
-        loss_funcs={"metric_loss": FastAPLoss()}, dataset=dataset, iterations_per_epoch=1,
-        data_device=torch.device("cpu"), dtype=torch.float64, dataloader_num_workers=0,
+        models={"trunk": trunk},
+        optimizers={},
+        batch_size=16,
+        loss_funcs={"metric_loss": FastAPLoss()},
+        dataset=dataset,
+        iterations_per_epoch=1,
+        data_device=torch.device("cpu"),
+        dtype=torch.float64,
+        dataloader_num_workers=0,
         chunk_size=4,
     )
     with pytest.warns(UserWarning, match=r"BatchNorm layers in training mode \(trunk.1\)"):

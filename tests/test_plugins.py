@@ -75,8 +75,7 @@ def test_list_command_shows_every_component_kind_and_distribution(capsys):
 
 def test_console_script_is_installed():
     bin_dir = __import__("pathlib").Path(sys.executable).parent
-    result = subprocess.run([bin_dir / "pml-rank", "list"], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run([bin_dir / "pml-rank", "list"], capture_output=True, text=True, check=True)
     assert EXAMPLE in result.stdout and "pml-rank-example" in result.stdout
 
 
@@ -96,8 +95,7 @@ def test_install_exposes_components_in_pml_namespaces(uninstall):
 
 def test_install_never_replaces_a_name_pml_defines(fake_distribution, uninstall):
     original = pml_losses.TripletMarginLoss
-    fake_distribution("acme-clash", {"acme_clash": GOOD_LOSS.format(name="TripletMarginLoss")},
-                      {"clash": "acme_clash"})
+    fake_distribution("acme-clash", {"acme_clash": GOOD_LOSS.format(name="TripletMarginLoss")}, {"clash": "acme_clash"})
     with pytest.warns(NameClashWarning, match=r"TripletMarginLoss.*acme-clash"):
         report = pml_rank.install()
     uninstall.extend(report["installed"])
@@ -110,7 +108,10 @@ def test_install_never_replaces_a_name_pml_defines(fake_distribution, uninstall)
 
 
 def test_third_party_miner_and_sampler_are_registered_and_installed(fake_distribution, uninstall):
-    fake_distribution("acme-mining", {"acme_mining": """
+    fake_distribution(
+        "acme-mining",
+        {
+            "acme_mining": """
         import pml_rank, torch
         from pytorch_metric_learning.miners import BatchHardMiner
 
@@ -128,7 +129,10 @@ def test_third_party_miner_and_sampler_are_registered_and_installed(fake_distrib
         @pml_rank.hookimpl
         def pml_rank_samplers():
             return [AcmeSampler]
-    """}, {"mining": "acme_mining"})
+    """
+        },
+        {"mining": "acme_mining"},
+    )
     import acme_mining
 
     assert pml_rank.registry.miners()["AcmeMiner"] is acme_mining.AcmeMiner
@@ -192,8 +196,7 @@ def test_misspelled_hook_warns(fake_distribution):
 def test_two_plugins_registering_one_name_is_an_error_naming_both(fake_distribution):
     fake_distribution("acme-one", {"acme_one": GOOD_LOSS.format(name="SameLoss")}, {"one": "acme_one"})
     with pytest.raises(PluginConflictError, match=r"SameLoss.*acme-(one|two).*acme-(one|two)") as info:
-        fake_distribution("acme-two", {"acme_two": GOOD_LOSS.format(name="SameLoss")},
-                          {"two": "acme_two"})
+        fake_distribution("acme-two", {"acme_two": GOOD_LOSS.format(name="SameLoss")}, {"two": "acme_two"})
     assert "acme-one" in str(info.value) and "acme-two" in str(info.value)
 
 
@@ -237,11 +240,14 @@ def test_builtin_and_example_plugin_declare_search_spaces():
     ],
 )
 def test_search_space_hook_returning_garbage_warns_naming_the_distribution(fake_distribution, body, problem):
-    source = GOOD_LOSS.format(name="GoodLoss") + f"""
+    source = (
+        GOOD_LOSS.format(name="GoodLoss")
+        + f"""
     @pml_rank.hookimpl
     def pml_rank_search_spaces():
         {body}
     """
+    )
     with pytest.warns(PluginWarning, match=rf"'acme-spaces'.*'spaces = acme_spaces'.*{problem}"):
         fake_distribution("acme-spaces", {"acme_spaces": source}, {"spaces": "acme_spaces"})
     assert "GoodLoss" in pml_rank.registry.losses()

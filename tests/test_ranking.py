@@ -26,8 +26,10 @@ def grad_of(fn, x):
 def tie_broken_ranks(scores):
     """Eq. 2 with ties broken by position, written as loops."""
     flat = scores.reshape(-1, scores.shape[-1]).tolist()
-    ranks = [[1 + sum(y > row[i] or (y == row[i] and j < i) for j, y in enumerate(row))
-              for i in range(len(row))] for row in flat]
+    ranks = [
+        [1 + sum(y > row[i] or (y == row[i] and j < i) for j, y in enumerate(row)) for i in range(len(row))]
+        for row in flat
+    ]
     return torch.tensor(ranks).view(scores.shape)
 
 
@@ -119,16 +121,19 @@ def test_map_loss_defaults_are_the_papers_detection_values():
     scores = seeded(16, 4)
     targets = targets_like(scores, 0.3)
     assert ranking.map_loss(scores, targets).item() == pytest.approx(
-        reference.map_loss(scores, targets, 0.5, 0.15, 1 / 3).item())
+        reference.map_loss(scores, targets, 0.5, 0.15, 1 / 3).item()
+    )
 
 
 def test_apc_loss_ranks_all_scores_as_one_sequence():
     scores = seeded(10, 5)
     targets = targets_like(scores, 0.3)
     assert ranking.apc_loss(scores, targets).item() == pytest.approx(
-        ranking.average_precision_loss(scores.reshape(-1), targets.reshape(-1)).item())
+        ranking.average_precision_loss(scores.reshape(-1), targets.reshape(-1)).item()
+    )
     assert ranking.map_loss(scores, targets, apc_weight=1.0).item() == pytest.approx(
-        ranking.apc_loss(scores, targets).item())
+        ranking.apc_loss(scores, targets).item()
+    )
 
 
 def test_no_positive_gives_zero_loss_and_zero_gradient():
@@ -137,6 +142,7 @@ def test_no_positive_gives_zero_loss_and_zero_gradient():
 
 
 # Scale of the incoming gradient.
+
 
 @pytest.mark.parametrize("k", [0.5, 3.0])
 def test_algorithm_1_turns_a_loss_factor_into_a_lambda_factor(k):
@@ -173,6 +179,7 @@ def test_blackbox_rank_without_loss_scale_is_plain_algorithm_1():
 
 # Bad input.
 
+
 @pytest.mark.parametrize("lambda_val", [0, -1.0, float("inf"), float("nan")])
 def test_bad_lambda_is_rejected(lambda_val):
     with pytest.raises(ValueError, match="blackbox_rank: lambda_val must be a finite number > 0"):
@@ -187,7 +194,9 @@ def test_integer_scores_are_rejected():
 def test_non_finite_scores_are_rejected_naming_the_loss():
     scores = seeded(10)
     scores[3] = float("nan")
-    with pytest.raises(ValueError, match=r"average_precision_loss: scores contains 1 NaN/Inf value\(s\), first at index \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"average_precision_loss: scores contains 1 NaN/Inf value\(s\), first at index \(3,\)"
+    ):
         ranking.average_precision_loss(scores, targets_like(scores))
 
 

@@ -23,8 +23,9 @@ def _fresh_run(data, labels):
     model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = {"rambo": RaMBORecallLoss(memory_size=2), "npairs": NPairsMCLoss()}
-    sampler = HardNegativeClassSampler(labels, CLASSES_PER_BATCH, candidate_classes=12,
-                                       batches_per_epoch=BATCHES_PER_EPOCH, seed=3)
+    sampler = HardNegativeClassSampler(
+        labels, CLASSES_PER_BATCH, candidate_classes=12, batches_per_epoch=BATCHES_PER_EPOCH, seed=3
+    )
     sampler.attach(model, torch.utils.data.TensorDataset(data, labels))
     return model, optimizer, losses, sampler
 
@@ -35,7 +36,7 @@ def _train(run, data, labels, epochs):
     for _ in range(epochs):
         indices = list(sampler)
         for start in range(0, len(indices), 2 * CLASSES_PER_BATCH):
-            batch = torch.tensor(indices[start:start + 2 * CLASSES_PER_BATCH])
+            batch = torch.tensor(indices[start : start + 2 * CLASSES_PER_BATCH])
             embeddings = model(data[batch])
             values = {name: loss(embeddings, labels[batch]) for name, loss in losses.items()}
             optimizer.zero_grad()
@@ -47,9 +48,12 @@ def _train(run, data, labels, epochs):
 
 def _checkpoint(run):
     model, optimizer, losses, sampler = run
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "losses": {name: loss.state_dict() for name, loss in losses.items()},
-            "sampler": sampler.state_dict()}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "losses": {name: loss.state_dict() for name, loss in losses.items()},
+        "sampler": sampler.state_dict(),
+    }
 
 
 def _restore(run, checkpoint):

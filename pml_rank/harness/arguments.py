@@ -76,11 +76,13 @@ def device(text):
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(
-                f"{text!r}: torch {torch.__version__} sees no CUDA device on this machine; use cpu")
+                f"{text!r}: torch {torch.__version__} sees no CUDA device on this machine; use cpu"
+            )
         count = torch.cuda.device_count()
         if parsed.index is not None and parsed.index >= count:
-            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to "
-                                             f"cuda:{count - 1}")
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
         return name
     if parsed.type == "mps":
         mps = getattr(torch.backends, "mps", None)

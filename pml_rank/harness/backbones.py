@@ -47,8 +47,13 @@ BACKBONES = {
     for b in (
         Backbone("resnet50", "resnet50", "ResNet50_Weights.IMAGENET1K_V1", 2048),
         Backbone("googlenet", "googlenet", "GoogLeNet_Weights.IMAGENET1K_V1", 1024),
-        Backbone("bn-inception", "googlenet", "GoogLeNet_Weights.IMAGENET1K_V1", 1024,
-                 note="torchvision has no BN-Inception; GoogLeNet with BatchNorm stands in"),
+        Backbone(
+            "bn-inception",
+            "googlenet",
+            "GoogLeNet_Weights.IMAGENET1K_V1",
+            1024,
+            note="torchvision has no BN-Inception; GoogLeNet with BatchNorm stands in",
+        ),
     )
 }
 
@@ -101,9 +106,13 @@ class TinyTrunk(torch.nn.Sequential):
 
     def __init__(self):
         super().__init__(
-            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
-            torch.nn.Conv2d(16, self.features, 3, stride=2, padding=1), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(16),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, self.features, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
         )
 
 

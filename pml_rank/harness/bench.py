@@ -35,7 +35,6 @@ RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
 
 
-
 def m_per_class(m):
     """Sampler factory: PML's `MPerClassSampler`, `m` samples of each class per batch."""
 
@@ -48,8 +47,9 @@ def m_per_class(m):
 def hard_negative_classes(train_set, batch_size, model, device, iterations_per_epoch, seed, **_):
     """N-pair batches (N classes x 2) by hard negative class mining with the network being
     trained (`pml_rank.samplers.HardNegativeClassSampler`)."""
-    sampler = HardNegativeClassSampler(train_set.labels, classes_per_batch=batch_size // 2,
-                            batches_per_epoch=iterations_per_epoch, seed=seed)
+    sampler = HardNegativeClassSampler(
+        train_set.labels, classes_per_batch=batch_size // 2, batches_per_epoch=iterations_per_epoch, seed=seed
+    )
     sampler.attach(model, train_set, device=device)
     return sampler
 
@@ -65,10 +65,12 @@ def batch_hard_miner():
 PAPER_RECIPES = {
     "AUCLoss": dict(make_miner=batch_hard_miner, batches="m=4 per class, BatchHardMiner", per_class=4),
     "FastAPLoss": dict(batches="m=4 per class", per_class=4),
-    "NPairsMCLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
-                         per_class=2),
-    "NPairsOVOLoss": dict(make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes",
-                          per_class=2),
+    "NPairsMCLoss": dict(
+        make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes", per_class=2
+    ),
+    "NPairsOVOLoss": dict(
+        make_sampler=hard_negative_classes, batches="N classes x 2, hard negative classes", per_class=2
+    ),
     "RaMBOAPLoss": dict(batches="m=4 per class, score memory", per_class=4),
     "RaMBORecallLoss": dict(batches="m=4 per class, score memory", per_class=4),
 }
@@ -144,20 +146,27 @@ def check_budget(contenders, batch_size, num_classes=None, num_folds=None):
     num_folds = num_folds or DEFAULTS["num_folds"]
     groups = _rows_by_per_class(contenders)
     if any(batch_size % m or batch_size < 2 * m for m in groups):
-        needs = [f"{'even' if m == 2 else f'a multiple of {m}'} and at least {2 * m} for {_group_name(m)} "
-                 f"({', '.join(names)})" for m, names in groups.items()]
-        raise BudgetError("--batch-size", f"{batch_size} does not fit the chosen rows: it must be "
-                                          f"{'; '.join(needs)}")
+        needs = [
+            f"{'even' if m == 2 else f'a multiple of {m}'} and at least {2 * m} for {_group_name(m)} "
+            f"({', '.join(names)})"
+            for m, names in groups.items()
+        ]
+        raise BudgetError("--batch-size", f"{batch_size} does not fit the chosen rows: it must be {'; '.join(needs)}")
     if num_classes is None:
         return
     minimum = {m: minimum_classes(m, batch_size, num_folds) for m in groups}
     if groups and num_classes < max(minimum.values()):
-        needs = [f"{minimum[m]} for {_group_name(m)} ({', '.join(names)}), {batch_size // m} classes per batch"
-                 for m, names in groups.items()]
-        raise BudgetError("--classes", f"{num_classes} classes are too few at batch size {batch_size}: half of "
-                                       f"the classes are for training and each of the {num_folds} fold models "
-                                       f"trains on {fold_training_classes(num_classes, num_folds)} of them; "
-                                       f"the minimum is {'; '.join(needs)}")
+        needs = [
+            f"{minimum[m]} for {_group_name(m)} ({', '.join(names)}), {batch_size // m} classes per batch"
+            for m, names in groups.items()
+        ]
+        raise BudgetError(
+            "--classes",
+            f"{num_classes} classes are too few at batch size {batch_size}: half of "
+            f"the classes are for training and each of the {num_folds} fold models "
+            f"trains on {fold_training_classes(num_classes, num_folds)} of them; "
+            f"the minimum is {'; '.join(needs)}",
+        )
 
 
 @dataclasses.dataclass
@@ -189,8 +198,17 @@ class StoreMismatchError(RuntimeError):
 
 STORE_FILE = "bench-runs.jsonl"
 # What defines comparable runs; the seeds and the rows may grow from one run to the next.
-STORE_KEYS = ("dataset", "epochs", "iterations_per_epoch", "batch_size", "embedding_size", "lr", "num_folds",
-              "device", "num_classes")
+STORE_KEYS = (
+    "dataset",
+    "epochs",
+    "iterations_per_epoch",
+    "batch_size",
+    "embedding_size",
+    "lr",
+    "num_folds",
+    "device",
+    "num_classes",
+)
 
 
 def _digest(value):
@@ -219,19 +237,30 @@ class RunStore:
                     continue  # a line cut short by a crash: that run simply runs again
                 if record.get("config_key") != self.key:
                     theirs = record.get("budget", {})
-                    diff = ", ".join(f"{k} {theirs.get(k)!r} there, {self.budget[k]!r} now" for k in STORE_KEYS
-                                     if theirs.get(k) != self.budget[k])
+                    diff = ", ".join(
+                        f"{k} {theirs.get(k)!r} there, {self.budget[k]!r} now"
+                        for k in STORE_KEYS
+                        if theirs.get(k) != self.budget[k]
+                    )
                     raise StoreMismatchError(
                         f"{self.path} holds bench runs of another configuration ({diff or 'different key'}); "
-                        "it is never overwritten: choose another --out, or delete that file to start afresh")
+                        "it is never overwritten: choose another --out, or delete that file to start afresh"
+                    )
                 self.runs[(record["row"], record["params_key"], record["seed"])] = record
 
     def get(self, row, params, seed):
         return self.runs.get((row, _digest(params), seed))
 
     def add(self, row, params, seed, outcome):
-        record = {"config_key": self.key, "budget": self.budget, "row": row, "params_key": _digest(params),
-                  "params": params, "seed": seed, **outcome}
+        record = {
+            "config_key": self.key,
+            "budget": self.budget,
+            "row": row,
+            "params_key": _digest(params),
+            "params": params,
+            "seed": seed,
+            **outcome,
+        }
         self.runs[(row, record["params_key"], seed)] = record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as file:
@@ -257,8 +286,11 @@ def tuned_budget_differences(path, config):
 def load_params(path):
     """``{row: constructor keywords}`` from a tuned file (`pml-rank tune`'s tuned.json)."""
     payload = json.loads(Path(path).read_text())
-    return {row: dict(entry["params"]) for row, entry in payload.items()
-            if not row.startswith("_") and isinstance(entry, dict) and "params" in entry}
+    return {
+        row: dict(entry["params"])
+        for row, entry in payload.items()
+        if not row.startswith("_") and isinstance(entry, dict) and "params" in entry
+    }
 
 
 # What a worker process needs besides the job: its data set is loaded once per process.
@@ -298,17 +330,46 @@ def run_job(job):
                 counter.value += 1
 
     started = time.perf_counter()
-    result = run_protocol(data, recipe, make_trunk, seed=seed, epochs=epochs, num_folds=config["num_folds"],
-                          batch_size=config["batch_size"], iterations_per_epoch=config["iterations_per_epoch"],
-                          lr=config["lr"], device=config["device"], on_iteration=on_iteration)
-    return {"run": {"concatenated": result.concatenated, "separated": result.separated},
-            "histories": result.histories, "seconds": time.perf_counter() - started}
+    result = run_protocol(
+        data,
+        recipe,
+        make_trunk,
+        seed=seed,
+        epochs=epochs,
+        num_folds=config["num_folds"],
+        batch_size=config["batch_size"],
+        iterations_per_epoch=config["iterations_per_epoch"],
+        lr=config["lr"],
+        device=config["device"],
+        on_iteration=on_iteration,
+    )
+    return {
+        "run": {"concatenated": result.concatenated, "separated": result.separated},
+        "histories": result.histories,
+        "seconds": time.perf_counter() - started,
+    }
 
 
-def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=None, batch_size=None,
-              seeds=None, embedding_size=None, lr=None, num_folds=None, device=None, cache_dir=None,
-              num_classes=None, threads=None, progress=True, params=None, params_source=None, workers=1,
-              store=None):
+def run_bench(
+    losses=None,
+    dataset="glyphs",
+    epochs=None,
+    iterations_per_epoch=None,
+    batch_size=None,
+    seeds=None,
+    embedding_size=None,
+    lr=None,
+    num_folds=None,
+    device=None,
+    cache_dir=None,
+    num_classes=None,
+    threads=None,
+    progress=True,
+    params=None,
+    params_source=None,
+    workers=1,
+    store=None,
+):
     """Runs every contender (`recipes(losses)`) plus the raw input and untrained rows
     with the same budget; returns a `BenchResult`. Arguments left at None take
     `DEFAULTS`. `seeds` is the number of repeated runs (seeds 0, 1, ...). `threads` sets
@@ -324,9 +385,17 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch,
-                 batch_size=batch_size, seeds=seeds, embedding_size=embedding_size, lr=lr,
-                 num_folds=num_folds, device=device)
+    given = dict(
+        dataset=dataset,
+        epochs=epochs,
+        iterations_per_epoch=iterations_per_epoch,
+        batch_size=batch_size,
+        seeds=seeds,
+        embedding_size=embedding_size,
+        lr=lr,
+        num_folds=num_folds,
+        device=device,
+    )
     config = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
     config["num_classes"] = num_classes
     if config["dataset"] not in DATASETS:
@@ -356,8 +425,13 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
 
     t = time.perf_counter()
     raw = raw_input_accuracy(data)
-    outcomes = {(RAW_INPUT, 0): {"run": {"concatenated": raw, "separated": raw}, "histories": [],
-                                 "seconds": time.perf_counter() - t}}
+    outcomes = {
+        (RAW_INPUT, 0): {
+            "run": {"concatenated": raw, "separated": raw},
+            "histories": [],
+            "seconds": time.perf_counter() - t,
+        }
+    }
     jobs, resumed = [], 0
     for row in rows[1:]:
         for seed in seed_list:
@@ -370,8 +444,7 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
 
     per_job = config["num_folds"] * config["epochs"] * config["iterations_per_epoch"]
     total = sum(per_job for job in jobs if job["row"] != UNTRAINED)
-    bar = tqdm(total=total, desc="pml-rank bench", unit="it", disable=not progress, dynamic_ncols=True,
-               mininterval=1.0)
+    bar = tqdm(total=total, desc="pml-rank bench", unit="it", disable=not progress, dynamic_ncols=True, mininterval=1.0)
     context = multiprocessing.get_context("spawn")
     counter = context.Value("q", 0)
 
@@ -388,8 +461,9 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
                 bar.set_postfix_str(f"{job['row']} seed {job['seed']}")
                 finish(job, run_job(job))
         elif jobs:
-            with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                     initargs=(counter, config["threads"])) as pool:
+            with ProcessPoolExecutor(
+                workers, mp_context=context, initializer=_init_worker, initargs=(counter, config["threads"])
+            ) as pool:
                 pending = {pool.submit(run_job, job): job for job in jobs}
                 while pending:
                     done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -409,8 +483,9 @@ def run_bench(losses=None, dataset="glyphs", epochs=None, iterations_per_epoch=N
         runs[row] = [o["run"] for o in found]
         histories[row] = [o["histories"] for o in found] if row != RAW_INPUT else []
         seconds[row] = sum(o["seconds"] for o in found)
-    return BenchResult(config, rows, runs, histories, seconds, batches, time.perf_counter() - started,
-                       row_params, sources, resumed)
+    return BenchResult(
+        config, rows, runs, histories, seconds, batches, time.perf_counter() - started, row_params, sources, resumed
+    )
 
 
 def _cell(mean, half_width):
@@ -422,24 +497,41 @@ def _cell(mean, half_width):
 def format_table(result):
     """The accuracy table as text, in percent: mean ± 95% CI half width over seeds."""
     summary = result.summary()
-    header = ["", *[f"concat {SHORT_NAMES[m]}" for m in METRICS], *[f"sep {SHORT_NAMES[m]}" for m in METRICS],
-              "seconds", "parameters"]
+    header = [
+        "",
+        *[f"concat {SHORT_NAMES[m]}" for m in METRICS],
+        *[f"sep {SHORT_NAMES[m]}" for m in METRICS],
+        "seconds",
+        "parameters",
+    ]
     lines = [header]
     for row in result.rows:
         s = summary[row]
-        lines.append([row, *[_cell(*s["concatenated"][m]) for m in METRICS],
-                      *[_cell(*s["separated"][m]) for m in METRICS], f"{result.seconds[row]:.0f}",
-                      describe_params(result, row)])
+        lines.append(
+            [
+                row,
+                *[_cell(*s["concatenated"][m]) for m in METRICS],
+                *[_cell(*s["separated"][m]) for m in METRICS],
+                f"{result.seconds[row]:.0f}",
+                describe_params(result, row),
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     last = len(header) - 1
-    text = ["  ".join(cell.ljust(w) if i in (0, last) else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
+    text = [
+        "  ".join(
+            cell.ljust(w) if i in (0, last) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))
+        ).rstrip()
+        for line in lines
+    ]
     c = result.config
-    title = (f"Reality Check protocol on {c['dataset']}: {c['num_folds']}-fold CV over the first half of the "
-             f"classes, test on the second half; {c['seeds']} seed(s), {c['epochs']} epochs x "
-             f"{c['iterations_per_epoch']} iterations, batch {c['batch_size']}, embeddings "
-             f"{c['embedding_size']} (concatenated: {c['num_folds'] * c['embedding_size']}). "
-             f"Percent, mean ± 95% CI; {result.total_seconds:.0f} s in all.")
+    title = (
+        f"Reality Check protocol on {c['dataset']}: {c['num_folds']}-fold CV over the first half of the "
+        f"classes, test on the second half; {c['seeds']} seed(s), {c['epochs']} epochs x "
+        f"{c['iterations_per_epoch']} iterations, batch {c['batch_size']}, embeddings "
+        f"{c['embedding_size']} (concatenated: {c['num_folds'] * c['embedding_size']}). "
+        f"Percent, mean ± 95% CI; {result.total_seconds:.0f} s in all."
+    )
     return "\n".join([title, *text])
 
 
@@ -448,8 +540,9 @@ def describe_params(result, row):
     source = result.sources.get(row, "")
     if not source:
         return ""
-    values = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in result.params.get(row, {}).items())
+    values = ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.params.get(row, {}).items()
+    )
     return f"{source}: {values}" if values else source
 
 
@@ -463,8 +556,14 @@ def write_csv(result, path):
     lines = [",".join(columns)]
     for row in result.rows:
         params = json.dumps(result.params.get(row, {}), sort_keys=True) if result.sources.get(row) else ""
-        cells = [row, result.batches[row], result.sources.get(row, ""), params, str(len(result.runs[row])),
-                 f"{result.seconds[row]:.1f}"]
+        cells = [
+            row,
+            result.batches[row],
+            result.sources.get(row, ""),
+            params,
+            str(len(result.runs[row])),
+            f"{result.seconds[row]:.1f}",
+        ]
         for kind in ("concatenated", "separated"):
             for m in METRICS:
                 mean, ci = summary[row][kind][m]
@@ -484,13 +583,23 @@ def write_json(result, path):
         return {"mean": mean, "ci95": None if np.isnan(ci) else ci}
 
     payload = {
-        "config": result.config, "total_seconds": result.total_seconds,
-        "rows": [{"row": row, "batches": result.batches[row], "seconds": result.seconds[row],
-                  "params_source": result.sources.get(row, ""), "params": result.params.get(row, {}),
-                  "summary": {kind: {m: pair(summary[row][kind][m]) for m in METRICS}
-                              for kind in ("concatenated", "separated")},
-                  "runs": result.runs[row], "histories": result.histories[row]}
-                 for row in result.rows],
+        "config": result.config,
+        "total_seconds": result.total_seconds,
+        "rows": [
+            {
+                "row": row,
+                "batches": result.batches[row],
+                "seconds": result.seconds[row],
+                "params_source": result.sources.get(row, ""),
+                "params": result.params.get(row, {}),
+                "summary": {
+                    kind: {m: pair(summary[row][kind][m]) for m in METRICS} for kind in ("concatenated", "separated")
+                },
+                "runs": result.runs[row],
+                "histories": result.histories[row],
+            }
+            for row in result.rows
+        ],
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -542,15 +651,25 @@ def bench_figure(result):
     for offset, kind, color in ((-0.2, "concatenated", "tab:blue"), (0.2, "separated", "tab:orange")):
         means = np.array([100 * summary[r][kind][metric][0] for r in result.rows])
         cis = np.array([100 * summary[r][kind][metric][1] for r in result.rows])
-        label = (f"{kind} ({c['num_folds']}x{c['embedding_size']}-dim)" if kind == "concatenated"
-                 else f"{kind} ({c['embedding_size']}-dim, mean)")
+        label = (
+            f"{kind} ({c['num_folds']}x{c['embedding_size']}-dim)"
+            if kind == "concatenated"
+            else f"{kind} ({c['embedding_size']}-dim, mean)"
+        )
         bars.barh(y + offset, means, height=0.4, color=color, label=label)
         has_ci = ~np.isnan(cis)
         no_ci += [r for r, ok in zip(result.rows, has_ci) if not ok and r not in no_ci]
         if has_ci.any():  # no error bar at all where there is no interval (one run): never a ±0
             any_ci = True
-            bars.errorbar(means[has_ci], (y + offset)[has_ci], xerr=cis[has_ci], fmt="none", ecolor="black",
-                          capsize=3, linewidth=1)
+            bars.errorbar(
+                means[has_ci],
+                (y + offset)[has_ci],
+                xerr=cis[has_ci],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+                linewidth=1,
+            )
     bars.set_yticks(y, result.rows)
     bars.invert_yaxis()
     bars.set_xlabel("MAP@R on held-out classes (%)")
@@ -574,16 +693,18 @@ def bench_figure(result):
         if values and values[0] != 0:
             loss.plot(epochs, [v / values[0] for v in values], **style)
     for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "-.")):
-        val.axhline(100 * summary[row]["separated"][metric][0], color="gray", linestyle=style,
-                    label=f"{row} (test classes)")
+        val.axhline(
+            100 * summary[row]["separated"][metric][0], color="gray", linestyle=style, label=f"{row} (test classes)"
+        )
     val.set(xlabel="epoch", ylabel="validation MAP@R (%)", title="validation fold (held-out training classes)")
     loss.set(xlabel="epoch", ylabel="training loss / first epoch's", title="training loss, relative")
     for ax in (val, loss):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     # One legend for both curve panels, right of them, off the data.
-    loss.legend(*val.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8,
-                borderaxespad=0)
+    loss.legend(
+        *val.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, borderaxespad=0
+    )
     fig.tight_layout()
     return fig
 
@@ -605,5 +726,8 @@ def write_png(result, path):
 def write_all(result, folder):
     """Writes ``bench.csv``, ``bench.json`` and ``bench.png`` into `folder`; returns the paths."""
     folder = Path(folder)
-    return [write_csv(result, folder / "bench.csv"), write_json(result, folder / "bench.json"),
-            write_png(result, folder / "bench.png")]
+    return [
+        write_csv(result, folder / "bench.csv"),
+        write_json(result, folder / "bench.json"),
+        write_png(result, folder / "bench.png"),
+    ]

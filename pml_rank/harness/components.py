@@ -17,13 +17,14 @@ def component_class(kind, name):
     """The class `name` of `kind` ("losses", "miners" or "samplers")."""
     if name.startswith(PML_PREFIX):
         module = importlib.import_module(f"pytorch_metric_learning.{kind}")
-        cls = getattr(module, name[len(PML_PREFIX):], None)
+        cls = getattr(module, name[len(PML_PREFIX) :], None)
         if cls is None:
-            raise MissingComponentError(f"pytorch_metric_learning.{kind} has no {name[len(PML_PREFIX):]}")
+            raise MissingComponentError(f"pytorch_metric_learning.{kind} has no {name[len(PML_PREFIX) :]}")
         return cls
     found = getattr(registry, kind)()
     if name not in found:
         raise MissingComponentError(
             f"{name} is not registered ({kind}: {', '.join(sorted(found)) or 'none'}); "
-            f"`pml-rank list` shows what is installed, and {PML_PREFIX}<Name> names PML's own.")
+            f"`pml-rank list` shows what is installed, and {PML_PREFIX}<Name> names PML's own."
+        )
     return found[name]

@@ -20,19 +20,28 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torchvision import transforms
 from tqdm import tqdm
 
 from . import arguments, outputs
-from .bench import hard_negative_classes, m_per_class
-from .text_table import format_text_table
-from .components import MissingComponentError, component_class
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
+from .bench import hard_negative_classes, m_per_class
+from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
-from .evaluation import METRICS, SHORT_NAMES, Recipe, accuracy, class_disjoint_split, compute_embeddings, run_protocol, summarize, train_model
+from .evaluation import (
+    METRICS,
+    SHORT_NAMES,
+    Recipe,
+    accuracy,
+    class_disjoint_split,
+    compute_embeddings,
+    run_protocol,
+    summarize,
+    train_model,
+)
+from .text_table import format_text_table
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -96,10 +105,10 @@ class Run:
     label: str
     loss: str = ""
     loss_kwargs: dict = dataclasses.field(default_factory=dict)
-    miner: Optional[str] = None
+    miner: str | None = None
     miner_kwargs: dict = dataclasses.field(default_factory=dict)
     sampler: str = "m_per_class"
-    paper_row: Optional[str] = None
+    paper_row: str | None = None
     untrained: bool = False  # the "Pretrained" row: no training at all
 
 
@@ -121,9 +130,9 @@ class Setup:
     augmentation: str = "crop-flip"  # or "random-resized-crop" (Reality Check)
     embedder_lr_factor: float = 1.0
     weight_decay: float = 0.0
-    lr_drop: Optional[tuple] = None  # (after this epoch, multiply the learning rate by)
+    lr_drop: tuple | None = None  # (after this epoch, multiply the learning rate by)
     freeze_batchnorm: bool = False
-    patience: Optional[int] = None  # Reality Check: stop a fold after this many epochs without progress
+    patience: int | None = None  # Reality Check: stop a fold after this many epochs without progress
     repeats: int = 1  # Reality Check: repeated runs for the confidence interval
     notes: str = ""
 
@@ -140,8 +149,18 @@ class Variant:
 
 
 # Settings of --smoke: the tiny layouts, a tiny random-init CNN, one iteration.
-SMOKE_SETUP = dict(backbone="tiny", embedding_size=16, image_size=16, resize=18, batch_size=8,
-                   samples_per_class=4, epochs=1, repeats=1, patience=None, lr=0.01)
+SMOKE_SETUP = dict(
+    backbone="tiny",
+    embedding_size=16,
+    image_size=16,
+    resize=18,
+    batch_size=8,
+    samples_per_class=4,
+    epochs=1,
+    repeats=1,
+    patience=None,
+    lr=0.01,
+)
 SMOKE_ITERATIONS = 1
 
 
@@ -150,38 +169,65 @@ class Script:
     name: str
     title: str
     variants: dict  # {dataset name: Variant}, the first is the default
-    smoke_rows: Optional[tuple] = None  # rows --smoke runs (default: all), to keep it to seconds
+    smoke_rows: tuple | None = None  # rows --smoke runs (default: all), to keep it to seconds
 
     # ---- the command line
 
     def parser(self):
         p = arguments.ArgumentParser(prog=f"{self.name}.py", description=self.title)
-        p.add_argument("--dataset", choices=list(self.variants), default=next(iter(self.variants)),
-                       help="which table (data set) to reproduce (default: %(default)s)")
-        p.add_argument("--data-root", help="folder holding the data sets, one folder each (README: "
-                       "Real data sets); with --smoke, default: tiny generated copies")
-        p.add_argument("--smoke", action="store_true",
-                       help="seconds-long check of the whole pipeline: tiny copies of the data "
-                       "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing")
-        p.add_argument("--epochs", type=arguments.positive_int,
-                       help="override the paper's number of epochs, >= 1")
-        p.add_argument("--batch-size", type=arguments.positive_int,
-                       help="override the paper's batch size; a multiple of the setup's samples per class")
-        p.add_argument("--image-size", type=arguments.positive_int,
-                       help="override the training crop / test centre crop (the images are first "
-                       "resized to 256/224 of it)")
-        p.add_argument("--repeats", type=arguments.positive_int,
-                       help="Reality Check: repeated runs for the confidence interval, >= 1")
+        p.add_argument(
+            "--dataset",
+            choices=list(self.variants),
+            default=next(iter(self.variants)),
+            help="which table (data set) to reproduce (default: %(default)s)",
+        )
+        p.add_argument(
+            "--data-root",
+            help="folder holding the data sets, one folder each (README: "
+            "Real data sets); with --smoke, default: tiny generated copies",
+        )
+        p.add_argument(
+            "--smoke",
+            action="store_true",
+            help="seconds-long check of the whole pipeline: tiny copies of the data "
+            "layouts, a tiny random-init CNN, one iteration; the numbers mean nothing",
+        )
+        p.add_argument("--epochs", type=arguments.positive_int, help="override the paper's number of epochs, >= 1")
+        p.add_argument(
+            "--batch-size",
+            type=arguments.positive_int,
+            help="override the paper's batch size; a multiple of the setup's samples per class",
+        )
+        p.add_argument(
+            "--image-size",
+            type=arguments.positive_int,
+            help="override the training crop / test centre crop (the images are first resized to 256/224 of it)",
+        )
+        p.add_argument(
+            "--repeats",
+            type=arguments.positive_int,
+            help="Reality Check: repeated runs for the confidence interval, >= 1",
+        )
         p.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows (our labels)")
-        p.add_argument("--random-init", action="store_true",
-                       help="no ImageNet weights (not the papers' setting)")
-        p.add_argument("--device", type=arguments.device, default=arguments.default_device(),
-                       help=f"torch device: {arguments.DEVICE_HELP} (default here: %(default)s)")
-        p.add_argument("--seed", type=arguments.non_negative_int, default=0,
-                       help="seed of the training runs, >= 0 (default %(default)s)")
-        p.add_argument("--out", default="pml-rank-results",
-                       help="folder for the JSON and PNG results, created if missing and checked writable "
-                            "before any work (default: %(default)s)")
+        p.add_argument("--random-init", action="store_true", help="no ImageNet weights (not the papers' setting)")
+        p.add_argument(
+            "--device",
+            type=arguments.device,
+            default=arguments.default_device(),
+            help=f"torch device: {arguments.DEVICE_HELP} (default here: %(default)s)",
+        )
+        p.add_argument(
+            "--seed",
+            type=arguments.non_negative_int,
+            default=0,
+            help="seed of the training runs, >= 0 (default %(default)s)",
+        )
+        p.add_argument(
+            "--out",
+            default="pml-rank-results",
+            help="folder for the JSON and PNG results, created if missing and checked writable "
+            "before any work (default: %(default)s)",
+        )
         return p
 
     def main(self, argv=None):
@@ -190,8 +236,10 @@ class Script:
         variant = self.variants[args.dataset]
         setup = effective_setup(variant.setup, args)
         if setup.batch_size % setup.samples_per_class or setup.batch_size < 2 * setup.samples_per_class:
-            parser.error(f"argument --batch-size: {setup.batch_size} must be a multiple of the "
-                         f"{setup.samples_per_class} samples per class and hold two classes or more")
+            parser.error(
+                f"argument --batch-size: {setup.batch_size} must be a multiple of the "
+                f"{setup.samples_per_class} samples per class and hold two classes or more"
+            )
         try:
             outputs.prepare_output_dir(args.out)
         except outputs.OutputError as error:
@@ -203,9 +251,7 @@ class Script:
 
                     args.data_root = make_all(scratch, size=SMOKE_SETUP["image_size"], only=[variant.dataset])
                 if args.data_root is None:
-                    raise DataSetNotFoundError(
-                        f"--data-root is required (or --smoke).\n"
-                        f"{variant_data_help(variant)}")
+                    raise DataSetNotFoundError(f"--data-root is required (or --smoke).\n{variant_data_help(variant)}")
                 args.models_dir = models_dir(self, variant, args)
                 result = run_variant(self, variant, args)
         except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError, ImageReadError) as error:
@@ -220,7 +266,8 @@ class Script:
 def variant_data_help(variant):
     layout = DATASETS[variant.dataset].layout
     return f"{layout.download}\nExpected layout:\n" + "\n".join(
-        f"    {line}" for line in layout.tree.format(root="<data-root>").splitlines())
+        f"    {line}" for line in layout.tree.format(root="<data-root>").splitlines()
+    )
 
 
 # --------------------------------------------------------------------------- components
@@ -234,9 +281,11 @@ def make_recipe(run, setup):
     return Recipe(
         make_loss=lambda: None if run.untrained else component_class("losses", run.loss)(**run.loss_kwargs),
         make_miner=(lambda: component_class("miners", run.miner)(**run.miner_kwargs)) if run.miner else None,
-        make_sampler=hard_negative_classes if run.sampler == "hard_negative_class"
+        make_sampler=hard_negative_classes
+        if run.sampler == "hard_negative_class"
         else m_per_class(setup.samples_per_class),
-        name=run.label)
+        name=run.label,
+    )
 
 
 # --------------------------------------------------------------------------- data and models
@@ -250,14 +299,18 @@ def image_transforms(setup):
     side ``resize``, centre crop."""
     normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     if setup.augmentation == "random-resized-crop":
-        train = [transforms.Resize(setup.resize),
-                 transforms.RandomResizedCrop(setup.image_size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3))]
+        train = [
+            transforms.Resize(setup.resize),
+            transforms.RandomResizedCrop(setup.image_size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3)),
+        ]
         test = [transforms.Resize(setup.resize), transforms.CenterCrop(setup.image_size)]
     else:
         train = [transforms.Resize((setup.resize, setup.resize)), transforms.RandomCrop(setup.image_size)]
         test = [transforms.Resize((setup.resize, setup.resize)), transforms.CenterCrop(setup.image_size)]
-    return (transforms.Compose(train + [transforms.RandomHorizontalFlip()] + normalize),
-            transforms.Compose(test + normalize))
+    return (
+        transforms.Compose(train + [transforms.RandomHorizontalFlip()] + normalize),
+        transforms.Compose(test + normalize),
+    )
 
 
 class TransformByClass(torch.utils.data.Dataset):
@@ -326,8 +379,16 @@ def save_weights(folder, run, trained):
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{_file_name(run.label)}.pt"
     with outputs.atomic_write(path, "wb") as f:
-        torch.save({"label": run.label, "loss": run.loss, "loss_kwargs": run.loss_kwargs,
-                    "trunk": trained.trunk.state_dict(), "embedder": trained.embedder.state_dict()}, f)
+        torch.save(
+            {
+                "label": run.label,
+                "loss": run.loss,
+                "loss_kwargs": run.loss_kwargs,
+                "trunk": trained.trunk.state_dict(),
+                "embedder": trained.embedder.state_dict(),
+            },
+            f,
+        )
     return path
 
 
@@ -388,8 +449,11 @@ def _run_standard(variant, setup, runs, args, pretrained):
     train_transform, eval_transform = image_transforms(setup)
     train_set = spec.load(args.data_root, spec.train_split, train_transform)
     query_set = spec.load(args.data_root, spec.query_split, eval_transform)
-    reference_set = (None if spec.reference_split == spec.query_split
-                     else spec.load(args.data_root, spec.reference_split, eval_transform))
+    reference_set = (
+        None
+        if spec.reference_split == spec.query_split
+        else spec.load(args.data_root, spec.reference_split, eval_transform)
+    )
     iterations = _iterations(setup, len(train_set), args.smoke)
     results = {}
     total = iterations * setup.epochs * sum(not r.untrained for r in runs)
@@ -401,24 +465,49 @@ def _run_standard(variant, setup, runs, args, pretrained):
             if not run.untrained:
                 miner = recipe.make_miner() if recipe.make_miner else None
                 sampler = recipe.make_sampler(
-                    train_set, batch_size=setup.batch_size, device=args.device, iterations_per_epoch=iterations,
-                    model=torch.nn.Sequential(models["trunk"], models["embedder"]), seed=args.seed)
+                    train_set,
+                    batch_size=setup.batch_size,
+                    device=args.device,
+                    iterations_per_epoch=iterations,
+                    model=torch.nn.Sequential(models["trunk"], models["embedder"]),
+                    seed=args.seed,
+                )
             trained = train_model(
-                recipe.make_loss(), train_set, trunk=models["trunk"], embedder=models["embedder"], miner=miner,
-                sampler=sampler, epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
-                iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup, models["embedder"]),
-                lr=setup.lr, device=args.device, seed=args.seed, on_iteration=lambda trainer: bar.update(1),
-                make_lr_scheduler=_lr_scheduler_factory(setup), freeze_trunk_batchnorm=setup.freeze_batchnorm)
+                recipe.make_loss(),
+                train_set,
+                trunk=models["trunk"],
+                embedder=models["embedder"],
+                miner=miner,
+                sampler=sampler,
+                epochs=0 if run.untrained else setup.epochs,
+                batch_size=setup.batch_size,
+                iterations_per_epoch=iterations,
+                make_optimizer=_optimizer_factory(setup, models["embedder"]),
+                lr=setup.lr,
+                device=args.device,
+                seed=args.seed,
+                on_iteration=lambda trainer: bar.update(1),
+                make_lr_scheduler=_lr_scheduler_factory(setup),
+                freeze_trunk_batchnorm=setup.freeze_batchnorm,
+            )
             if not run.untrained:
                 save_weights(args.models_dir, run, trained)
-            query, query_labels = compute_embeddings(trained.trunk, query_set, trained.embedder,
-                                                     args.device, normalize=True)
+            query, query_labels = compute_embeddings(
+                trained.trunk, query_set, trained.embedder, args.device, normalize=True
+            )
             reference = reference_labels = None
             if reference_set is not None:
-                reference, reference_labels = compute_embeddings(trained.trunk, reference_set, trained.embedder,
-                                                                 args.device, normalize=True)
-            measured = accuracy(query, query_labels, reference, reference_labels,
-                                metrics=variant.table.metrics, device=torch.device(args.device))
+                reference, reference_labels = compute_embeddings(
+                    trained.trunk, reference_set, trained.embedder, args.device, normalize=True
+                )
+            measured = accuracy(
+                query,
+                query_labels,
+                reference,
+                reference_labels,
+                metrics=variant.table.metrics,
+                device=torch.device(args.device),
+            )
             results[run.label] = {m: 100 * v for m, v in measured.items()}
     return results
 
@@ -429,8 +518,9 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
     train_transform, eval_transform = image_transforms(setup)
     whole = spec.load(args.data_root, "train+test")
     _, test_indices = class_disjoint_split(whole.labels)
-    dataset = TransformByClass(whole, train_transform, eval_transform,
-                               eval_classes={whole.labels[i] for i in test_indices})
+    dataset = TransformByClass(
+        whole, train_transform, eval_transform, eval_classes={whole.labels[i] for i in test_indices}
+    )
     train_items = len(whole) - len(test_indices)
     iterations = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4 partitions
 
@@ -441,30 +531,46 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
 
     results = {}
     trained_runs = sum(not r.untrained for r in runs)
-    with tqdm(total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
-              desc=f"{variant.dataset} 4-fold training", unit="it") as bar:
+    with tqdm(
+        total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
+        desc=f"{variant.dataset} 4-fold training",
+        unit="it",
+    ) as bar:
         for run in runs:
             recipe = make_recipe(run, setup)
             protocol_results = [
-                run_protocol(dataset, recipe, make_model, seed=args.seed + repeat,
-                             epochs=0 if run.untrained else setup.epochs, batch_size=setup.batch_size,
-                             iterations_per_epoch=iterations, make_optimizer=_optimizer_factory(setup),
-                             lr=setup.lr, device=args.device, patience=setup.patience,
-                             on_iteration=lambda trainer: bar.update(1),
-                             make_lr_scheduler=_lr_scheduler_factory(setup),
-                             freeze_trunk_batchnorm=setup.freeze_batchnorm,
-                             # PML's hooks save each fold's models there while training
-                             folder=None if run.untrained else
-                             str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"))
+                run_protocol(
+                    dataset,
+                    recipe,
+                    make_model,
+                    seed=args.seed + repeat,
+                    epochs=0 if run.untrained else setup.epochs,
+                    batch_size=setup.batch_size,
+                    iterations_per_epoch=iterations,
+                    make_optimizer=_optimizer_factory(setup),
+                    lr=setup.lr,
+                    device=args.device,
+                    patience=setup.patience,
+                    on_iteration=lambda trainer: bar.update(1),
+                    make_lr_scheduler=_lr_scheduler_factory(setup),
+                    freeze_trunk_batchnorm=setup.freeze_batchnorm,
+                    # PML's hooks save each fold's models there while training
+                    folder=None
+                    if run.untrained
+                    else str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"),
+                )
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
             summary = summarize(protocol_results)
-            results[run.label] = {kind: {short: tuple(100 * v for v in summary[kind][metric])
-                                         for metric, short in SHORT_NAMES.items() if metric in METRICS}
-                                  for kind in ("concatenated", "separated")}
+            results[run.label] = {
+                kind: {
+                    short: tuple(100 * v for v in summary[kind][metric])
+                    for metric, short in SHORT_NAMES.items()
+                    if metric in METRICS
+                }
+                for kind in ("concatenated", "separated")
+            }
     return results
-
-
 
 
 # --------------------------------------------------------------------------- output
@@ -492,8 +598,9 @@ def format_result(script, variant, result, args):
     and every row of ours without a paper counterpart."""
     table, setup = variant.table, effective_setup(variant.setup, args)
     reality_check = setup.protocol == "reality-check"
-    ours_by_paper_row = {r.paper_row: r.label for r in selected_runs(script, variant, args)
-                         if r.paper_row and r.label in result}
+    ours_by_paper_row = {
+        r.paper_row: r.label for r in selected_runs(script, variant, args) if r.paper_row and r.label in result
+    }
     header = ["row"]
     kinds = ("concatenated", "separated") if reality_check else (None,)
     for kind in kinds:
@@ -512,7 +619,7 @@ def format_result(script, variant, result, args):
         label = ours_by_paper_row.get(paper_row)
         cells = [paper_row + (f"  [ours: {label}]" if label else "")]
         for k, kind in enumerate(kinds):
-            paper_numbers = numbers[k * len(table.metrics):(k + 1) * len(table.metrics)] if reality_check else numbers
+            paper_numbers = numbers[k * len(table.metrics) : (k + 1) * len(table.metrics)] if reality_check else numbers
             for i, paper_value in enumerate(paper_numbers):
                 cells += [_cell(ours_for(label, i, kind)), _paper_cell_text(paper_value)]
         rows.append(cells)
@@ -524,16 +631,21 @@ def format_result(script, variant, result, args):
             for i in range(len(table.metrics)):
                 cells += [_cell(ours_for(label, i, kind)), "—"]
         rows.append(cells)
-    lines = [f"{script.title}", f"{table.source}; in %. Paper numbers are the authors' (cited), "
-             "'ours' is this run" + (" (--smoke: meaningless numbers)" if args.smoke else "") + "."]
+    lines = [
+        f"{script.title}",
+        f"{table.source}; in %. Paper numbers are the authors' (cited), "
+        "'ours' is this run" + (" (--smoke: meaningless numbers)" if args.smoke else "") + ".",
+    ]
     notes = []
     if BACKBONES.get(setup.backbone) and BACKBONES[setup.backbone].note:
         notes.append(BACKBONES[setup.backbone].note)
     if variant.setup.notes:
         notes.append(variant.setup.notes)
-    lines.append(f"Ours: {setup.backbone} + {setup.embedding_size}-d embedding, {setup.image_size}-px crops, "
-                 f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
-                 f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else ""))
+    lines.append(
+        f"Ours: {setup.backbone} + {setup.embedding_size}-d embedding, {setup.image_size}-px crops, "
+        f"batch {setup.batch_size} ({setup.samples_per_class} per class), {setup.optimizer} "
+        f"lr {setup.lr:g}, {setup.epochs} epochs" + (f", {setup.repeats} repeats" if reality_check else "")
+    )
     lines += [f"Note: {n}" for n in notes]
     lines.append(format_text_table(header, rows))
     return "\n".join(lines)
@@ -546,9 +658,15 @@ def write_result(script, variant, result, args):
     path = Path(args.out) / f"reproduce-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "script": script.name, "dataset": variant.dataset, "paper": variant.table.source,
-        "metrics": list(variant.table.metrics), "paper_rows": variant.table.rows, "ours": result,
-        "setup": dataclasses.asdict(setup), "smoke": args.smoke, "seed": args.seed,
+        "script": script.name,
+        "dataset": variant.dataset,
+        "paper": variant.table.source,
+        "metrics": list(variant.table.metrics),
+        "paper_rows": variant.table.rows,
+        "ours": result,
+        "setup": dataclasses.asdict(setup),
+        "smoke": args.smoke,
+        "seed": args.seed,
     }
     outputs.write_text(path, json.dumps(payload, indent=2, default=str))
     plot_result(script, variant, result, args, path.with_suffix(".png"))
@@ -567,16 +685,17 @@ def plot_result(script, variant, result, args, path):
     reality_check = variant.setup.protocol == "reality-check"
     paper_row_of = {r.label: r.paper_row for r in selected_runs(script, variant, args)}
     labels = list(result)
-    fig, axes = plt.subplots(1, len(table.metrics), figsize=(3 + 2.2 * len(table.metrics), 0.5 * len(labels) + 2),
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(table.metrics), figsize=(3 + 2.2 * len(table.metrics), 0.5 * len(labels) + 2), squeeze=False, sharey=True
+    )
     for i, (metric, ax) in enumerate(zip(table.metrics, axes[0])):
         ours = [result[label]["concatenated" if reality_check else metric] for label in labels]
         ours = [v[metric] if reality_check else v for v in ours]
-        paper = [table.rows.get(paper_row_of.get(label), ())[i:i + 1] for label in labels]
+        paper = [table.rows.get(paper_row_of.get(label), ())[i : i + 1] for label in labels]
         paper = [p[0] if p and p[0] is not None and not isinstance(p[0], str) else None for p in paper]
         positions = range(len(labels))
 
-        def bars(values, offset, name, color):
+        def bars(values, offset, name, color, ax=ax, positions=positions):
             means = [(v[0] if isinstance(v, tuple) else v) if v is not None else 0 for v in values]
             errors = [v[1] if isinstance(v, tuple) and v[1] == v[1] else 0 for v in values]
             ax.barh([p + offset for p in positions], means, height=0.38, xerr=errors, label=name, color=color)

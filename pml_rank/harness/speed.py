@@ -16,8 +16,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -123,24 +123,24 @@ class SpeedCase:
     callable that maps the inputs to a scalar loss."""
 
     ours: Callable
-    pml: Optional[Callable] = None
-    reference: Optional[Callable] = None
-    floor: Optional[Callable] = similarity_floor
+    pml: Callable | None = None
+    reference: Callable | None = None
+    floor: Callable | None = similarity_floor
     inputs: Callable = labelled_batch(per_class=4)
     # The reference is skipped above this size (loop references can take minutes).
-    reference_max_size: Optional[int] = None
+    reference_max_size: int | None = None
     # What the sizes on the command line mean, for the table header, and the sizes
     # used when the command line names none (None: DEFAULT_BATCH_SIZES).
     size_name: str = "batch"
-    default_sizes: Optional[tuple] = None
+    default_sizes: tuple | None = None
     # Untimed calls of every contender before the rounds (fills a score memory).
     prime: int = 0
     # The no-slow-path case (`measure_underflow`): inputs that drive exp/sigmoid/softplus
     # arguments far outside (-87, 87), where float32 results underflow to denormals or
     # zero (or overflow) and a CPU may take a slow path, and the loss to time on them
     # (None: `ours`), e.g. a steeper AUC sigmoid.
-    underflow_inputs: Optional[Callable] = None
-    underflow_loss: Optional[Callable] = None
+    underflow_inputs: Callable | None = None
+    underflow_loss: Callable | None = None
     underflow_scale: float = 30.0  # default underflow inputs: `inputs` times this
 
     def contenders(self, size):
@@ -159,9 +159,13 @@ def _npairs_pml():
     unnormalised inner product and the same L2 penalty from PML's own regularizer."""
     from pytorch_metric_learning import distances, losses, regularizers
 
-    return losses.NPairsLoss(distance=distances.DotProductSimilarity(normalize_embeddings=False),
-                             embedding_regularizer=regularizers.LpRegularizer(power=2),
-                             embedding_reg_weight=0.002)
+    return losses.NPairsLoss(
+        distance=distances.DotProductSimilarity(normalize_embeddings=False),
+        embedding_regularizer=regularizers.LpRegularizer(power=2),
+        embedding_reg_weight=0.002,
+    )
+
+
 def _steep_auc():
     """AUCLoss with a sigmoid 10 times steeper than its default: slope · (score − threshold)
     reaches thousands, far past where exp underflows."""
@@ -179,31 +183,46 @@ def auc_reference():
 # alone against the floor. Keep entries alphabetical.
 CASES = {
     # The reference's per-row autograd takes about a minute per call at batch 2048.
-    "AUCLoss": SpeedCase(ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024,
-                         underflow_loss=_steep_auc),
+    "AUCLoss": SpeedCase(
+        ours=registered("AUCLoss"), reference=auc_reference, reference_max_size=1024, underflow_loss=_steep_auc
+    ),
     "FastAPLoss": SpeedCase(
-        ours=registered("FastAPLoss"), pml=pml_loss("FastAPLoss"),
-        reference=function("harness.references.fastap.fast_ap_loss"), reference_max_size=1024),
+        ours=registered("FastAPLoss"),
+        pml=pml_loss("FastAPLoss"),
+        reference=function("harness.references.fastap.fast_ap_loss"),
+        reference_max_size=1024,
+    ),
     # The loop references take about 20 s per call at batch 2048: skipped above 1024.
-    "NPairsMCLoss": SpeedCase(ours=registered("NPairsMCLoss"), pml=_npairs_pml, reference_max_size=1024,
-                              reference=function("harness.references.npairs.npairs_loss", mode="mc",
-                                                 l2_reg_weight=0.002),
-                              inputs=labelled_batch(per_class=2)),
+    "NPairsMCLoss": SpeedCase(
+        ours=registered("NPairsMCLoss"),
+        pml=_npairs_pml,
+        reference_max_size=1024,
+        reference=function("harness.references.npairs.npairs_loss", mode="mc", l2_reg_weight=0.002),
+        inputs=labelled_batch(per_class=2),
+    ),
     # PML has no one-vs-one N-pair loss: its NPairsLoss (same pairs, softmax) is the nearest.
-    "NPairsOVOLoss": SpeedCase(ours=registered("NPairsOVOLoss"), pml=_npairs_pml, reference_max_size=1024,
-                               reference=function("harness.references.npairs.npairs_loss", mode="ovo",
-                                                  l2_reg_weight=0.002),
-                               inputs=labelled_batch(per_class=2)),
+    "NPairsOVOLoss": SpeedCase(
+        ours=registered("NPairsOVOLoss"),
+        pml=_npairs_pml,
+        reference_max_size=1024,
+        reference=function("harness.references.npairs.npairs_loss", mode="ovo", l2_reg_weight=0.002),
+        inputs=labelled_batch(per_class=2),
+    ),
     # The AP loss on one sequence of scores (paper Table 6), 10% positives. The memory
     # is off in the recall case: the reference has none.
     "RaMBOAPLoss": SpeedCase(
         ours=function("ranking.average_precision_loss", lambda_val=0.5, margin=0.15),
         reference=function("harness.references.rambo.average_precision_loss", lambda_val=0.5, margin=0.15),
-        floor=sort_floor, inputs=labelled_scores(positive_rate=0.1),
-        size_name="scores", default_sizes=(100_000, 1_000_000), underflow_scale=1e4),
+        floor=sort_floor,
+        inputs=labelled_scores(positive_rate=0.1),
+        size_name="scores",
+        default_sizes=(100_000, 1_000_000),
+        underflow_scale=1e4,
+    ),
     "RaMBORecallLoss": SpeedCase(
         ours=registered("RaMBORecallLoss", memory_size=0),
-        reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02)),
+        reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02),
+    ),
     # The same with its default score memory (3 batches), full before the timed rounds.
     "RaMBORecallLoss-memory3": SpeedCase(ours=registered("RaMBORecallLoss"), prime=3),
 }
@@ -316,8 +335,7 @@ def _aggregate(times_per_run, pairs):
             if values:
                 run_medians[key].append(statistics.median(values))
     pooled = {key: values for key, values in pooled.items() if values}
-    return ({key: summary(values) for key, values in pooled.items()},
-            {key: run_medians[key] for key in pooled}, pooled)
+    return ({key: summary(values) for key, values in pooled.items()}, {key: run_medians[key] for key in pooled}, pooled)
 
 
 def _machine():
@@ -330,13 +348,20 @@ def _machine():
                 model = line.split(":", 1)[1].strip()
                 break
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"platform": platform.platform(), "cpu": model, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_average": load}
+    return {
+        "platform": platform.platform(),
+        "cpu": model,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_average": load,
+    }
 
 
-def measure(name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=1,
-            device="cpu", seed=0, progress=True, runs=1):
+def measure(
+    name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0, progress=True, runs=1
+):
     """Time and measure every contender of loss `name` at each size.
 
     `runs` repeats the whole measurement (fresh losses, warm-up, `repeats` interleaved
@@ -358,24 +383,35 @@ def measure(name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=
         pairs = [(f"time_vs_{label}", "ours", label) for label in factories if label != "ours"]
         times_per_run = []
         for _ in range(runs):
-            fns = {label: (_prepare(factory, device, case.prime, inputs), inputs)
-                   for label, factory in factories.items()}
+            fns = {
+                label: (_prepare(factory, device, case.prime, inputs), inputs) for label, factory in factories.items()
+            }
             times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
         memory = {}
         for label, factory in factories.items():
             memory[label] = peak_memory(_prepare(factory, device, case.prime, inputs), inputs, device)
             bar.update()
-        seconds = {label: statistics.median(t for times in times_per_run for t in times[label])
-                   for label in factories}
+        seconds = {label: statistics.median(t for times in times_per_run for t in times[label]) for label in factories}
         stats, run_medians, raw = _aggregate(times_per_run, pairs)
         ratios = {key: value["median"] for key, value in stats.items()}
-        ratios.update({
-            f"memory_vs_{label}": memory["ours"] / memory[label]
-            for label in memory if label != "ours" and memory[label] > 0
-        })
-        rows.append({"size": size, "seconds": seconds, "peak_bytes": memory, "ratios": ratios,
-                     "spread": {key: [value["min"], value["max"]] for key, value in stats.items()},
-                     "run_medians": run_medians, "round_ratios": raw})
+        ratios.update(
+            {
+                f"memory_vs_{label}": memory["ours"] / memory[label]
+                for label in memory
+                if label != "ours" and memory[label] > 0
+            }
+        )
+        rows.append(
+            {
+                "size": size,
+                "seconds": seconds,
+                "peak_bytes": memory,
+                "ratios": ratios,
+                "spread": {key: [value["min"], value["max"]] for key, value in stats.items()},
+                "run_medians": run_medians,
+                "round_ratios": raw,
+            }
+        )
     bar.close()
     return {
         "loss": name,
@@ -390,31 +426,42 @@ def measure(name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=
     }
 
 
-def measure_underflow(name, size=2048, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0,
-                      progress=True, runs=1):
+def measure_underflow(
+    name, size=2048, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0, progress=True, runs=1
+):
     """The no-slow-path case: loss `name` on its usual inputs against the same loss on
     inputs that push exponent arguments far out of float range (`SpeedCase.underflow`),
     interleaved. ``ratio`` is the median of the per-round ratios underflow / normal."""
     device = torch.device(device)
     case = case_for(name)
     underflow_loss, underflow_inputs = case.underflow()
-    inputs = {"normal": case.inputs(size, dim, torch.Generator().manual_seed(seed), device),
-              "underflow": underflow_inputs(size, dim, torch.Generator().manual_seed(seed), device)}
+    inputs = {
+        "normal": case.inputs(size, dim, torch.Generator().manual_seed(seed), device),
+        "underflow": underflow_inputs(size, dim, torch.Generator().manual_seed(seed), device),
+    }
     factories = {"normal": case.ours, "underflow": underflow_loss}
     bar = tqdm(total=2 * runs * (warmup + repeats), desc=f"underflow {name}", disable=not progress, leave=False)
     times_per_run = []
     for _ in range(runs):
-        fns = {label: (_prepare(factories[label], device, case.prime, inputs[label]), inputs[label])
-               for label in factories}
+        fns = {
+            label: (_prepare(factories[label], device, case.prime, inputs[label]), inputs[label]) for label in factories
+        }
         times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
     bar.close()
     stats, run_medians, raw = _aggregate(times_per_run, [("underflow_vs_normal", "underflow", "normal")])
     stat = stats["underflow_vs_normal"]
     return {
-        "loss": name, "size_name": case.size_name, "size": size, "dim": dim, "repeats": repeats, "runs": runs,
+        "loss": name,
+        "size_name": case.size_name,
+        "size": size,
+        "dim": dim,
+        "repeats": repeats,
+        "runs": runs,
         "seconds": {label: statistics.median(t for times in times_per_run for t in times[label]) for label in fns},
-        "ratio": stat["median"], "spread": [stat["min"], stat["max"]],
-        "run_medians": run_medians["underflow_vs_normal"], "round_ratios": raw["underflow_vs_normal"],
+        "ratio": stat["median"],
+        "spread": [stat["min"], stat["max"]],
+        "run_medians": run_medians["underflow_vs_normal"],
+        "round_ratios": raw["underflow_vs_normal"],
         "largest_abs_input": float(inputs["underflow"][0].detach().abs().max()),
     }
 
@@ -431,8 +478,10 @@ def _ratio_cell(row, key):
 def format_table(result):
     labels = list(result["rows"][0]["seconds"]) if result["rows"] else []
     rounds = result["repeats"] * result.get("runs", 1)
-    lines = [f"{result['loss']}: forward+backward, dim {result['dim']}, {result.get('runs', 1)} run(s) of "
-             f"{result['repeats']} rounds, {result['device']}, {result['threads']} threads"]
+    lines = [
+        f"{result['loss']}: forward+backward, dim {result['dim']}, {result.get('runs', 1)} run(s) of "
+        f"{result['repeats']} rounds, {result['device']}, {result['threads']} threads"
+    ]
     header = [result["size_name"]] + [f"{label} s" for label in labels] + [f"{label} MB" for label in labels]
     ratio_keys = sorted({k for row in result["rows"] for k in row["ratios"]})
     header += [k.replace("_vs_", "/") for k in ratio_keys]
@@ -446,16 +495,27 @@ def format_table(result):
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         lines.append("  ".join(cell.rjust(w) for cell, w in zip(r, widths)))
-    lines.append(f"ratios are ours / other: time = median of the {rounds} per-round ratios (min-max), "
-                 "memory = peak above inputs; below 1 means ours is faster or leaner")
+    lines.append(
+        f"ratios are ours / other: time = median of the {rounds} per-round ratios (min-max), "
+        "memory = peak above inputs; below 1 means ours is faster or leaner"
+    )
     return "\n".join(lines)
 
 
 def format_underflow(results):
     from .text_table import format_text_table
 
-    rows = [(r["loss"], r["size"], f"{r['seconds']['normal']:.4f}", f"{r['seconds']['underflow']:.4f}",
-             f"{r['ratio']:.3f}", f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}") for r in results]
+    rows = [
+        (
+            r["loss"],
+            r["size"],
+            f"{r['seconds']['normal']:.4f}",
+            f"{r['seconds']['underflow']:.4f}",
+            f"{r['ratio']:.3f}",
+            f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}",
+        )
+        for r in results
+    ]
     return format_text_table(("loss", "size", "normal s", "underflow s", "underflow/normal", "min-max"), rows)
 
 
@@ -463,36 +523,53 @@ def report_markdown(report):
     """The readable side of a speed report: time ratios with their spread, memory
     ratios, the no-slow-path case."""
     machine = report["machine"]
-    lines = [f"# pml-rank speed report, {report['date']}", "",
-             f"Command: `{report['command']}`", "",
-             f"Machine: {machine['cpu']}, {machine['cpu_count']} CPU(s), {machine['platform']}; "
-             f"Python {machine['python']}, torch {machine['torch']}, {machine['threads']} thread(s); "
-             f"load average at start {report['load_average_start']}, at end {report['load_average_end']}.", "",
-             "Time ratios are ours / other, forward+backward: the median of the per-round ratios "
-             "(contenders interleaved within each round) over all rounds of all runs, with their "
-             "min-max and each run's median. Memory: peak bytes above the inputs, one measurement. "
-             "floor = the cosine-similarity matrix product (forward+backward) alone.", "",
-             "| loss | size | ratio | median | min-max | run medians |", "| --- | ---: | --- | ---: | --- | --- |"]
+    lines = [
+        f"# pml-rank speed report, {report['date']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cpu_count']} CPU(s), {machine['platform']}; "
+        f"Python {machine['python']}, torch {machine['torch']}, {machine['threads']} thread(s); "
+        f"load average at start {report['load_average_start']}, at end {report['load_average_end']}.",
+        "",
+        "Time ratios are ours / other, forward+backward: the median of the per-round ratios "
+        "(contenders interleaved within each round) over all rounds of all runs, with their "
+        "min-max and each run's median. Memory: peak bytes above the inputs, one measurement. "
+        "floor = the cosine-similarity matrix product (forward+backward) alone.",
+        "",
+        "| loss | size | ratio | median | min-max | run medians |",
+        "| --- | ---: | --- | ---: | --- | --- |",
+    ]
     for result in report["results"]:
         for row in result["rows"]:
             for key in sorted(row["ratios"], key=lambda k: (not k.startswith("time"), k)):
                 if key in row["spread"]:
                     low, high = row["spread"][key]
                     runs = ", ".join(f"{v:.3f}" for v in row["run_medians"][key])
-                    lines.append(f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
-                                 f"{row['ratios'][key]:.3f} | {low:.3f}-{high:.3f} | {runs} |")
+                    lines.append(
+                        f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
+                        f"{row['ratios'][key]:.3f} | {low:.3f}-{high:.3f} | {runs} |"
+                    )
                 else:
-                    lines.append(f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
-                                 f"{row['ratios'][key]:.3f} | | |")
+                    lines.append(
+                        f"| {result['loss']} | {row['size']} | {key.replace('_vs_', ' / ')} | "
+                        f"{row['ratios'][key]:.3f} | | |"
+                    )
     if report.get("underflow"):
-        lines += ["", "No slow path: each loss on inputs that push exp/sigmoid arguments far out of float "
-                  "range (embeddings ×30, AUC slope ×10, AP scores ×1e4) against its usual inputs.", "",
-                  "| loss | size | underflow / normal | min-max | largest input |",
-                  "| --- | ---: | ---: | --- | ---: |"]
+        lines += [
+            "",
+            "No slow path: each loss on inputs that push exp/sigmoid arguments far out of float "
+            "range (embeddings ×30, AUC slope ×10, AP scores ×1e4) against its usual inputs.",
+            "",
+            "| loss | size | underflow / normal | min-max | largest input |",
+            "| --- | ---: | ---: | --- | ---: |",
+        ]
         for r in report["underflow"]:
             low, high = r["spread"]
-            lines.append(f"| {r['loss']} | {r['size']} | {r['ratio']:.3f} | {low:.3f}-{high:.3f} "
-                         f"| {r['largest_abs_input']:.3g} |")
+            lines.append(
+                f"| {r['loss']} | {r['size']} | {r['ratio']:.3f} | {low:.3f}-{high:.3f} "
+                f"| {r['largest_abs_input']:.3g} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -504,10 +581,16 @@ def write_report(results, underflow, path, command, started, load_average_start=
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = _machine()
-    report = {"date": started.isoformat(timespec="seconds"),
-              "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": command, "machine": machine, "load_average_start": load_average_start,
-              "load_average_end": machine.pop("load_average"), "results": results, "underflow": underflow}
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": machine,
+        "load_average_start": load_average_start,
+        "load_average_end": machine.pop("load_average"),
+        "results": results,
+        "underflow": underflow,
+    }
     json_path, md_path = path.with_suffix(".json"), path.with_suffix(".md")
     json_path.write_text(json.dumps(report, indent=2))
     md_path.write_text(report_markdown(report))

@@ -10,5 +10,4 @@ def format_text_table(header, rows, align=None):
     align = align or "l" + "r" * (len(header) - 1)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     pad = {"l": str.ljust, "r": str.rjust}
-    return "\n".join("  ".join(pad[a](cell, w) for a, cell, w in zip(align, line, widths)).rstrip()
-                     for line in lines)
+    return "\n".join("  ".join(pad[a](cell, w) for a, cell, w in zip(align, line, widths)).rstrip() for line in lines)

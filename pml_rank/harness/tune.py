@@ -45,11 +45,14 @@ OBJECTIVE_METRIC = "mean_average_precision_at_r"
 
 # ----------------------------------------------------------------------------- spaces
 
+
 def _contrastive_space(trial):
     # Reality Check: pos_margin and neg_margin both searched on [-0.2, 2] (its best CUB
     # pos_margin sits on the lower bound).
-    return {"pos_margin": trial.suggest_float("pos_margin", -0.2, 2.0),
-            "neg_margin": trial.suggest_float("neg_margin", -0.2, 2.0)}
+    return {
+        "pos_margin": trial.suggest_float("pos_margin", -0.2, 2.0),
+        "neg_margin": trial.suggest_float("neg_margin", -0.2, 2.0),
+    }
 
 
 def _triplet_space(trial):
@@ -111,17 +114,42 @@ def is_empty(space):
 
 # ----------------------------------------------------------------------------- studies
 
-BUDGET_KEYS = ("dataset", "epochs", "iterations_per_epoch", "batch_size", "embedding_size", "lr", "num_folds",
-               "num_classes", "seed")
+BUDGET_KEYS = (
+    "dataset",
+    "epochs",
+    "iterations_per_epoch",
+    "batch_size",
+    "embedding_size",
+    "lr",
+    "num_folds",
+    "num_classes",
+    "seed",
+)
 
 
-def budget_config(dataset=None, epochs=None, iterations_per_epoch=None, batch_size=None, embedding_size=None,
-                  lr=None, num_folds=None, num_classes=None, seed=0):
+def budget_config(
+    dataset=None,
+    epochs=None,
+    iterations_per_epoch=None,
+    batch_size=None,
+    embedding_size=None,
+    lr=None,
+    num_folds=None,
+    num_classes=None,
+    seed=0,
+):
     """The budget that defines a study (the bench's `DEFAULTS` for what is None)."""
     from .budget import DEFAULTS
 
-    given = dict(dataset=dataset, epochs=epochs, iterations_per_epoch=iterations_per_epoch, batch_size=batch_size,
-                 embedding_size=embedding_size, lr=lr, num_folds=num_folds)
+    given = dict(
+        dataset=dataset,
+        epochs=epochs,
+        iterations_per_epoch=iterations_per_epoch,
+        batch_size=batch_size,
+        embedding_size=embedding_size,
+        lr=lr,
+        num_folds=num_folds,
+    )
     config = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
     config.update(num_classes=num_classes, seed=seed)
     return config
@@ -132,8 +160,10 @@ def study_name(loss, config):
     one study per loss, data set and budget."""
     c = config
     classes = "-all" if c["num_classes"] is None else c["num_classes"]
-    return (f"{loss} {c['dataset']} e{c['epochs']}x{c['iterations_per_epoch']} b{c['batch_size']} "
-            f"d{c['embedding_size']} lr{c['lr']:g} f{c['num_folds']} c{classes} s{c['seed']}")
+    return (
+        f"{loss} {c['dataset']} e{c['epochs']}x{c['iterations_per_epoch']} b{c['batch_size']} "
+        f"d{c['embedding_size']} lr{c['lr']:g} f{c['num_folds']} c{classes} s{c['seed']}"
+    )
 
 
 def default_storage(out):
@@ -167,9 +197,13 @@ def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
         engine_kwargs = {"pool_pre_ping": True}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=max(1, int(heartbeat)),
-                          grace_period=max(2, int(2 * heartbeat)),
-                          failed_trial_callback=Retry(max_retry=3))
+        return RDBStorage(
+            url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=max(1, int(heartbeat)),
+            grace_period=max(2, int(2 * heartbeat)),
+            failed_trial_callback=Retry(max_retry=3),
+        )
 
 
 def _sampler(seed, trials_so_far):
@@ -179,9 +213,13 @@ def _sampler(seed, trials_so_far):
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         # Seeded by the study's seed and the number of trials already asked, so that a
         # serial run is reproducible and parallel workers do not propose the same values.
-        return optuna.samplers.TPESampler(seed=seed * 1_000_003 + trials_so_far,
-                                          n_startup_trials=SAMPLER_STARTUP_TRIALS, multivariate=True, group=True,
-                                          constant_liar=True)
+        return optuna.samplers.TPESampler(
+            seed=seed * 1_000_003 + trials_so_far,
+            n_startup_trials=SAMPLER_STARTUP_TRIALS,
+            multivariate=True,
+            group=True,
+            constant_liar=True,
+        )
 
 
 def _pruner(prune):
@@ -196,8 +234,9 @@ def open_study(loss, config, storage, prune=True):
     import optuna
 
     name = study_name(loss, config)
-    study = optuna.create_study(study_name=name, storage=storage, direction="maximize", load_if_exists=True,
-                                pruner=_pruner(prune))
+    study = optuna.create_study(
+        study_name=name, storage=storage, direction="maximize", load_if_exists=True, pruner=_pruner(prune)
+    )
     if "budget" not in study.user_attrs:
         study.set_user_attr("budget", config)
         study.set_user_attr("loss", loss)
@@ -208,8 +247,9 @@ def counts(study):
     """``(finished, running, waiting)``: complete or pruned trials, running ones, queued retries."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING,
-                                                      TrialState.WAITING))
+    trials = study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+    )
     finished = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     running = sum(t.state == TrialState.RUNNING for t in trials)
     return finished, running, sum(t.state == TrialState.WAITING for t in trials)
@@ -222,8 +262,22 @@ def target_trials(loss, trials):
 
 # ----------------------------------------------------------------------------- objective
 
-def cross_validation_score(data, recipe, make_trunk, *, seed=0, epochs, batch_size, iterations_per_epoch, lr,
-                           num_folds=4, device="cpu", on_fold=None, on_iteration=None):
+
+def cross_validation_score(
+    data,
+    recipe,
+    make_trunk,
+    *,
+    seed=0,
+    epochs,
+    batch_size,
+    iterations_per_epoch,
+    lr,
+    num_folds=4,
+    device="cpu",
+    on_fold=None,
+    on_iteration=None,
+):
     """The protocol's tuning objective: mean over the folds of each fold model's best-epoch
     validation MAP@R, on the training half of the classes only. ``on_fold(k, running_mean)``
     is called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`). Returns
@@ -240,13 +294,29 @@ def cross_validation_score(data, recipe, make_trunk, *, seed=0, epochs, batch_si
         trunk = make_trunk()
         sampler = None
         if recipe.make_sampler is not None:
-            sampler = recipe.make_sampler(train_set, batch_size=batch_size, model=trunk.to(device), device=device,
-                                          iterations_per_epoch=iterations_per_epoch, seed=seed * 1000 + k)
-        result = train_model(recipe.make_loss(), train_set, trunk=trunk, embedder=torch.nn.Identity(),
-                             miner=recipe.make_miner() if recipe.make_miner is not None else None,
-                             sampler=sampler, val_set=val_set, epochs=epochs, batch_size=batch_size,
-                             iterations_per_epoch=iterations_per_epoch, lr=lr, device=device,
-                             on_iteration=on_iteration)
+            sampler = recipe.make_sampler(
+                train_set,
+                batch_size=batch_size,
+                model=trunk.to(device),
+                device=device,
+                iterations_per_epoch=iterations_per_epoch,
+                seed=seed * 1000 + k,
+            )
+        result = train_model(
+            recipe.make_loss(),
+            train_set,
+            trunk=trunk,
+            embedder=torch.nn.Identity(),
+            miner=recipe.make_miner() if recipe.make_miner is not None else None,
+            sampler=sampler,
+            val_set=val_set,
+            epochs=epochs,
+            batch_size=batch_size,
+            iterations_per_epoch=iterations_per_epoch,
+            lr=lr,
+            device=device,
+            on_iteration=on_iteration,
+        )
         values.append(max(entry[OBJECTIVE_METRIC] for entry in result.history))
         histories.append(result.history)
         if on_fold is not None:
@@ -267,11 +337,12 @@ class SurplusTrial(Exception):
 def _check_surplus(trial, target):
     from optuna.trial import TrialState
 
-    study_trials = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                  TrialState.RUNNING))
+    study_trials = trial.study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    )
     finished = sum(t.state != TrialState.RUNNING for t in study_trials)
     running = sorted(t.number for t in study_trials if t.state == TrialState.RUNNING)
-    if trial.number in running[max(target - finished, 0):] and "failed_trial" not in trial.system_attrs:
+    if trial.number in running[max(target - finished, 0) :] and "failed_trial" not in trial.system_attrs:
         raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
 
 
@@ -291,9 +362,18 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
                 raise optuna.TrialPruned(f"running mean {running_mean:.4f} after fold {k}")
 
         value, folds, _ = cross_validation_score(
-            data, with_params(recipe, params), make_trunk, seed=config["seed"], epochs=config["epochs"],
-            batch_size=config["batch_size"], iterations_per_epoch=config["iterations_per_epoch"], lr=config["lr"],
-            num_folds=config["num_folds"], device=device, on_fold=on_fold)
+            data,
+            with_params(recipe, params),
+            make_trunk,
+            seed=config["seed"],
+            epochs=config["epochs"],
+            batch_size=config["batch_size"],
+            iterations_per_epoch=config["iterations_per_epoch"],
+            lr=config["lr"],
+            num_folds=config["num_folds"],
+            device=device,
+            on_fold=on_fold,
+        )
         trial.set_user_attr("folds", folds)
         return value
 
@@ -301,6 +381,7 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
 
 
 # ----------------------------------------------------------------------------- workers
+
 
 @dataclasses.dataclass
 class TuneJob:
@@ -373,8 +454,12 @@ def run_worker(job, ready=None):
                 time.sleep(job.poll)  # the rest are running; wait in case one of them dies
                 continue
             asked = len(study.get_trials(deepcopy=False))
-            runner = optuna.load_study(study_name=study.study_name, storage=storage,
-                                       sampler=_sampler(job.config["seed"], asked), pruner=_pruner(job.prune))
+            runner = optuna.load_study(
+                study_name=study.study_name,
+                storage=storage,
+                sampler=_sampler(job.config["seed"], asked),
+                pruner=_pruner(job.prune),
+            )
             try:
                 runner.optimize(objective, n_trials=1, catch=())
             except SurplusTrial:
@@ -392,6 +477,7 @@ def _worker_main(job, ready=None):
 
 # ----------------------------------------------------------------------------- command
 
+
 @dataclasses.dataclass
 class TuneResult:
     entries: dict
@@ -408,17 +494,29 @@ def summarize_study(study, command=None, seconds=None, storage=None):
     if not complete:
         return None
     best = max(complete, key=lambda t: t.value)
-    entry = {"params": best.user_attrs.get("params", best.params), "value": best.value, "trials": len(finished),
-             "study": study.study_name, "best_trial": best.number,
-             "complete": len(complete), "pruned": len(finished) - len(complete),
-             "budget": study.user_attrs.get("budget")}
+    entry = {
+        "params": best.user_attrs.get("params", best.params),
+        "value": best.value,
+        "trials": len(finished),
+        "study": study.study_name,
+        "best_trial": best.number,
+        "complete": len(complete),
+        "pruned": len(finished) - len(complete),
+        "budget": study.user_attrs.get("budget"),
+    }
     starts = [t.datetime_start for t in finished if t.datetime_start is not None]
     ends = [t.datetime_complete for t in finished if t.datetime_complete is not None]
     if starts and ends:
         # From the first trial's start to the last one's end, whatever runs it took.
         entry["study_wall_seconds"] = round((max(ends) - min(starts)).total_seconds(), 1)
-        entry["trial_seconds"] = round(sum((t.datetime_complete - t.datetime_start).total_seconds()
-                                           for t in finished if t.datetime_complete and t.datetime_start), 1)
+        entry["trial_seconds"] = round(
+            sum(
+                (t.datetime_complete - t.datetime_start).total_seconds()
+                for t in finished
+                if t.datetime_complete and t.datetime_start
+            ),
+            1,
+        )
     if storage is not None:
         entry["storage"] = redact(storage)
     if command is not None:
@@ -499,8 +597,21 @@ def format_table(entries):
     return format_text_table(("loss", "val MAP@R", "trials", "best parameters"), rows, align="lrrl")
 
 
-def tune(losses, trials, config, storage, out, workers=1, cache_dir=None, threads=1, device="cpu",
-         heartbeat=DEFAULT_HEARTBEAT, prune=True, command=None, progress=True):
+def tune(
+    losses,
+    trials,
+    config,
+    storage,
+    out,
+    workers=1,
+    cache_dir=None,
+    threads=1,
+    device="cpu",
+    heartbeat=DEFAULT_HEARTBEAT,
+    prune=True,
+    command=None,
+    progress=True,
+):
     """Runs `workers` processes until every loss's study holds `trials` finished trials,
     writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Ctrl-C stops the
     workers (their running trials are lost, finished ones kept) and still writes the outputs."""
@@ -522,8 +633,9 @@ def tune(losses, trials, config, storage, out, workers=1, cache_dir=None, thread
     ready = context.Barrier(workers)
     processes = [context.Process(target=_worker_main, args=(job, ready), daemon=False) for _ in range(workers)]
     interrupted = False
-    bar = tqdm(total=sum(targets.values()), desc="pml-rank tune", unit="trial", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(targets.values()), desc="pml-rank tune", unit="trial", disable=not progress, dynamic_ncols=True
+    )
     try:
         for p in processes:
             p.start()

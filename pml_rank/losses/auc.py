@@ -132,8 +132,7 @@ class AUCLoss(RankLossBase):
             raise ValueError(f"AUCLoss: slope must be positive and finite, got {slope}")
         if not self.distance.is_inverted:
             raise ValueError(
-                f"AUCLoss: the distance must be a similarity (higher = closer), "
-                f"got {type(self.distance).__name__}"
+                f"AUCLoss: the distance must be a similarity (higher = closer), got {type(self.distance).__name__}"
             )
         thresholds(step, t_min, t_max)  # validates the grid now rather than in the first batch
         self.step = float(step)
@@ -146,9 +145,7 @@ class AUCLoss(RankLossBase):
         )
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        anchors, positives, negatives = self.hardest_triplets(
-            embeddings, labels, indices_tuple, ref_emb, ref_labels
-        )
+        anchors, positives, negatives = self.hardest_triplets(embeddings, labels, indices_tuple, ref_emb, ref_labels)
         self.num_anchors = len(anchors)
         if len(anchors) == 0:
             return self.zero_losses()

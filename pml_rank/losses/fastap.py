@@ -60,8 +60,7 @@ class FastAPLoss(RankLossBase):
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = self.normalized_with_distance_stats(embeddings, ref_emb)
-        ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self,
-                                  num_positives, self.num_bins)
+        ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self, num_positives, self.num_bins)
         return {
             "loss": {
                 "losses": 1 - ap[has_positive],
@@ -149,8 +148,9 @@ class FastAPFunction(torch.autograd.Function):
             upper_weight.masked_fill_(flat_bin == num_bins, 1.0)
             flat_bin.clamp_(max=num_bins - 1)
         _leave_out(upper_weight, excluded, exclude_self)
-        flat_bin += torch.arange(0, n * num_centres, num_centres, dtype=torch.int32,
-                                 device=flat_bin.device).unsqueeze(1)
+        flat_bin += torch.arange(0, n * num_centres, num_centres, dtype=torch.int32, device=flat_bin.device).unsqueeze(
+            1
+        )
 
         positive_pairs = positive.view(-1).nonzero().squeeze(1)
         flat_bin = flat_bin.view(-1)
@@ -175,8 +175,7 @@ class FastAPFunction(torch.autograd.Function):
         # Route positive pairs to the second half of the backward's slope table.
         flat_bin[positive_pairs] += n * num_centres
         flat_bin = flat_bin.view(positive.shape)
-        ctx.save_for_backward(queries, references, flat_bin, excluded, pos_hist, pos_cum,
-                              inv_cum, all_hist, scale)
+        ctx.save_for_backward(queries, references, flat_bin, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale)
         ctx.exclude_self = exclude_self
         ctx.delta = delta
         ctx.same = references is queries

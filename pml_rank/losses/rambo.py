@@ -200,8 +200,7 @@ class RaMBORecallLoss(_RaMBOLoss):
     the current batch.
     """
 
-    def __init__(self, lambda_val=0.2, margin=0.02, weighting="log", memory_size=3, memory_variant="extend",
-                 **kwargs):
+    def __init__(self, lambda_val=0.2, margin=0.02, weighting="log", memory_size=3, memory_variant="extend", **kwargs):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
         if weighting not in ("log", "loglog"):
             raise ValueError(f"RaMBORecallLoss: weighting must be 'log' or 'loglog', got {weighting!r}")
@@ -212,7 +211,8 @@ class RaMBORecallLoss(_RaMBOLoss):
         """ℓ per positive pair, with its (row, column) index; r is multiplied by `r_scale`."""
         shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
-            shifted, positives, self.lambda_val, self._loss_scale)
+            shifted, positives, self.lambda_val, self._loss_scale
+        )
         # r = rank among all − rank among positives (eq. 17), as counts.
         negatives_above = (ranks * scores.shape[-1] - among_positives.to(scores.dtype)) * r_scale
         self.mean_negatives_above = float(negatives_above.detach().mean())
@@ -253,11 +253,13 @@ class RaMBOAPLoss(_RaMBOLoss):
 
     def losses_per_query(self, scores, positives, exclude_self):
         precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale)
+            scores, positives, self.lambda_val, self.margin, self._loss_scale
+        )
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
     def mean_over_rows(self, scores, positives):
         precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale)
+            scores, positives, self.lambda_val, self.margin, self._loss_scale
+        )
         return 1 - precision[has_positive].mean()

@@ -67,9 +67,20 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     _name = "HardNegativeClassSampler"  # for error messages
 
-    def __init__(self, labels, classes_per_batch, candidate_classes=None, examples_per_class=1,
-                 batches_per_epoch=None, refresh_every=None, distance=None, embed_fn=None, seed=0,
-                 num_replicas=None, rank=None):
+    def __init__(
+        self,
+        labels,
+        classes_per_batch,
+        candidate_classes=None,
+        examples_per_class=1,
+        batches_per_epoch=None,
+        refresh_every=None,
+        distance=None,
+        embed_fn=None,
+        seed=0,
+        num_replicas=None,
+        rank=None,
+    ):
         labels = np.asarray(labels.cpu() if torch.is_tensor(labels) else labels)
         if labels.ndim != 1:
             raise ValueError(f"{self._name}: labels must be one-dimensional, got shape {labels.shape}")
@@ -79,22 +90,30 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         if too_small:
             listed = ", ".join(f"label {label} ({count} example)" for label, count in too_small[:10])
             more = f" and {len(too_small) - 10} more" if len(too_small) > 10 else ""
-            raise ValueError(f"{self._name}: every class needs at least two examples; "
-                             f"{len(too_small)} of {num_classes} classes have fewer: {listed}{more}")
+            raise ValueError(
+                f"{self._name}: every class needs at least two examples; "
+                f"{len(too_small)} of {num_classes} classes have fewer: {listed}{more}"
+            )
         if not 2 <= classes_per_batch <= num_classes:
-            raise ValueError(f"{self._name}: classes_per_batch={classes_per_batch} must be between 2 "
-                             f"and the number of classes ({num_classes})")
+            raise ValueError(
+                f"{self._name}: classes_per_batch={classes_per_batch} must be between 2 "
+                f"and the number of classes ({num_classes})"
+            )
         if candidate_classes is None:
             candidate_classes = min(num_classes, DEFAULT_CANDIDATES_PER_CLASS * classes_per_batch)
         if not classes_per_batch <= candidate_classes <= num_classes:
-            raise ValueError(f"{self._name}: candidate_classes={candidate_classes} must be between "
-                             f"classes_per_batch ({classes_per_batch}) and the number of classes ({num_classes})")
+            raise ValueError(
+                f"{self._name}: candidate_classes={candidate_classes} must be between "
+                f"classes_per_batch ({classes_per_batch}) and the number of classes ({num_classes})"
+            )
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         num_replicas = num_replicas or (torch.distributed.get_world_size() if distributed else 1)
         rank = (torch.distributed.get_rank() if distributed else 0) if rank is None else rank
         if classes_per_batch % num_replicas or not 0 <= rank < num_replicas:
-            raise ValueError(f"{self._name}: classes_per_batch={classes_per_batch} must be a multiple of "
-                             f"num_replicas={num_replicas}, and rank={rank} in [0, {num_replicas})")
+            raise ValueError(
+                f"{self._name}: classes_per_batch={classes_per_batch} must be a multiple of "
+                f"num_replicas={num_replicas}, and rank={rank} in [0, {num_replicas})"
+            )
         if examples_per_class not in (1, 2):
             raise ValueError(f"{self._name}: examples_per_class={examples_per_class} must be 1 or 2")
         if batches_per_epoch is None:
@@ -124,9 +143,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self._attached_trainer = None
         self._class_embeddings = None
         # Batch count at which each class was last embedded (never: far in the past).
-        self._embedded_at = np.full(num_classes, -2**62, dtype=np.int64)
-        c_f.add_to_recordable_attributes(
-            self, list_of_names=["mining_seconds", "mined_batches", "embedded_examples"])
+        self._embedded_at = np.full(num_classes, -(2**62), dtype=np.int64)
+        c_f.add_to_recordable_attributes(self, list_of_names=["mining_seconds", "mined_batches", "embedded_examples"])
 
     def __len__(self):
         return self.batches_per_epoch * 2 * self.classes_per_batch // self.num_replicas
@@ -134,8 +152,7 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch):
         self.epoch = epoch
 
-    _STATE = ("epoch", "mining_seconds", "mined_batches", "embedded_examples",
-              "_embedded_at", "_class_embeddings")
+    _STATE = ("epoch", "mining_seconds", "mined_batches", "embedded_examples", "_embedded_at", "_class_embeddings")
 
     def state_dict(self):
         return {name: copy.deepcopy(getattr(self, name)) for name in self._STATE}
@@ -157,12 +174,11 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             self.mining_seconds += time.perf_counter() - start
             self.mined_batches += 1
             shard = len(batch) // self.num_replicas
-            yield from batch[self.rank * shard:(self.rank + 1) * shard].tolist()
+            yield from batch[self.rank * shard : (self.rank + 1) * shard].tolist()
 
     # --- attaching a model -------------------------------------------------------------
 
-    def attach(self, model, dataset, device=None, collate_fn=None, data_getter=None,
-               batch_size=256, modules=None):
+    def attach(self, model, dataset, device=None, collate_fn=None, data_getter=None, batch_size=256, modules=None):
         """Mine with ``model`` (a callable mapping a batch of inputs to embeddings) on
         ``dataset``: items are collated with ``collate_fn`` (default: PyTorch's),
         ``data_getter(batch)`` picks the inputs (default: ``batch[0]``) and they are
@@ -197,9 +213,14 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
                 f"hold 2 * classes_per_batch{per_process} = {expected} samples; "
                 f"use batch_size={expected} or classes_per_batch={trainer.batch_size * self.num_replicas // 2}"
             )
-        self.attach(trainer.compute_embeddings, trainer.dataset, collate_fn=trainer.collate_fn,
-                    data_getter=lambda batch: trainer.data_and_label_getter(batch)[0],
-                    batch_size=batch_size, modules=list(trainer.models.values()))
+        self.attach(
+            trainer.compute_embeddings,
+            trainer.dataset,
+            collate_fn=trainer.collate_fn,
+            data_getter=lambda batch: trainer.data_and_label_getter(batch)[0],
+            batch_size=batch_size,
+            modules=list(trainer.models.values()),
+        )
         self._attached_trainer = trainer
 
     def end_of_iteration_hook(self, trainer):
@@ -232,12 +253,15 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             embeddings = self._embed(examples)
             check_embeddings(self._name, embeddings=embeddings)
             if embeddings.ndim != 2 or len(embeddings) != len(examples):
-                raise ValueError(f"{self._name}: the model returned shape {tuple(embeddings.shape)} for "
-                                 f"{len(examples)} examples; expected ({len(examples)}, dim)")
+                raise ValueError(
+                    f"{self._name}: the model returned shape {tuple(embeddings.shape)} for "
+                    f"{len(examples)} examples; expected ({len(examples)}, dim)"
+                )
             if self._class_embeddings is None:
                 self._class_embeddings = embeddings.new_zeros(len(self._class_sizes), embeddings.shape[1])
-            self._class_embeddings[torch.from_numpy(stale).to(embeddings.device)] = (
-                embeddings.reshape(len(stale), self.examples_per_class, -1).mean(dim=1))
+            self._class_embeddings[torch.from_numpy(stale).to(embeddings.device)] = embeddings.reshape(
+                len(stale), self.examples_per_class, -1
+            ).mean(dim=1)
             self._embedded_at[stale] = batch_number
             self.embedded_examples += len(examples)
         return self._class_embeddings[torch.from_numpy(candidates).to(self._class_embeddings.device)]

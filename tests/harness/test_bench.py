@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from pml_rank.harness import bench
 from pml_rank.cli import main
+from pml_rank.harness import bench
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
 from pml_rank.plugins import registry
-
 
 # As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,8 +40,18 @@ def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyp
     folds, _ = test_set_and_folds(small_glyphs, num_folds=2)
     train_set, val_set = folds[0]
     torch.manual_seed(0)
-    result = train_model(triplet_loss(), train_set, trunk=SmallCNN(), val_set=val_set, epochs=3,
-                         iterations_per_epoch=4, batch_size=16, folder=tmp_path, log_freq=1, seed=0)
+    result = train_model(
+        triplet_loss(),
+        train_set,
+        trunk=SmallCNN(),
+        val_set=val_set,
+        epochs=3,
+        iterations_per_epoch=4,
+        batch_size=16,
+        folder=tmp_path,
+        log_freq=1,
+        seed=0,
+    )
     assert [entry["epoch"] for entry in result.history] == [1, 2, 3]
     for entry in result.history:
         assert set(METRICS) <= set(entry) and all(0 <= entry[m] <= 1 for m in METRICS)
@@ -73,8 +82,15 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
         seen.append(set(train_set.labels.tolist()))
         return bench.m_per_class(4)(train_set, batch_size)
 
-    result = run_protocol(small_glyphs, Recipe(make_loss=triplet_loss, make_sampler=make_sampler), SmallCNN,
-                          num_folds=4, epochs=1, iterations_per_epoch=2, batch_size=16)
+    result = run_protocol(
+        small_glyphs,
+        Recipe(make_loss=triplet_loss, make_sampler=make_sampler),
+        SmallCNN,
+        num_folds=4,
+        epochs=1,
+        iterations_per_epoch=2,
+        batch_size=16,
+    )
     # The first 8 classes train and validate (two per partition), the other 8 are tested.
     assert seen == [set(range(8)) - {2 * k, 2 * k + 1} for k in range(4)]
     assert len(result.per_model) == 4 and len(result.histories) == 4
@@ -97,8 +113,26 @@ def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
 
 def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["bench", "pml:TripletMarginLoss", "--classes", "24", "--seeds", "2", "--epochs", "2",
-                 "--iterations", "2", "--batch-size", "16", "--cache-dir", str(glyph_cache), "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "pml:TripletMarginLoss",
+            "--classes",
+            "24",
+            "--seeds",
+            "2",
+            "--epochs",
+            "2",
+            "--iterations",
+            "2",
+            "--batch-size",
+            "16",
+            "--cache-dir",
+            str(glyph_cache),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "MAP@R" in printed and "pml:TripletMarginLoss" in printed and "±" in printed
@@ -128,8 +162,16 @@ def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cac
     # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
     # the reduced budget is enough to learn something at all.
     contenders = pml_rank_losses() + ["pml:TripletMarginLoss"]
-    result = bench.run_bench(contenders, epochs=3, iterations_per_epoch=20, seeds=1, num_folds=2,
-                             num_classes=120, cache_dir=glyph_cache, progress=False)
+    result = bench.run_bench(
+        contenders,
+        epochs=3,
+        iterations_per_epoch=20,
+        seeds=1,
+        num_folds=2,
+        num_classes=120,
+        cache_dir=glyph_cache,
+        progress=False,
+    )
     summary = result.summary()
     map_at_r = "mean_average_precision_at_r"
     raw = summary[bench.RAW_INPUT]["separated"][map_at_r][0]
@@ -151,12 +193,16 @@ def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
         return {kind: {m: float(rng.uniform(0.2, 0.6)) for m in METRICS} for kind in ("concatenated", "separated")}
 
     def history():
-        return [[{"epoch": e, "loss": float(rng.uniform(0.5, 1)), **{m: float(rng.uniform(0.2, 0.6)) for m in METRICS}}
-                 for e in range(1, epochs + 1)] for _ in range(2)]
+        return [
+            [
+                {"epoch": e, "loss": float(rng.uniform(0.5, 1)), **{m: float(rng.uniform(0.2, 0.6)) for m in METRICS}}
+                for e in range(1, epochs + 1)
+            ]
+            for _ in range(2)
+        ]
 
     names = [bench.RAW_INPUT, bench.UNTRAINED, *rows]
-    runs = {name: [accuracies()] if name == bench.RAW_INPUT else [accuracies() for _ in range(seeds)]
-            for name in names}
+    runs = {name: [accuracies()] if name == bench.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names}
     histories = {name: [] if name == bench.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
     config = dict(bench.DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None, threads=3)
     return bench.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names}, 9.0)
@@ -210,8 +256,18 @@ def test_json_records_the_threads(tmp_path):
 
 
 def test_run_bench_records_the_threads_it_used(glyph_cache, monkeypatch):
-    result = bench.run_bench(["pml:TripletMarginLoss"], epochs=1, iterations_per_epoch=1, seeds=1, num_folds=2,
-                             num_classes=16, batch_size=8, cache_dir=glyph_cache, threads=2, progress=False)
+    result = bench.run_bench(
+        ["pml:TripletMarginLoss"],
+        epochs=1,
+        iterations_per_epoch=1,
+        seeds=1,
+        num_folds=2,
+        num_classes=16,
+        batch_size=8,
+        cache_dir=glyph_cache,
+        threads=2,
+        progress=False,
+    )
     assert result.config["threads"] == 2 == torch.get_num_threads()
 
 

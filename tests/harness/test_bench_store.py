@@ -26,8 +26,15 @@ def glyph_cache(tmp_path_factory):
 
 
 def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache):
-    kwargs = dict(epochs=1, iterations_per_epoch=3, seeds=2, num_classes=24, cache_dir=glyph_cache, progress=False,
-                  params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}})
+    kwargs = dict(
+        epochs=1,
+        iterations_per_epoch=3,
+        seeds=2,
+        num_classes=24,
+        cache_dir=glyph_cache,
+        progress=False,
+        params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}},
+    )
     serial = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=1, **kwargs)
     parallel = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=2, **kwargs)
     assert serial.rows == parallel.rows
@@ -47,10 +54,22 @@ def store_rows(out):
 
 def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache):
     out = tmp_path / "out"
-    args = [str(PML_RANK), "bench", "pml:TripletMarginLoss", "--seeds", "3", "--workers", "1", "--untuned", *TINY,
-            "--cache-dir", str(glyph_cache), "--out", str(out)]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    args = [
+        str(PML_RANK),
+        "bench",
+        "pml:TripletMarginLoss",
+        "--seeds",
+        "3",
+        "--workers",
+        "1",
+        "--untuned",
+        *TINY,
+        "--cache-dir",
+        str(glyph_cache),
+        "--out",
+        str(out),
+    ]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(r["row"] == "pml:TripletMarginLoss" for r in store_rows(out)):
         time.sleep(0.05)
@@ -70,8 +89,9 @@ def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, g
         assert triplet["runs"][record["seed"]] == record["run"]
     assert len([r for r in store_rows(out) if r["row"] == "pml:TripletMarginLoss"]) == 3
 
-    changed = subprocess.run([*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True,
-                             timeout=300)
+    changed = subprocess.run(
+        [*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True, timeout=300
+    )
     assert changed.returncode == 2 and "another configuration" in changed.stderr
     assert "epochs 1 there, 2 now" in changed.stderr
     assert (out / "bench.json").read_text() == json.dumps(payload, indent=1)  # nothing overwritten
@@ -82,9 +102,28 @@ def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph
     params = {"lambda_val": 4.0, "margin": 0.05, "memory_size": 0, "weighting": "loglog"}
     tuned.write_text(json.dumps({"RaMBORecallLoss": {"params": params, "value": 0.5, "trials": 20, "study": "s"}}))
     out = tmp_path / "out"
-    result = subprocess.run([str(PML_RANK), "bench", "--params", str(tuned), "RaMBORecallLoss", "pml:TripletMarginLoss",
-                             "--seeds", "1", "--workers", "1", *TINY, "--cache-dir",
-                             str(glyph_cache), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            str(PML_RANK),
+            "bench",
+            "--params",
+            str(tuned),
+            "RaMBORecallLoss",
+            "pml:TripletMarginLoss",
+            "--seeds",
+            "1",
+            "--workers",
+            "1",
+            *TINY,
+            "--cache-dir",
+            str(glyph_cache),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tuned (tuned.json): lambda_val=4" in result.stdout
     rows = {row["row"]: row for row in json.loads((out / "bench.json").read_text())["rows"]}

@@ -7,9 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pml_rank.harness.evaluation import (METRICS, LabelledSubset, accuracy, class_disjoint_split, class_partitions,
-                                 concatenate, concatenated_and_separated, cross_validation_folds, mean_and_ci,
-                                 summarize)
+from pml_rank.harness.evaluation import (
+    METRICS,
+    LabelledSubset,
+    accuracy,
+    class_disjoint_split,
+    class_partitions,
+    concatenate,
+    concatenated_and_separated,
+    cross_validation_folds,
+    mean_and_ci,
+    summarize,
+)
 
 # ---- splits ---------------------------------------------------------------------------------
 
@@ -83,15 +92,18 @@ def retrieval(correct_ranks, same_class=10, results=10):
     return query, np.array([0]), reference, np.array(labels)
 
 
-@pytest.mark.parametrize("correct, p_at_1, r_precision, map_at_r", [
-    # The Reality Check paper's table: 10 results, R = 10.
-    ({1}, 1.0, 0.1, 0.1),
-    ({1, 10}, 1.0, 0.2, (1 / 1 + 2 / 10) / 10),
-    ({1, 2}, 1.0, 0.2, (1 / 1 + 2 / 2) / 10),
-    (set(range(1, 11)), 1.0, 1.0, 1.0),
-    # A miss first: P@1 0; hits at 2 and 3 give (1/2 + 2/3) / 10.
-    ({2, 3}, 0.0, 0.2, (1 / 2 + 2 / 3) / 10),
-])
+@pytest.mark.parametrize(
+    "correct, p_at_1, r_precision, map_at_r",
+    [
+        # The Reality Check paper's table: 10 results, R = 10.
+        ({1}, 1.0, 0.1, 0.1),
+        ({1, 10}, 1.0, 0.2, (1 / 1 + 2 / 10) / 10),
+        ({1, 2}, 1.0, 0.2, (1 / 1 + 2 / 2) / 10),
+        (set(range(1, 11)), 1.0, 1.0, 1.0),
+        # A miss first: P@1 0; hits at 2 and 3 give (1/2 + 2/3) / 10.
+        ({2, 3}, 0.0, 0.2, (1 / 2 + 2 / 3) / 10),
+    ],
+)
 def test_metrics_reproduce_the_reality_check_worked_table(correct, p_at_1, r_precision, map_at_r):
     query, query_labels, reference, reference_labels = retrieval(correct)
     result = accuracy(query, query_labels, reference, reference_labels)
@@ -144,8 +156,10 @@ def test_concatenated_and_separated():
 
 def test_mean_and_ci_uses_students_t_closed_forms():
     # Two values: 1 degree of freedom, the Cauchy quantile tan(pi (p - 1/2)); three: (2p-1) / sqrt(2p(1-p)).
-    for values, quantile in (([1.0, 3.0], math.tan(math.pi * 0.475)),
-                             ([1.0, 2.0, 4.0], 0.95 / math.sqrt(2 * 0.975 * 0.025))):
+    for values, quantile in (
+        ([1.0, 3.0], math.tan(math.pi * 0.475)),
+        ([1.0, 2.0, 4.0], 0.95 / math.sqrt(2 * 0.975 * 0.025)),
+    ):
         sem = np.std(values, ddof=1) / math.sqrt(len(values))
         assert mean_and_ci(values)[1] == pytest.approx(quantile * sem, rel=1e-9)
 
@@ -163,8 +177,7 @@ def test_mean_and_ci_by_hand():
 
 
 def test_summarize_over_runs():
-    runs = [{"concatenated": {m: v for m in METRICS}, "separated": {m: v / 2 for m in METRICS}}
-            for v in (0.2, 0.4)]
+    runs = [{"concatenated": {m: v for m in METRICS}, "separated": {m: v / 2 for m in METRICS}} for v in (0.2, 0.4)]
     summary = summarize(runs)
     for m in METRICS:
         assert summary["concatenated"][m] == pytest.approx(mean_and_ci([0.2, 0.4]))

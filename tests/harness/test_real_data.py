@@ -68,8 +68,10 @@ def test_cars_split_is_first_98_classes_then_last_98_across_both_folders(data_ro
 def test_sop_reads_the_ebay_lists_written_as_in_the_real_archive(tmp_path):
     # The real files' first lines, written here by hand (not by tiny_layouts).
     base = tmp_path / "Stanford_Online_Products"
-    train = "image_id class_id super_class_id path\n1 1 1 bicycle_final/111085122871_0.JPG\n" \
-            "2 1 1 bicycle_final/111085122871_1.JPG\n3 2 1 bicycle_final/111265328556_0.JPG\n"
+    train = (
+        "image_id class_id super_class_id path\n1 1 1 bicycle_final/111085122871_0.JPG\n"
+        "2 1 1 bicycle_final/111085122871_1.JPG\n3 2 1 bicycle_final/111265328556_0.JPG\n"
+    )
     test = "image_id class_id super_class_id path\n59552 11319 1 bicycle_final/111085122871_2.JPG\n"
     (base / "bicycle_final").mkdir(parents=True)
     (base / "Ebay_train.txt").write_text(train)
@@ -128,12 +130,15 @@ def test_a_split_that_does_not_exist_is_refused(data_root):
         real.load("cub", data_root, "train")
 
 
-@pytest.mark.parametrize("name, folder, what", [
-    ("cub200", "CUB_200_2011", "CUB_200_2011.tgz"),
-    ("cars196", "cars196", "stanford-car-dataset-by-classes-folder"),
-    ("sop", "Stanford_Online_Products", "Stanford_Online_Products.zip"),
-    ("inshop", "InShop", "list_eval_partition.txt"),
-])
+@pytest.mark.parametrize(
+    "name, folder, what",
+    [
+        ("cub200", "CUB_200_2011", "CUB_200_2011.tgz"),
+        ("cars196", "cars196", "stanford-car-dataset-by-classes-folder"),
+        ("sop", "Stanford_Online_Products", "Stanford_Online_Products.zip"),
+        ("inshop", "InShop", "list_eval_partition.txt"),
+    ],
+)
 def test_missing_data_set_says_what_to_download_and_where(tmp_path, name, folder, what):
     with pytest.raises(real.DataSetNotFoundError) as error:
         real.load(name, tmp_path, "train")
@@ -163,8 +168,9 @@ def test_a_partly_extracted_data_set_names_the_missing_images(tmp_path):
 def test_loaders_feed_a_pml_sampler_and_dataloader(data_root):
     from pytorch_metric_learning.samplers import MPerClassSampler
 
-    dataset = real.load("sop", data_root, "train",
-                        transform=transforms.Compose([transforms.Resize(16), transforms.ToTensor()]))
+    dataset = real.load(
+        "sop", data_root, "train", transform=transforms.Compose([transforms.Resize(16), transforms.ToTensor()])
+    )
     sampler = MPerClassSampler(dataset.labels, m=2, batch_size=8, length_before_new_iter=16)
     images, labels = next(iter(torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)))
     assert images.shape == (8, 3, 16, 16)

@@ -29,8 +29,9 @@ def load(name):
 
 
 def test_every_reproduced_table_has_a_script():
-    assert {"auc_cub200", "rambo_retrieval", "rambo_ablation", "npair_table2", "fastap_sop",
-            "reality_check"} <= set(SCRIPTS)
+    assert {"auc_cub200", "rambo_retrieval", "rambo_ablation", "npair_table2", "fastap_sop", "reality_check"} <= set(
+        SCRIPTS
+    )
     datasets = {name: set(load(name).variants) for name in SCRIPTS}
     assert datasets["auc_cub200"] == {"cub200", "cub200-cropped"}
     assert datasets["reality_check"] == {"cub200", "cars196", "sop"}
@@ -55,8 +56,11 @@ def _check_output(script, variant, out_dir, stdout, expect_rows):
     result = json.loads(path.read_text())
     assert set(result["ours"]) == expect_rows
     for values in result["ours"].values():
-        flat = [v for kind in values.values() for v in kind.values()] if "concatenated" in values else \
-            list(values.values())
+        flat = (
+            [v for kind in values.values() for v in kind.values()]
+            if "concatenated" in values
+            else list(values.values())
+        )
         for value in flat:
             value = value[0] if isinstance(value, list) else value
             assert 0 <= value <= 100
@@ -79,8 +83,7 @@ def test_smoke_run_of_every_script(name, tmp_path, capsys):
 
 def test_smoke_reads_a_query_gallery_data_set(tmp_path, capsys):
     script = load("rambo_ablation")
-    code = script.main(["--smoke", "--dataset", "inshop", "--only", "margin=0",
-                        "--out", str(tmp_path)])
+    code = script.main(["--smoke", "--dataset", "inshop", "--only", "margin=0", "--out", str(tmp_path)])
     assert code == 0
     assert "In-shop" in capsys.readouterr().out
 
@@ -88,9 +91,10 @@ def test_smoke_reads_a_query_gallery_data_set(tmp_path, capsys):
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_missing_data_gives_the_download_instructions_not_a_traceback(name, tmp_path, capsys):
     script = load(name)
-    for dataset, variant in script.variants.items():
-        code = script.main(["--dataset", dataset, "--data-root", str(tmp_path), "--random-init",
-                            "--out", str(tmp_path)])
+    for dataset in script.variants:
+        code = script.main(
+            ["--dataset", dataset, "--data-root", str(tmp_path), "--random-init", "--out", str(tmp_path)]
+        )
         err = capsys.readouterr().err
         assert code == 2
         layout = reproduce.DATASETS[dataset].layout
@@ -113,7 +117,8 @@ def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys
     variant = next(iter(script.variants.values()))
     missing = reproduce.Run("missing", loss="NoSuchLoss")
     script = reproduce.dataclasses.replace(
-        script, variants={variant.dataset: reproduce.dataclasses.replace(variant, runs=(missing,))})
+        script, variants={variant.dataset: reproduce.dataclasses.replace(variant, runs=(missing,))}
+    )
     code = script.main(["--smoke", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
@@ -124,8 +129,7 @@ def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_script_runs_from_the_command_line(name):
     """As the README says to run them: `python examples/<name>.py --help` from a clone."""
-    result = subprocess.run([sys.executable, str(SCRIPTS[name]), "--help"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, str(SCRIPTS[name]), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--data-root" in result.stdout and "--smoke" in result.stdout
 
@@ -212,8 +216,15 @@ def test_frozen_batchnorm_is_pmls_trainer_option(freeze):
     trunk = backbones.TinyTrunk()
     batchnorm = next(m for m in trunk.modules() if isinstance(m, torch.nn.BatchNorm2d))
     before = batchnorm.running_mean.clone()
-    train_model(ContrastiveLoss(), _Images(), trunk=trunk, epochs=1, batch_size=8, iterations_per_epoch=2,
-                freeze_trunk_batchnorm=freeze)
+    train_model(
+        ContrastiveLoss(),
+        _Images(),
+        trunk=trunk,
+        epochs=1,
+        batch_size=8,
+        iterations_per_epoch=2,
+        freeze_trunk_batchnorm=freeze,
+    )
     assert torch.equal(batchnorm.running_mean, before) == freeze
 
 
@@ -230,8 +241,16 @@ def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch():
         scheduler.step = lambda *a: (seen.append(optimizer.param_groups[0]["lr"]), step(*a))
         return scheduler
 
-    train_model(ContrastiveLoss(), _Images(), trunk=backbones.TinyTrunk(), epochs=3, batch_size=8,
-                iterations_per_epoch=2, make_lr_scheduler=make_lr_scheduler, lr=1.0)
+    train_model(
+        ContrastiveLoss(),
+        _Images(),
+        trunk=backbones.TinyTrunk(),
+        epochs=3,
+        batch_size=8,
+        iterations_per_epoch=2,
+        make_lr_scheduler=make_lr_scheduler,
+        lr=1.0,
+    )
     assert seen == [1.0, 1.0, pytest.approx(0.3)]
 
 
@@ -253,8 +272,17 @@ def test_test_classes_get_the_evaluation_transform():
 
 
 def test_embedding_layer_gets_its_learning_rate_factor():
-    setup = reproduce.Setup(backbone="tiny", embedding_size=4, batch_size=8, samples_per_class=4,
-                            optimizer="adam", lr=1e-3, epochs=1, embedder_lr_factor=10, weight_decay=4e-4)
+    setup = reproduce.Setup(
+        backbone="tiny",
+        embedding_size=4,
+        batch_size=8,
+        samples_per_class=4,
+        optimizer="adam",
+        lr=1e-3,
+        epochs=1,
+        embedder_lr_factor=10,
+        weight_decay=4e-4,
+    )
     models = backbones.build_models("tiny", 4, pretrained=False)
     make = reproduce._optimizer_factory(setup, models["embedder"])
     assert make(models["trunk"].parameters(), 1e-3).param_groups[0]["lr"] == pytest.approx(1e-3)

@@ -24,8 +24,9 @@ def test_peak_memory_of_a_cheap_function_is_small():
 
 
 def test_speed_command_times_a_registered_loss_and_writes_json(tmp_path, capsys):
-    code = cli.main(["speed", "BinomialDevianceLoss", "--sizes", "16", "32", "--dim", "8",
-                     "--repeats", "2", "--out", str(tmp_path)])
+    code = cli.main(
+        ["speed", "BinomialDevianceLoss", "--sizes", "16", "32", "--dim", "8", "--repeats", "2", "--out", str(tmp_path)]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "time/floor" in out and "memory/floor" in out
@@ -34,16 +35,14 @@ def test_speed_command_times_a_registered_loss_and_writes_json(tmp_path, capsys)
     for row in result["rows"]:
         assert set(row["seconds"]) == {"ours", "floor"}
         # The median of the per-round ratios, not the ratio of the medians.
-        assert row["ratios"]["time_vs_floor"] == pytest.approx(
-            statistics.median(row["round_ratios"]["time_vs_floor"]))
+        assert row["ratios"]["time_vs_floor"] == pytest.approx(statistics.median(row["round_ratios"]["time_vs_floor"]))
 
 
 def test_speed_case_with_all_contenders_reports_every_ratio(monkeypatch):
     def factory(scale):
-        return lambda: (lambda e, labels: (e * scale).pow(2).sum())
+        return lambda: lambda e, labels: (e * scale).pow(2).sum()
 
-    case = speed.SpeedCase(ours=factory(1.0), pml=factory(2.0), reference=factory(3.0),
-                           reference_max_size=16)
+    case = speed.SpeedCase(ours=factory(1.0), pml=factory(2.0), reference=factory(3.0), reference_max_size=16)
     monkeypatch.setitem(speed.CASES, "Toy", case)
     result = speed.measure("Toy", sizes=(8, 32), dim=4, repeats=2, progress=False)
     small, large = result["rows"]
@@ -77,8 +76,7 @@ def test_peak_memory_sees_temporaries_freed_inside_a_custom_function():
 def test_ratios_are_per_round_and_pooled_over_runs():
     # Two runs of three rounds; ours takes twice the floor's time except in one noisy
     # round, which a ratio of medians would blur and per-round ratios keep apart.
-    runs = [{"ours": [2.0, 4.0, 2.2], "floor": [1.0, 2.0, 1.0]},
-            {"ours": [9.0, 2.0, 2.0], "floor": [1.0, 1.0, 1.0]}]
+    runs = [{"ours": [2.0, 4.0, 2.2], "floor": [1.0, 2.0, 1.0]}, {"ours": [9.0, 2.0, 2.0], "floor": [1.0, 1.0, 1.0]}]
     stats, run_medians, raw = speed._aggregate(runs, [("time_vs_floor", "ours", "floor")])
     assert raw["time_vs_floor"] == pytest.approx([2.0, 2.0, 2.2, 9.0, 2.0, 2.0])
     assert stats["time_vs_floor"] == pytest.approx({"median": 2.0, "min": 2.0, "max": 9.0})
@@ -110,6 +108,7 @@ def test_underflow_case_times_the_loss_on_normal_and_scaled_inputs(monkeypatch):
         def loss(e, labels):
             seen.append(float(e.detach().abs().max()))
             return e.pow(2).sum()
+
         return loss
 
     monkeypatch.setitem(speed.CASES, "Toy", speed.SpeedCase(ours=factory, underflow_scale=1000.0))
@@ -135,14 +134,33 @@ def test_every_case_has_underflow_inputs_and_auc_a_steeper_sigmoid():
 
 def test_report_names_the_command_date_and_machine(tmp_path, capsys):
     stem = tmp_path / "results" / "speed"
-    code = cli.main(["speed", "BinomialDevianceLoss", "--sizes", "16", "--dim", "8", "--repeats", "2",
-                     "--runs", "2", "--underflow", "--out", str(tmp_path), "--report", str(stem)])
+    code = cli.main(
+        [
+            "speed",
+            "BinomialDevianceLoss",
+            "--sizes",
+            "16",
+            "--dim",
+            "8",
+            "--repeats",
+            "2",
+            "--runs",
+            "2",
+            "--underflow",
+            "--out",
+            str(tmp_path),
+            "--report",
+            str(stem),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "No slow path" in out and "underflow/normal" in out
     report = json.loads(stem.with_suffix(".json").read_text())
-    assert report["command"] == ("pml-rank speed BinomialDevianceLoss --sizes 16 --dim 8 --repeats 2 --runs 2 "
-                                 f"--underflow --out {tmp_path} --report {stem}")
+    assert report["command"] == (
+        "pml-rank speed BinomialDevianceLoss --sizes 16 --dim 8 --repeats 2 --runs 2 "
+        f"--underflow --out {tmp_path} --report {stem}"
+    )
     assert report["date"] and report["machine"]["cpu_count"] and report["machine"]["torch"] == torch.__version__
     assert [r["loss"] for r in report["results"]] == ["BinomialDevianceLoss"]
     assert len(report["results"][0]["rows"][0]["round_ratios"]["time_vs_floor"]) == 4

@@ -31,8 +31,12 @@ def glyph_cache(tmp_path_factory):
 
 
 def run_tune(*args, cache, check=True, timeout=300):
-    result = subprocess.run([str(PML_RANK), "tune", *args, *TINY, "--cache-dir", str(cache)], capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [str(PML_RANK), "tune", *args, *TINY, "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -54,8 +58,18 @@ def finished(trials):
 
 def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache):
     url = f"sqlite:///{tmp_path / 't.db'}"
-    result = run_tune("RaMBORecallLoss", "--trials", "3", "--workers", "2", "--storage", url, "--out", str(tmp_path),
-                      cache=glyph_cache)
+    result = run_tune(
+        "RaMBORecallLoss",
+        "--trials",
+        "3",
+        "--workers",
+        "2",
+        "--storage",
+        url,
+        "--out",
+        str(tmp_path),
+        cache=glyph_cache,
+    )
     assert "RaMBORecallLoss" in result.stdout and "lambda_val" in result.stdout
     tuned = json.loads((tmp_path / "tuned.json").read_text())
     entry = tuned["RaMBORecallLoss"]
@@ -67,8 +81,18 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
     assert (tmp_path / "tune-RaMBORecallLoss.png").read_bytes()[:4] == b"\x89PNG"
     assert max(t.value for t in trials if t.value is not None) == pytest.approx(entry["value"])
 
-    run_tune("RaMBORecallLoss", "--trials", "4", "--workers", "1", "--storage", url, "--out", str(tmp_path),
-             cache=glyph_cache)
+    run_tune(
+        "RaMBORecallLoss",
+        "--trials",
+        "4",
+        "--workers",
+        "1",
+        "--storage",
+        url,
+        "--out",
+        str(tmp_path),
+        cache=glyph_cache,
+    )
     trials = trials_of(url, "RaMBORecallLoss")
     assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
     assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
@@ -87,8 +111,25 @@ def test_example_plugins_search_space_is_used(tmp_path, glyph_cache):
 
 def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache):
     url = f"sqlite:///{tmp_path / 't.db'}"
-    args = [str(PML_RANK), "tune", "pml:TripletMarginLoss", "--trials", "2", "--workers", "1", "--heartbeat", "1",
-            "--no-prune", "--storage", url, "--out", str(tmp_path), *TINY, "--cache-dir", str(glyph_cache)]
+    args = [
+        str(PML_RANK),
+        "tune",
+        "pml:TripletMarginLoss",
+        "--trials",
+        "2",
+        "--workers",
+        "1",
+        "--heartbeat",
+        "1",
+        "--no-prune",
+        "--storage",
+        url,
+        "--out",
+        str(tmp_path),
+        *TINY,
+        "--cache-dir",
+        str(glyph_cache),
+    ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -107,8 +148,21 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
         process.wait()
     assert "RUNNING" in states(trials_of(url, "pml:TripletMarginLoss"))
 
-    run_tune("pml:TripletMarginLoss", "--trials", "2", "--workers", "1", "--heartbeat", "1", "--no-prune",
-             "--storage", url, "--out", str(tmp_path), cache=glyph_cache)
+    run_tune(
+        "pml:TripletMarginLoss",
+        "--trials",
+        "2",
+        "--workers",
+        "1",
+        "--heartbeat",
+        "1",
+        "--no-prune",
+        "--storage",
+        url,
+        "--out",
+        str(tmp_path),
+        cache=glyph_cache,
+    )
     trials = trials_of(url, "pml:TripletMarginLoss")
     assert len(finished(trials)) == 2 and "RUNNING" not in states(trials)
     failed = [t for t in trials if t.state.name == "FAIL"]
@@ -119,10 +173,24 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
 
 def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache):
     url = f"sqlite:///{tmp_path / 't.db'}"
-    args = [str(PML_RANK), "tune", "pml:TripletMarginLoss", "--trials", "50", "--workers", "1", "--no-prune",
-            "--storage", url, "--out", str(tmp_path), *TINY, "--cache-dir", str(glyph_cache)]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    args = [
+        str(PML_RANK),
+        "tune",
+        "pml:TripletMarginLoss",
+        "--trials",
+        "50",
+        "--workers",
+        "1",
+        "--no-prune",
+        "--storage",
+        url,
+        "--out",
+        str(tmp_path),
+        *TINY,
+        "--cache-dir",
+        str(glyph_cache),
+    ]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -140,6 +208,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache):
 
 
 # ----------------------------------------------------------------------------- PostgreSQL
+
 
 def _free_port():
     with socket.socket() as s:
@@ -187,10 +256,16 @@ def postgres_url(tmp_path_factory):
                 os.chmod(parent, mode | 0o001)
         os.chown(root, user.pw_uid, user.pw_gid)
     port = _free_port()
-    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "pmlrank", "--auth=trust", "-E", "UTF8"], check=True,
-                   capture_output=True)
-    started = subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-o",
-                              f"-h 127.0.0.1 -p {port} -k {root}", "start"], capture_output=True, text=True)
+    subprocess.run(
+        [*prefix, initdb, "-D", str(data), "-U", "pmlrank", "--auth=trust", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+    )
+    started = subprocess.run(
+        [*prefix, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-o", f"-h 127.0.0.1 -p {port} -k {root}", "start"],
+        capture_output=True,
+        text=True,
+    )
     if started.returncode != 0:
         pytest.skip(f"PostgreSQL did not start: {started.stderr} {log.read_text() if log.exists() else ''}")
     try:
@@ -200,8 +275,18 @@ def postgres_url(tmp_path_factory):
 
 
 def test_two_workers_share_one_study_on_postgresql(tmp_path, glyph_cache, postgres_url):
-    result = run_tune("RaMBORecallLoss", "--trials", "3", "--workers", "2", "--storage", postgres_url,
-                      "--out", str(tmp_path), cache=glyph_cache)
+    result = run_tune(
+        "RaMBORecallLoss",
+        "--trials",
+        "3",
+        "--workers",
+        "2",
+        "--storage",
+        postgres_url,
+        "--out",
+        str(tmp_path),
+        cache=glyph_cache,
+    )
     trials = trials_of(postgres_url, "RaMBORecallLoss")
     assert len(finished(trials)) == 3 and "RUNNING" not in states(trials)
     assert len({t.user_attrs["worker"] for t in trials}) == 2

@@ -5,7 +5,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from pytorch_metric_learning import miners
@@ -15,9 +14,9 @@ from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
 from pml_rank import registry
 from pml_rank.harness import speed
+from pml_rank.harness.references.auc import auc_bh_loss
 from pml_rank.losses import AUCLoss
 from pml_rank.losses.auc import default_slope, exact_roc_area, relaxed_roc_area, slope_table, thresholds
-from pml_rank.harness.references.auc import auc_bh_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,10 +64,12 @@ def test_ref_emb_and_ref_labels_equal_algorithm_1():
     embeddings, labels = random_batch(2, size=10)
     ref_emb, ref_labels = random_batch(3, size=30)
     settings = dict(step=0.05, slope=20.0)
-    ours = value_and_grad(lambda: AUCLoss(**settings)(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels),
-                          embeddings, ref_emb)
+    ours = value_and_grad(
+        lambda: AUCLoss(**settings)(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels), embeddings, ref_emb
+    )
     reference = value_and_grad(
-        lambda: auc_bh_loss(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels, **settings), embeddings, ref_emb)
+        lambda: auc_bh_loss(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels, **settings), embeddings, ref_emb
+    )
     torch.testing.assert_close(ours, reference)
     assert ours[1][1].abs().sum() > 0  # the reference set gets gradients too
 
@@ -90,8 +91,10 @@ def test_all_pairs_as_indices_tuple_give_the_internal_loss():
     embeddings, labels = random_batch(6, size=30)
     loss = AUCLoss(step=0.05, slope=20.0)
     pairs = lmu.get_all_pairs_indices(labels)
-    torch.testing.assert_close(value_and_grad(lambda: loss(embeddings, labels, pairs), embeddings),
-                               value_and_grad(lambda: loss(embeddings, labels), embeddings))
+    torch.testing.assert_close(
+        value_and_grad(lambda: loss(embeddings, labels, pairs), embeddings),
+        value_and_grad(lambda: loss(embeddings, labels), embeddings),
+    )
 
 
 def test_mined_pairs_restrict_the_candidates():
@@ -118,13 +121,15 @@ def test_anchors_without_positive_or_negative_are_left_out():
     loss = AUCLoss(step=0.05, slope=20.0)
     ours = value_and_grad(lambda: loss(embeddings, labels), embeddings)
     assert loss.num_anchors == 9
-    torch.testing.assert_close(ours, value_and_grad(
-        lambda: auc_bh_loss(embeddings, labels, step=0.05, slope=20.0), embeddings))
+    torch.testing.assert_close(
+        ours, value_and_grad(lambda: auc_bh_loss(embeddings, labels, step=0.05, slope=20.0), embeddings)
+    )
     assert ours[1][0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("labels", [torch.arange(6), torch.zeros(6, dtype=torch.long)],
-                         ids=["no positives", "no negatives"])
+@pytest.mark.parametrize(
+    "labels", [torch.arange(6), torch.zeros(6, dtype=torch.long)], ids=["no positives", "no negatives"]
+)
 def test_batch_with_no_usable_anchor_gives_zero_loss(labels):
     embeddings = torch.randn(6, 4, requires_grad=True)
     loss_func = AUCLoss()
@@ -147,8 +152,9 @@ def test_default_relaxation_is_within_001_of_the_exact_area(noise, low, high, se
     relaxed = 1 - loss_func(embeddings, labels).item()
     anchors, positives, negatives = loss_func.hardest_triplets(embeddings, labels, None, embeddings, labels)
     normalized = torch.nn.functional.normalize(embeddings.detach(), dim=1)
-    exact = exact_roc_area((normalized[anchors] * normalized[positives]).sum(1),
-                           (normalized[anchors] * normalized[negatives]).sum(1)).item()
+    exact = exact_roc_area(
+        (normalized[anchors] * normalized[positives]).sum(1), (normalized[anchors] * normalized[negatives]).sum(1)
+    ).item()
     assert low < exact < high  # the batch is in the regime the test claims
     assert abs(relaxed - exact) < 0.01
 
@@ -193,21 +199,30 @@ def test_pairs_inside_the_last_interval_count():
 
 def test_steep_relaxation_of_well_spread_scores_is_the_exact_area():
     generator = torch.Generator().manual_seed(9)
-    hps, hns = torch.rand(50, generator=generator, dtype=torch.float64), torch.rand(60, generator=generator, dtype=torch.float64)
+    hps, hns = (
+        torch.rand(50, generator=generator, dtype=torch.float64),
+        torch.rand(60, generator=generator, dtype=torch.float64),
+    )
     hps, hns = (hps * 1.8 - 0.9), (hns * 1.8 - 0.9)
     hps, hns = hps[(hps * 1000 % 1 - 0.5).abs() < 0.3], hns[(hns * 1000 % 1 - 0.5).abs() < 0.3]  # off the grid
     area = relaxed_roc_area(hps, hns, thresholds(0.001, dtype=torch.float64), slope=1e6)
     assert area.item() == pytest.approx(exact_roc_area(hps, hns).item(), abs=1e-9)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(step=0), "step must be positive, got 0"),
-    (dict(step=0.03), r"\(t_max - t_min\) / step must be a whole number of at least 1, got \(1.0 - -1.0\) / 0.03 = 66.6667"),
-    (dict(t_min=1.0, t_max=-1.0), "t_min must be below t_max"),
-    (dict(slope=-2.0), "slope must be positive and finite, got -2.0"),
-    (dict(slope=float("inf")), "slope must be positive and finite"),
-    (dict(distance=LpDistance()), "the distance must be a similarity.*LpDistance"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(step=0), "step must be positive, got 0"),
+        (
+            dict(step=0.03),
+            r"\(t_max - t_min\) / step must be a whole number of at least 1, got \(1.0 - -1.0\) / 0.03 = 66.6667",
+        ),
+        (dict(t_min=1.0, t_max=-1.0), "t_min must be below t_max"),
+        (dict(slope=-2.0), "slope must be positive and finite, got -2.0"),
+        (dict(slope=float("inf")), "slope must be positive and finite"),
+        (dict(distance=LpDistance()), "the distance must be a similarity.*LpDistance"),
+    ],
+)
 def test_bad_parameters_are_rejected_by_name(kwargs, message):
     with pytest.raises(ValueError, match=rf"AUCLoss: {message}"):
         AUCLoss(**kwargs)
@@ -248,8 +263,12 @@ def test_records_statistics():
     anchors, positives, negatives = loss.hardest_triplets(embeddings, labels, None, embeddings, labels)
     normalized = torch.nn.functional.normalize(embeddings.detach(), dim=1)
     assert loss.num_anchors == len(anchors)
-    assert loss.mean_hardest_pos_sim == pytest.approx((normalized[anchors] * normalized[positives]).sum(1).mean().item())
-    assert loss.mean_hardest_neg_sim == pytest.approx((normalized[anchors] * normalized[negatives]).sum(1).mean().item())
+    assert loss.mean_hardest_pos_sim == pytest.approx(
+        (normalized[anchors] * normalized[positives]).sum(1).mean().item()
+    )
+    assert loss.mean_hardest_neg_sim == pytest.approx(
+        (normalized[anchors] * normalized[negatives]).sum(1).mean().item()
+    )
     assert {"num_anchors", "mean_hardest_pos_sim", "mean_hardest_neg_sim"} <= set(loss._record_these_stats)
     assert {"step", "slope", "t_min", "t_max"} <= set(loss._record_these)
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from pytorch_metric_learning.distances import CosineSimilarity
 
 from pml_rank._checks import check_embeddings
 from pml_rank.losses.base import RankLossBase
@@ -15,7 +14,9 @@ class _Toy(RankLossBase):
 def test_non_finite_embeddings_are_rejected_naming_loss_and_position(value):
     embeddings = torch.zeros(4, 3)
     embeddings[2, 1] = value
-    with pytest.raises(ValueError, match=rf"_Toy: embeddings contains 1 NaN/Inf value\(s\), first at index \(2, 1\): {value}"):
+    with pytest.raises(
+        ValueError, match=rf"_Toy: embeddings contains 1 NaN/Inf value\(s\), first at index \(2, 1\): {value}"
+    ):
         _Toy()(embeddings, torch.arange(4))
 
 

@@ -10,8 +10,7 @@ from pytorch_metric_learning.reducers import DoNothingReducer
 import pml_rank
 from pml_rank.losses import AUCLoss, FastAPLoss
 
-NAMES = sorted(c.name for c in pml_rank.registry.components()
-               if c.kind == "losses" and c.distribution == "pml-rank")
+NAMES = sorted(c.name for c in pml_rank.registry.components() if c.kind == "losses" and c.distribution == "pml-rank")
 
 
 def make(name, **kwargs):

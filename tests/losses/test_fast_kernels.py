@@ -126,8 +126,12 @@ def test_relaxed_area_gradient_in_float32_has_no_denormals():
     area = relaxed_roc_area(positive, negative, thresholds(0.005), 10 * AUCLoss().slope)
     area.backward()
     assert denormals(positive.grad) == 0 and denormals(negative.grad) == 0
-    expected = reference_area(positive.detach().double(), negative.detach().double(),
-                              thresholds(0.005, dtype=torch.float64), 10 * AUCLoss().slope)
+    expected = reference_area(
+        positive.detach().double(),
+        negative.detach().double(),
+        thresholds(0.005, dtype=torch.float64),
+        10 * AUCLoss().slope,
+    )
     torch.testing.assert_close(area.detach().double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -141,8 +145,9 @@ def test_auc_loss_with_its_steep_default_sigmoid_equals_algorithm_1(seed):
     labels = torch.randint(5, (24,), generator=generator)
     loss = AUCLoss()
     ours = value_and_grad(loss, embeddings, labels)
-    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope),
-                              embeddings, labels)
+    expected = value_and_grad(
+        lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope), embeddings, labels
+    )
     torch.testing.assert_close(ours, expected)
 
 
@@ -155,8 +160,11 @@ def test_auc_loss_with_ref_emb_equals_algorithm_1_after_the_single_gather():
     ours = value_and_grad(lambda e, lab: loss(e, lab, ref_emb=refs, ref_labels=ref_labels), embeddings, labels)
     ref_grad = refs.grad.clone()
     refs.grad = None
-    expected = value_and_grad(lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope, ref_emb=refs,
-                                                                       ref_labels=ref_labels), embeddings, labels)
+    expected = value_and_grad(
+        lambda e, lab: auc_reference.auc_bh_loss(e, lab, loss.step, loss.slope, ref_emb=refs, ref_labels=ref_labels),
+        embeddings,
+        labels,
+    )
     torch.testing.assert_close(ours, expected)
     torch.testing.assert_close(ref_grad, refs.grad)
 
@@ -185,9 +193,9 @@ def test_counted_ranks_redo_exactly_the_tied_sequences_only(monkeypatch):
     positives[:, [3, 17, 30]] = True
     incoming = torch.zeros(rows, n)
     incoming[positives] = torch.tensor([1.0, -2.0, 2.0]).repeat(rows)
-    scores[1, 5] = scores[1, 17]                       # tie with a positive before
-    scores[2, 9] = scores[2, 3] + lambda_val * 1.0     # meets positive 3 after its step of +1
-    scores[3, 30] = scores[3, 17] - 4.0                # positives 17 (-2) and 30 (+2) meet after
+    scores[1, 5] = scores[1, 17]  # tie with a positive before
+    scores[2, 9] = scores[2, 3] + lambda_val * 1.0  # meets positive 3 after its step of +1
+    scores[3, 30] = scores[3, 17] - 4.0  # positives 17 (-2) and 30 (+2) meet after
     redone = []
     exact = ranking._crossings
     monkeypatch.setattr(ranking, "_crossings", lambda s, *rest: redone.append(len(s)) or exact(s, *rest))

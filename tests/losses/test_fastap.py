@@ -13,9 +13,9 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper, get_indices_tuple
 
 import pml_rank
-from pml_rank.losses import FastAPLoss
 from pml_rank.harness.references import fastap as reference
 from pml_rank.harness.speed import peak_memory
+from pml_rank.losses import FastAPLoss
 
 
 def batch(n=48, dim=16, classes=10, seed=0, dtype=torch.float64):
@@ -119,8 +119,9 @@ def test_ref_emb_matches_reference_value_and_gradients():
     ours = FastAPLoss()(embeddings, labels, ref_emb=ref_emb, ref_labels=ref_labels)
     ref = reference.fast_ap_loss(embeddings, labels, ref_emb, ref_labels)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
-    for mine, theirs in zip(torch.autograd.grad(ours, (embeddings, ref_emb)),
-                            torch.autograd.grad(ref, (embeddings, ref_emb))):
+    for mine, theirs in zip(
+        torch.autograd.grad(ours, (embeddings, ref_emb)), torch.autograd.grad(ref, (embeddings, ref_emb))
+    ):
         torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12)
 
 
@@ -131,8 +132,9 @@ def test_ref_emb_without_gradient_and_same_tensor_as_ref():
     ref = reference.fast_ap_loss(embeddings, labels, ref_emb.detach(), ref_labels)
     torch.testing.assert_close(torch.autograd.grad(ours, embeddings), torch.autograd.grad(ref, embeddings))
     # Passing the batch itself as the reference set is the same as passing nothing.
-    torch.testing.assert_close(FastAPLoss()(embeddings, labels, ref_emb=embeddings, ref_labels=labels),
-                               FastAPLoss()(embeddings, labels))
+    torch.testing.assert_close(
+        FastAPLoss()(embeddings, labels, ref_emb=embeddings, ref_labels=labels), FastAPLoss()(embeddings, labels)
+    )
 
 
 def test_all_pairs_indices_tuple_is_the_same_as_none():
@@ -154,8 +156,9 @@ def test_mined_pairs_form_each_querys_retrieval_list():
     ours = FastAPLoss()(embeddings, labels, mined)
     ref = reference.fast_ap_loss(embeddings, labels, positive=positive, retrieved=retrieved)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.autograd.grad(ours, embeddings), torch.autograd.grad(ref, embeddings),
-                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, embeddings), torch.autograd.grad(ref, embeddings), rtol=1e-9, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -194,8 +197,7 @@ def test_peak_memory_is_a_few_matrices_whatever_num_bins():
     n = 1024
     embeddings, labels = batch(n=n, dim=8, classes=256, dtype=torch.float32)
     matrix = n * n * 4
-    peaks = [peak_memory(FastAPLoss(num_bins), (embeddings, labels), torch.device("cpu"))
-             for num_bins in (5, 100)]
+    peaks = [peak_memory(FastAPLoss(num_bins), (embeddings, labels), torch.device("cpu")) for num_bins in (5, 100)]
     assert max(peaks) < 6 * matrix
     # 95 more bins cost only per-query histograms (n x bins), not 95 more n x n pulses.
     assert peaks[1] - peaks[0] < 2 * matrix
@@ -234,7 +236,8 @@ def test_hierarchical_sampler_draws_categories_then_classes_then_samples():
     example = _example()
     args = example.parse_args(["--smoke"])
     data, classes, categories = example.synthetic_hierarchy(
-        args.categories, args.classes_per_category, 2 * args.per_class, args.dim, seed=0)
+        args.categories, args.classes_per_category, 2 * args.per_class, args.dim, seed=0
+    )
     batches = list(example.hierarchical_batches(classes, categories, args))
     pairs = args.categories * (args.categories - 1) // 2
     assert len(batches) == pairs * args.batches_per_pair
@@ -279,7 +282,8 @@ def test_efficient_distributed_call_never_retrieves_the_query_itself():
         retrieved = torch.ones_like(positive)
         positive[:, :12].fill_diagonal_(False)
         retrieved[:, :12].fill_diagonal_(False)
-        expected = reference.fast_ap_loss(local, labels[mine], gathered, gathered_labels,
-                                          positive=positive, retrieved=retrieved)
+        expected = reference.fast_ap_loss(
+            local, labels[mine], gathered, gathered_labels, positive=positive, retrieved=retrieved
+        )
         torch.testing.assert_close(ours, expected)
         torch.testing.assert_close(torch.autograd.grad(ours, local), torch.autograd.grad(expected, local))

@@ -9,9 +9,9 @@ from pytorch_metric_learning.utils import distributed as pml_dist
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 import pml_rank
+from pml_rank.harness.references import npairs as reference
 from pml_rank.losses import NPairsMCLoss, NPairsOVOLoss
 from pml_rank.losses.npairs import first_two_of_each_class
-from pml_rank.harness.references import npairs as reference
 
 UNNORMALIZED = DotProductSimilarity(normalize_embeddings=False)
 
@@ -71,18 +71,23 @@ def test_normalized_similarity_equals_reference(mode, loss_class):
 def test_default_is_pml_npairs_loss_with_its_own_l2_regularizer():
     """What `pml-rank speed` compares against: the same function built from PML parts."""
     embeddings, labels = random_batch(3)
-    pml = pml_losses.NPairsLoss(distance=UNNORMALIZED, embedding_regularizer=LpRegularizer(power=2),
-                                embedding_reg_weight=0.002)
+    pml = pml_losses.NPairsLoss(
+        distance=UNNORMALIZED, embedding_regularizer=LpRegularizer(power=2), embedding_reg_weight=0.002
+    )
     assert_same(value_and_grad(NPairsMCLoss(), embeddings, labels), value_and_grad(pml, embeddings, labels))
 
 
 def test_cosine_similarity_and_a_distance_are_accepted():
     embeddings, labels = random_batch(4)
-    assert_same(value_and_grad(NPairsMCLoss(l2_reg_weight=0, distance=CosineSimilarity()), embeddings, labels),
-                value_and_grad(pml_losses.NPairsLoss(distance=CosineSimilarity()), embeddings, labels))
+    assert_same(
+        value_and_grad(NPairsMCLoss(l2_reg_weight=0, distance=CosineSimilarity()), embeddings, labels),
+        value_and_grad(pml_losses.NPairsLoss(distance=CosineSimilarity()), embeddings, labels),
+    )
     # A distance (not inverted) is negated into a similarity, as PML does.
-    assert_same(value_and_grad(NPairsMCLoss(l2_reg_weight=0, distance=LpDistance()), embeddings, labels),
-                value_and_grad(pml_losses.NPairsLoss(distance=LpDistance()), embeddings, labels))
+    assert_same(
+        value_and_grad(NPairsMCLoss(l2_reg_weight=0, distance=LpDistance()), embeddings, labels),
+        value_and_grad(pml_losses.NPairsLoss(distance=LpDistance()), embeddings, labels),
+    )
 
 
 @pytest.mark.parametrize("seed", range(20))

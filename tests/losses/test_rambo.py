@@ -15,8 +15,8 @@ from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 import pml_rank
 from pml_rank import ranking
 from pml_rank.harness import speed
-from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
 from pml_rank.harness.references import rambo as reference
+from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,10 +124,11 @@ def test_memory_equals_one_call_on_the_concatenated_references(loss_class):
     for step, (embeddings, labels) in enumerate(batches):
         embeddings = embeddings.clone().requires_grad_()
         value = loss(embeddings, labels)
-        earlier = batches[max(0, step - tau):step]
+        earlier = batches[max(0, step - tau) : step]
         if earlier:
-            memory = dict(memory_emb=torch.cat([e for e, _ in earlier]),
-                          memory_labels=torch.cat([l for _, l in earlier]))
+            memory = dict(
+                memory_emb=torch.cat([e for e, _ in earlier]), memory_labels=torch.cat([l for _, l in earlier])
+            )
         else:
             memory = {}  # the first call: an empty memory
         ref = value_and_grad(lambda e: reference_for(loss)(e, labels, **memory), embeddings)
@@ -158,20 +159,26 @@ def rows_variant_reference(loss, embeddings, labels, stored_rows):
     return losses.mean()
 
 
-@pytest.mark.parametrize("loss", [RaMBORecallLoss(memory_size=2, memory_variant="rows"),
-                                  RaMBORecallLoss(memory_size=2, memory_variant="rows", weighting="loglog",
-                                                  lambda_val=1.0, margin=0.05),
-                                  RaMBOAPLoss(memory_size=2, memory_variant="rows", lambda_val=2.0)])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        RaMBORecallLoss(memory_size=2, memory_variant="rows"),
+        RaMBORecallLoss(memory_size=2, memory_variant="rows", weighting="loglog", lambda_val=1.0, margin=0.05),
+        RaMBOAPLoss(memory_size=2, memory_variant="rows", lambda_val=2.0),
+    ],
+)
 def test_rows_memory_equals_reference(loss):
     tau = 2
     batches = [batch(16, seed=40 + i) for i in range(4)]
     for step, (embeddings, labels) in enumerate(batches):
-        earlier = batches[max(0, step - tau):step]
-        stored_rows = [tuple(t.detach() for t in reference.similarities_without_self(*previous))
-                       for previous in earlier]
+        earlier = batches[max(0, step - tau) : step]
+        stored_rows = [
+            tuple(t.detach() for t in reference.similarities_without_self(*previous)) for previous in earlier
+        ]
         ours = value_and_grad(lambda e, labels=labels: loss(e, labels), embeddings)
         ref = value_and_grad(
-            lambda e, labels=labels, stored=stored_rows: rows_variant_reference(loss, e, labels, stored), embeddings)
+            lambda e, labels=labels, stored=stored_rows: rows_variant_reference(loss, e, labels, stored), embeddings
+        )
         assert torch.allclose(ours[0], ref[0], atol=1e-12)
         assert torch.allclose(ours[1], ref[1], atol=1e-12)
         assert ours[1].abs().sum() > 0
@@ -254,17 +261,22 @@ def test_batch_without_positive_pair_returns_zero_loss(loss_class):
 def test_nan_embeddings_are_rejected_naming_the_loss(loss_class):
     embeddings, labels = batch()
     embeddings[5, 2] = float("nan")
-    with pytest.raises(ValueError, match=rf"{loss_class.__name__}: embeddings contains 1 NaN/Inf value\(s\), first at index \(5, 2\)"):
+    with pytest.raises(
+        ValueError, match=rf"{loss_class.__name__}: embeddings contains 1 NaN/Inf value\(s\), first at index \(5, 2\)"
+    ):
         loss_class()(embeddings, labels)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(lambda_val=0), "RaMBORecallLoss: lambda_val must be a finite number > 0, got 0"),
-    (dict(margin=-0.1), "RaMBORecallLoss: margin must be a finite number >= 0, got -0.1"),
-    (dict(weighting="sqrt"), "RaMBORecallLoss: weighting must be 'log' or 'loglog', got 'sqrt'"),
-    (dict(memory_size=-1), "RaMBORecallLoss: memory_size must be an integer >= 0, got -1"),
-    (dict(memory_variant="queue"), "RaMBORecallLoss: memory_variant must be 'extend' or 'rows', got 'queue'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lambda_val=0), "RaMBORecallLoss: lambda_val must be a finite number > 0, got 0"),
+        (dict(margin=-0.1), "RaMBORecallLoss: margin must be a finite number >= 0, got -0.1"),
+        (dict(weighting="sqrt"), "RaMBORecallLoss: weighting must be 'log' or 'loglog', got 'sqrt'"),
+        (dict(memory_size=-1), "RaMBORecallLoss: memory_size must be an integer >= 0, got -1"),
+        (dict(memory_variant="queue"), "RaMBORecallLoss: memory_variant must be 'extend' or 'rows', got 'queue'"),
+    ],
+)
 def test_bad_parameters_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RaMBORecallLoss(**kwargs)
@@ -330,6 +342,7 @@ def test_recall_loss_trains_inside_pml_metric_loss_only():
 
 # DistributedLossWrapper: λ must mean the same with and without it.
 
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -341,7 +354,9 @@ def test_wrapper_in_a_single_process_group_changes_nothing():
     plain = value_and_grad(lambda e: RaMBORecallLoss(memory_size=0)(e, labels), embeddings)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        wrapped = value_and_grad(lambda e: DistributedLossWrapper(RaMBORecallLoss(memory_size=0))(e, labels), embeddings)
+        wrapped = value_and_grad(
+            lambda e: DistributedLossWrapper(RaMBORecallLoss(memory_size=0))(e, labels), embeddings
+        )
     finally:
         dist.destroy_process_group()
     assert torch.equal(plain[0], wrapped[0]) and torch.equal(plain[1], wrapped[1])
@@ -381,8 +396,7 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
     the memory takes part too."""
     world_size = 2
     batches = [batch(24, seed=30), batch(24, seed=31)]
-    mp.spawn(_distributed_worker, args=(world_size, free_port(), batches, str(tmp_path)),
-             nprocs=world_size, join=True)
+    mp.spawn(_distributed_worker, args=(world_size, free_port(), batches, str(tmp_path)), nprocs=world_size, join=True)
     for loss_class in LOSS_CLASSES:
         one_process = _two_steps(loss_class(memory_size=1), batches)
         per_rank = [torch.load(tmp_path / f"{loss_class.__name__}-{rank}.pt") for rank in range(world_size)]
@@ -398,6 +412,7 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path):
 
 
 # `pml-rank speed` wiring and the Table 6 example.
+
 
 def test_speed_cases_run_with_their_references():
     recall = speed.measure("RaMBORecallLoss", sizes=(16,), dim=8, repeats=1, warmup=0, progress=False)

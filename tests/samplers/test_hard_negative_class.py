@@ -7,8 +7,8 @@ import torch
 from pytorch_metric_learning import trainers
 
 import pml_rank
-from pml_rank.losses import NPairsMCLoss
 from pml_rank.harness.references.npairs import greedy_hard_negative_classes as reference_greedy
+from pml_rank.losses import NPairsMCLoss
 from pml_rank.samplers import HardNegativeClassSampler
 from pml_rank.samplers.hard_negative_class import greedy_hard_negative_classes
 
@@ -17,7 +17,7 @@ def batches(sampler, epochs=1):
     indices = [i for _ in range(epochs) for i in sampler]
     size = 2 * sampler.classes_per_batch
     assert len(indices) == epochs * len(sampler) and len(indices) % size == 0
-    return [indices[start:start + size] for start in range(0, len(indices), size)]
+    return [indices[start : start + size] for start in range(0, len(indices), size)]
 
 
 def assert_n_pair_batches(sampler, labels, epochs=1):
@@ -57,18 +57,24 @@ def test_random_batches_before_a_model_is_attached():
 def test_mined_batches_hold_n_classes_with_two_examples_each(examples_per_class):
     labels = uneven_labels(1)
     vectors = torch.randn(len(labels), 5, generator=torch.Generator().manual_seed(1))
-    sampler = attached(HardNegativeClassSampler(labels, 3, candidate_classes=7, batches_per_epoch=10,
-                                                examples_per_class=examples_per_class), vectors)
+    sampler = attached(
+        HardNegativeClassSampler(
+            labels, 3, candidate_classes=7, batches_per_epoch=10, examples_per_class=examples_per_class
+        ),
+        vectors,
+    )
     assert_n_pair_batches(sampler, labels, epochs=2)
     assert sampler.embedded_examples > 0
 
 
 def test_the_two_examples_of_a_class_are_any_two_distinct_ones():
     labels = [0, 0, 0, 1, 1, 1, 2, 2]
-    pairs = {tuple(batch[2 * k:2 * k + 2]) for batch in batches(
-        HardNegativeClassSampler(labels, 2, batches_per_epoch=300)) for k in range(2)}
-    assert {pair for pair in pairs if labels[pair[0]] == 0} == {
-        (a, b) for a in range(3) for b in range(3) if a != b}
+    pairs = {
+        tuple(batch[2 * k : 2 * k + 2])
+        for batch in batches(HardNegativeClassSampler(labels, 2, batches_per_epoch=300))
+        for k in range(2)
+    }
+    assert {pair for pair in pairs if labels[pair[0]] == 0} == {(a, b) for a in range(3) for b in range(3) if a != b}
 
 
 def test_a_dataloader_with_batch_size_2n_yields_the_batches():
@@ -90,8 +96,7 @@ def test_greedy_step_adds_the_most_violating_class_as_the_reference_does():
 
 def test_ties_are_broken_at_random_and_reproducibly():
     tied = torch.zeros(10, 10)
-    picks = {tuple(greedy_hard_negative_classes(tied, 4, s).tolist())
-             for s in range(30)}
+    picks = {tuple(greedy_hard_negative_classes(tied, 4, s).tolist()) for s in range(30)}
     assert len(picks) > 20 and all(len(set(p)) == 4 for p in picks)
     # Ties among the most violating classes only: class 9 is never the most violating.
     ranked = torch.ones(10, 10)
@@ -128,7 +133,7 @@ def test_mutual_hard_negative_classes_are_chosen_together():
         classes = [labels[i] for i in batch[0::2]]  # in selection order
         assert hard <= set(classes)
         if classes[0] in hard:
-            assert set(classes[:len(hard)]) == hard
+            assert set(classes[: len(hard)]) == hard
             starts_in_hard += 1
         else:
             assert classes[1] in hard
@@ -188,12 +193,17 @@ def test_embeds_without_gradients_in_eval_mode_and_restores_each_mode():
 def test_refresh_every_bounds_the_embedding_work():
     labels = uneven_labels(5, num_classes=12)
     vectors = torch.randn(len(labels), 4)
-    every_batch = attached(HardNegativeClassSampler(labels, 3, candidate_classes=6, batches_per_epoch=5,
-                                                    examples_per_class=2, refresh_every=1), vectors)
+    every_batch = attached(
+        HardNegativeClassSampler(
+            labels, 3, candidate_classes=6, batches_per_epoch=5, examples_per_class=2, refresh_every=1
+        ),
+        vectors,
+    )
     list(every_batch)
     assert every_batch.embedded_examples == 5 * 6 * 2
-    once_per_epoch = attached(HardNegativeClassSampler(labels, 3, candidate_classes=6, batches_per_epoch=5,
-                                                       examples_per_class=2), vectors)
+    once_per_epoch = attached(
+        HardNegativeClassSampler(labels, 3, candidate_classes=6, batches_per_epoch=5, examples_per_class=2), vectors
+    )
     list(once_per_epoch)
     assert once_per_epoch.embedded_examples <= 12 * 2 < 5 * 6 * 2
     assert once_per_epoch.mined_batches == 5 and once_per_epoch.mining_seconds > 0
@@ -223,15 +233,21 @@ def test_non_finite_embeddings_are_an_error_naming_the_sampler():
         list(sampler)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(classes_per_batch=11), r"classes_per_batch=11 must be between 2 and the number of classes \(10\)"),
-    (dict(classes_per_batch=1), r"classes_per_batch=1 must be between 2"),
-    (dict(candidate_classes=3), r"candidate_classes=3 must be between classes_per_batch \(4\) and the number of classes \(10\)"),
-    (dict(candidate_classes=12), r"candidate_classes=12"),
-    (dict(examples_per_class=3), r"examples_per_class=3 must be 1 or 2"),
-    (dict(batches_per_epoch=0), r"batches_per_epoch=0 must be at least 1"),
-    (dict(refresh_every=0), r"refresh_every=0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(classes_per_batch=11), r"classes_per_batch=11 must be between 2 and the number of classes \(10\)"),
+        (dict(classes_per_batch=1), r"classes_per_batch=1 must be between 2"),
+        (
+            dict(candidate_classes=3),
+            r"candidate_classes=3 must be between classes_per_batch \(4\) and the number of classes \(10\)",
+        ),
+        (dict(candidate_classes=12), r"candidate_classes=12"),
+        (dict(examples_per_class=3), r"examples_per_class=3 must be 1 or 2"),
+        (dict(batches_per_epoch=0), r"batches_per_epoch=0 must be at least 1"),
+        (dict(refresh_every=0), r"refresh_every=0 must be at least 1"),
+    ],
+)
 def test_bad_parameters_are_errors_with_the_numbers(kwargs, message):
     labels = [c for c in range(10) for _ in range(2 + c % 3)]
     kwargs = {"classes_per_batch": 4, **kwargs}
@@ -268,10 +284,16 @@ def test_trains_inside_pml_metric_loss_only_attached_by_the_hook(caplog):
 
     sampler = HardNegativeClassSampler(labels, n, seed=0)
     trainer = trainers.MetricLossOnly(
-        models={"trunk": trunk}, optimizers={"trunk_optimizer": torch.optim.SGD(trunk.parameters(), lr=0.01)},
-        batch_size=2 * n, loss_funcs={"metric_loss": Recording()}, dataset=dataset, sampler=sampler,
-        dataloader_num_workers=0, data_device=torch.device("cpu"),
-        end_of_iteration_hook=sampler.end_of_iteration_hook)
+        models={"trunk": trunk},
+        optimizers={"trunk_optimizer": torch.optim.SGD(trunk.parameters(), lr=0.01)},
+        batch_size=2 * n,
+        loss_funcs={"metric_loss": Recording()},
+        dataset=dataset,
+        sampler=sampler,
+        dataloader_num_workers=0,
+        data_device=torch.device("cpu"),
+        end_of_iteration_hook=sampler.end_of_iteration_hook,
+    )
     trainer.train(num_epochs=2)
     assert len(seen) == 2 * sampler.batches_per_epoch
     for batch_labels in seen:
@@ -294,8 +316,8 @@ def test_ranks_get_disjoint_shards_of_the_same_global_batches(with_model):
     assert all(len(shard) == len(full) // world == len(make(num_replicas=world, rank=0)) for shard in shards)
     per_rank = 2 * 6 // world
     for b in range(5):
-        pieces = [shard[b * per_rank:(b + 1) * per_rank] for shard in shards]
-        assert sum(pieces, []) == full[b * 12:(b + 1) * 12]  # together: the global batch
+        pieces = [shard[b * per_rank : (b + 1) * per_rank] for shard in shards]
+        assert sum(pieces, []) == full[b * 12 : (b + 1) * 12]  # together: the global batch
         for piece in pieces:  # each: whole pairs
             classes = [labels[i] for i in piece]
             assert classes[0::2] == classes[1::2]
@@ -315,12 +337,22 @@ def test_a_trainer_batch_size_that_cuts_across_pairs_is_rejected(num_replicas, b
 
     def trainer(size):
         return trainers.MetricLossOnly(
-            models={"trunk": trunk}, optimizers={}, batch_size=size, loss_funcs={"metric_loss": NPairsMCLoss()},
-            dataset=dataset, sampler=sampler, dataloader_num_workers=0, data_device=torch.device("cpu"))
+            models={"trunk": trunk},
+            optimizers={},
+            batch_size=size,
+            loss_funcs={"metric_loss": NPairsMCLoss()},
+            dataset=dataset,
+            sampler=sampler,
+            dataloader_num_workers=0,
+            data_device=torch.device("cpu"),
+        )
 
     expected = 8 // num_replicas
-    with pytest.raises(ValueError, match=rf"HardNegativeClassSampler: the trainer's batch_size is {batch_size}, "
-                                         rf"but its batches hold .* = {expected} samples; use batch_size={expected}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"HardNegativeClassSampler: the trainer's batch_size is {batch_size}, "
+        rf"but its batches hold .* = {expected} samples; use batch_size={expected}",
+    ):
         sampler.attach_trainer(trainer(batch_size))
     good = trainer(expected)
     sampler.end_of_iteration_hook(good)

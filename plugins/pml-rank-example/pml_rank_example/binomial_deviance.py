@@ -1,4 +1,3 @@
-import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.losses import BaseMetricLossFunction

@@ -32,19 +32,29 @@ LOGGER = logging.getLogger(__name__)
 # (placeholder boxes) and the BaKoMa Computer Modern faces (TeX encodings, where e.g.
 # cmsy10's "A" is a calligraphic symbol).
 FONT_FILES = (
-    "DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSans-Oblique.ttf", "DejaVuSans-BoldOblique.ttf",
-    "DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf",
+    "DejaVuSans.ttf",
+    "DejaVuSans-Bold.ttf",
+    "DejaVuSans-Oblique.ttf",
+    "DejaVuSans-BoldOblique.ttf",
+    "DejaVuSansMono.ttf",
+    "DejaVuSansMono-Bold.ttf",
+    "DejaVuSansMono-Oblique.ttf",
     "DejaVuSansMono-BoldOblique.ttf",
-    "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf", "DejaVuSerif-Italic.ttf", "DejaVuSerif-BoldItalic.ttf",
-    "STIXGeneral.ttf", "STIXGeneralBol.ttf", "STIXGeneralItalic.ttf", "STIXGeneralBolIta.ttf",
+    "DejaVuSerif.ttf",
+    "DejaVuSerif-Bold.ttf",
+    "DejaVuSerif-Italic.ttf",
+    "DejaVuSerif-BoldItalic.ttf",
+    "STIXGeneral.ttf",
+    "STIXGeneralBol.ttf",
+    "STIXGeneralItalic.ttf",
+    "STIXGeneralBolIta.ttf",
 )
 
 # Basic Latin, Latin-1 letters and symbols, Greek and Cyrillic. Characters that every face
 # lacks, that draw nothing, or that draw the same picture as an earlier character (Latin
 # "A", Greek Alpha and Cyrillic A) are dropped, so no two classes are identical pictures.
 CANDIDATE_CODE_POINTS = (
-    tuple(range(0x21, 0x7F)) + tuple(range(0xA1, 0x100))
-    + tuple(range(0x391, 0x3CA)) + tuple(range(0x410, 0x450))
+    tuple(range(0x21, 0x7F)) + tuple(range(0xA1, 0x100)) + tuple(range(0x391, 0x3CA)) + tuple(range(0x410, 0x450))
 )
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("PML_RANK_CACHE", Path.home() / ".cache" / "pml-rank"))
@@ -97,14 +107,21 @@ def _render(font, character, canvas, scale, angle, shift):
         c = canvas / 2
         cos, sin = np.cos(np.radians(angle)) / scale, np.sin(np.radians(angle)) / scale
         dx, dy = shift
-        matrix = (cos, sin, c - cos * (c + dx) - sin * (c + dy),
-                  -sin, cos, c + sin * (c + dx) - cos * (c + dy))
+        matrix = (cos, sin, c - cos * (c + dx) - sin * (c + dy), -sin, cos, c + sin * (c + dx) - cos * (c + dy))
         image = image.transform(image.size, Image.AFFINE, matrix, resample=Image.BILINEAR)
     return image
 
 
-def generate(size=32, variants=2, max_rotation=8.0, max_shift=0.06, scale_range=(0.9, 1.1), seed=0,
-             supersample=4, code_points=CANDIDATE_CODE_POINTS):
+def generate(
+    size=32,
+    variants=2,
+    max_rotation=8.0,
+    max_shift=0.06,
+    scale_range=(0.9, 1.1),
+    seed=0,
+    supersample=4,
+    code_points=CANDIDATE_CODE_POINTS,
+):
     """Renders the data set in memory and returns a `GlyphDataset`.
 
     Each (face, character) pair is drawn `variants` times with a random rotation in
@@ -169,8 +186,7 @@ def _versions():
     import PIL
     from PIL import features
 
-    return {"matplotlib": matplotlib.__version__, "pillow": PIL.__version__,
-            "freetype": features.version("freetype2")}
+    return {"matplotlib": matplotlib.__version__, "pillow": PIL.__version__, "freetype": features.version("freetype2")}
 
 
 def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, num_classes=None, **generate_kwargs):
@@ -183,11 +199,14 @@ def load_glyphs(cache_dir=None, size=32, variants=2, seed=0, num_classes=None, *
     if num_classes is None:
         return dataset
     if not 2 <= num_classes <= len(dataset.characters):
-        raise ValueError(f"load_glyphs: num_classes must be between 2 and {len(dataset.characters)}, "
-                         f"got {num_classes}")
+        raise ValueError(f"load_glyphs: num_classes must be between 2 and {len(dataset.characters)}, got {num_classes}")
     keep = dataset.labels < num_classes
-    return GlyphDataset(dataset.images[keep], dataset.labels[keep], dataset.characters[:num_classes],
-                        [f for f, k in zip(dataset.fonts, keep) if k])
+    return GlyphDataset(
+        dataset.images[keep],
+        dataset.labels[keep],
+        dataset.characters[:num_classes],
+        [f for f, k in zip(dataset.fonts, keep) if k],
+    )
 
 
 CACHE_FILES = ("images.npy", "labels.npy", "meta.json")
@@ -206,11 +225,17 @@ def _read_cache(folder):
         characters, fonts = list(meta["characters"]), list(meta["fonts"])
     except (OSError, ValueError, EOFError, KeyError, TypeError) as error:
         return None, f"unreadable ({type(error).__name__}: {error})"
-    if images.ndim != 3 or images.dtype != np.uint8 or labels.ndim != 1 or not (
-            len(images) == len(labels) == len(fonts)) or (len(labels) and not (
-            0 <= labels.min() and labels.max() < len(characters))):
-        return None, (f"inconsistent (images {images.shape} {images.dtype}, labels {labels.shape}, "
-                      f"{len(fonts)} fonts, {len(characters)} characters)")
+    if (
+        images.ndim != 3
+        or images.dtype != np.uint8
+        or labels.ndim != 1
+        or not (len(images) == len(labels) == len(fonts))
+        or (len(labels) and not (0 <= labels.min() and labels.max() < len(characters)))
+    ):
+        return None, (
+            f"inconsistent (images {images.shape} {images.dtype}, labels {labels.shape}, "
+            f"{len(fonts)} fonts, {len(characters)} characters)"
+        )
     return GlyphDataset(images, labels, characters, fonts), None
 
 
@@ -221,15 +246,20 @@ def _write_cache(folder, dataset, key_source):
         np.save(f, dataset.images)
     with outputs.atomic_write(folder / CACHE_FILES[1], "wb") as f:
         np.save(f, dataset.labels)
-    outputs.write_text(folder / CACHE_FILES[2], json.dumps(
-        {"characters": dataset.characters, "fonts": dataset.fonts, "source": json.loads(key_source)},
-        ensure_ascii=False))
+    outputs.write_text(
+        folder / CACHE_FILES[2],
+        json.dumps(
+            {"characters": dataset.characters, "fonts": dataset.fonts, "source": json.loads(key_source)},
+            ensure_ascii=False,
+        ),
+    )
 
 
 def _load_or_generate(cache_dir, size, variants, seed, **generate_kwargs):
     params = dict(size=size, variants=variants, seed=seed, **generate_kwargs)
-    key_source = json.dumps({"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True,
-                            default=list)
+    key_source = json.dumps(
+        {"params": params, "versions": _versions(), "fonts": FONT_FILES}, sort_keys=True, default=list
+    )
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
     folder = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"glyphs-{key}"
     if folder.exists():
@@ -241,7 +271,11 @@ def _load_or_generate(cache_dir, size, variants, seed, **generate_kwargs):
     try:
         _write_cache(folder, dataset, key_source)
     except OSError as error:
-        LOGGER.warning("pml-rank: cannot write the glyph cache %s (%s); using the glyphs generated in memory, "
-                       "which the next run generates again (set --cache-dir or $PML_RANK_CACHE to a writable "
-                       "folder)", folder, error.strerror or error)
+        LOGGER.warning(
+            "pml-rank: cannot write the glyph cache %s (%s); using the glyphs generated in memory, "
+            "which the next run generates again (set --cache-dir or $PML_RANK_CACHE to a writable "
+            "folder)",
+            folder,
+            error.strerror or error,
+        )
     return dataset

@@ -46,8 +46,7 @@ class Layout:
     def check(self, data_root, extra=()):
         """Raise `DataSetNotFoundError` unless every required file (and ``extra``) exists."""
         base = self.directory(data_root)
-        missing = [os.path.join(base, f) for f in (*self.required, *extra)
-                   if not os.path.exists(os.path.join(base, f))]
+        missing = [os.path.join(base, f) for f in (*self.required, *extra) if not os.path.exists(os.path.join(base, f))]
         if missing:
             raise DataSetNotFoundError(self.explain(data_root, missing))
 
@@ -184,8 +183,10 @@ def _check_images(layout, data_root, paths):
     problems = [problem for problem in map(_image_problem, paths) if problem is not None]
     if problems:
         more = f"\n... and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise ImageReadError(f"{layout.title}: {len(problems)} of {len(paths)} images cannot be read "
-                             f"(re-extract the archive):\n" + "\n".join(problems[:5]) + more)
+        raise ImageReadError(
+            f"{layout.title}: {len(problems)} of {len(paths)} images cannot be read "
+            f"(re-extract the archive):\n" + "\n".join(problems[:5]) + more
+        )
 
 
 def _open_rgb(path):
@@ -225,8 +226,7 @@ class CUB200(_RGBItems, pml_datasets.CUB):
     def __init__(self, root, split="train", transform=None, target_transform=None, cropped=False):
         self.layout.check(root, extra=("bounding_boxes.txt",) if cropped else ())
         self.cropped = cropped
-        super().__init__(root, split=split, transform=transform,
-                         target_transform=target_transform, download=False)
+        super().__init__(root, split=split, transform=transform, target_transform=target_transform, download=False)
         _check_images(self.layout, root, self.paths)
         if cropped:
             self.boxes = self._read_boxes(root)
@@ -234,8 +234,10 @@ class CUB200(_RGBItems, pml_datasets.CUB):
     def _read_boxes(self, root):
         base = self.layout.directory(root)
         with open(os.path.join(base, "images.txt")) as f:
-            id_of_path = {os.path.join(base, "images", path): int(image_id)
-                          for image_id, path in (line.split() for line in f if line.strip())}
+            id_of_path = {
+                os.path.join(base, "images", path): int(image_id)
+                for image_id, path in (line.split() for line in f if line.strip())
+            }
         with open(os.path.join(base, "bounding_boxes.txt")) as f:
             box_of_id = {}
             for line in f:
@@ -253,8 +255,13 @@ class Cars196(_RGBItems, pml_datasets.Cars196):
 
     def __init__(self, root, split="train", transform=None, target_transform=None):
         self.layout.check(root)
-        super().__init__(self.layout.directory(root), split=split, transform=transform,
-                         target_transform=target_transform, download=False)
+        super().__init__(
+            self.layout.directory(root),
+            split=split,
+            transform=transform,
+            target_transform=target_transform,
+            download=False,
+        )
         _check_images(self.layout, root, self.paths)
 
 
@@ -265,8 +272,7 @@ class StanfordOnlineProducts(_RGBItems, pml_datasets.StanfordOnlineProducts):
 
     def __init__(self, root, split="train", transform=None, target_transform=None):
         self.layout.check(root)
-        super().__init__(root, split=split, transform=transform,
-                         target_transform=target_transform, download=False)
+        super().__init__(root, split=split, transform=transform, target_transform=target_transform, download=False)
         _check_images(self.layout, root, self.paths)
 
 
@@ -279,8 +285,13 @@ class InShop(_RGBItems, BaseDataset):
 
     def __init__(self, root, split="train", transform=None, target_transform=None):
         self.layout.check(root)
-        super().__init__(self.layout.directory(root), split=split, transform=transform,
-                         target_transform=target_transform, download=False)
+        super().__init__(
+            self.layout.directory(root),
+            split=split,
+            transform=transform,
+            target_transform=target_transform,
+            download=False,
+        )
         _check_images(self.layout, root, self.paths)
 
     def get_available_splits(self):

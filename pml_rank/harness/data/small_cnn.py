@@ -21,8 +21,12 @@ class SmallCNN(nn.Module):
         channels = [in_channels, width, width * 2, width * 4, width * 8]
         blocks = []
         for c_in, c_out in zip(channels, channels[1:]):
-            blocks += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
-                       nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            blocks += [
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
         self.features = nn.Sequential(*blocks)
         self.embedding = nn.Linear(channels[-1], embedding_size)
         self.embedding_size = embedding_size

@@ -55,9 +55,13 @@ def make_cub(data_root, per_class=3, size=32, seed=0):
             x, y = rng.randint(0, size // 4), rng.randint(0, size // 4)
             boxes.append(f"{image_id} {x}.0 {y}.0 {size // 2}.0 {size // 2 + 1}.0")
             splits.append(f"{image_id} {n % 2}")
-    for name, lines in (("images.txt", images), ("image_class_labels.txt", labels),
-                        ("bounding_boxes.txt", boxes), ("classes.txt", classes),
-                        ("train_test_split.txt", splits)):
+    for name, lines in (
+        ("images.txt", images),
+        ("image_class_labels.txt", labels),
+        ("bounding_boxes.txt", boxes),
+        ("classes.txt", classes),
+        ("train_test_split.txt", splits),
+    ):
         _write_lines(os.path.join(base, name), lines)
     return base
 
@@ -83,8 +87,7 @@ def make_cars(data_root, per_class=3, size=32, seed=0):
             file_number += 1
             folder = "train" if n % 2 == 0 else "test"
             name = f"{file_number:05d}.jpg"
-            path = os.path.join(base, "car_data", "car_data", folder,
-                                cars_class_name(class_id).replace("/", "-"), name)
+            path = os.path.join(base, "car_data", "car_data", folder, cars_class_name(class_id).replace("/", "-"), name)
             _image(path, class_id, rng, size)
             rows[folder].append(f"{name},1,2,{size - 2},{size - 1},{class_id}")
     for folder, lines in rows.items():
@@ -129,13 +132,13 @@ def make_inshop(data_root, per_item=4, size=32, seed=0):
                 _image(os.path.join(base, relative), item, rng, size)
                 status = ("query" if n == 0 else "gallery") if test else "train"
                 rows.append(f"{relative:<70}id_{item:08d} {status}")
-    _write_lines(os.path.join(base, "list_eval_partition.txt"),
-                 [str(len(rows)), "image_name item_id evaluation_status", *rows])
+    _write_lines(
+        os.path.join(base, "list_eval_partition.txt"), [str(len(rows)), "image_name item_id evaluation_status", *rows]
+    )
     return base
 
 
-MAKERS = {"cub200": make_cub, "cub200-cropped": make_cub, "cars196": make_cars, "sop": make_sop,
-          "inshop": make_inshop}
+MAKERS = {"cub200": make_cub, "cub200-cropped": make_cub, "cars196": make_cars, "sop": make_sop, "inshop": make_inshop}
 
 
 def make_all(data_root, size=32, seed=0, only=None):

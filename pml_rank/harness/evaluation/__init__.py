@@ -13,13 +13,41 @@ Building blocks, usable on their own:
 from .metrics import METRICS, PML_NAMES, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated, mean_and_ci
 from .protocol import ProtocolResult, Recipe, raw_input_accuracy, run_protocol, summarize, test_set_and_folds
 from .splits import LabelledSubset, class_disjoint_split, class_partitions, cross_validation_folds
-from .training import (TrainResult, compute_embeddings, default_sampler, make_record_keeper, make_tester,
-                       quiet_pml, seed_everything, train_model)
+from .training import (
+    TrainResult,
+    compute_embeddings,
+    default_sampler,
+    make_record_keeper,
+    make_tester,
+    quiet_pml,
+    seed_everything,
+    train_model,
+)
 
 __all__ = [
-    "METRICS", "PML_NAMES", "SHORT_NAMES", "LabelledSubset", "ProtocolResult", "Recipe", "TrainResult", "accuracy",
-    "class_disjoint_split", "class_partitions", "compute_embeddings", "concatenate",
-    "concatenated_and_separated", "cross_validation_folds", "default_sampler", "make_record_keeper",
-    "make_tester", "mean_and_ci", "quiet_pml", "raw_input_accuracy", "run_protocol", "seed_everything",
-    "summarize", "test_set_and_folds", "train_model",
+    "METRICS",
+    "PML_NAMES",
+    "SHORT_NAMES",
+    "LabelledSubset",
+    "ProtocolResult",
+    "Recipe",
+    "TrainResult",
+    "accuracy",
+    "class_disjoint_split",
+    "class_partitions",
+    "compute_embeddings",
+    "concatenate",
+    "concatenated_and_separated",
+    "cross_validation_folds",
+    "default_sampler",
+    "make_record_keeper",
+    "make_tester",
+    "mean_and_ci",
+    "quiet_pml",
+    "raw_input_accuracy",
+    "run_protocol",
+    "seed_everything",
+    "summarize",
+    "test_set_and_folds",
+    "train_model",
 ]

@@ -91,8 +91,9 @@ def concatenated_and_separated(embeddings_per_model, labels, device=None):
     """Both accuracies of the paper for the test-set embeddings of the fold models:
     ``{"concatenated": accuracy of concatenate(...), "separated": mean over models of
     each model's accuracy, "per_model": [...]}``."""
-    per_model = [accuracy(F.normalize(torch.as_tensor(e).float(), dim=1), labels, device=device)
-                 for e in embeddings_per_model]
+    per_model = [
+        accuracy(F.normalize(torch.as_tensor(e).float(), dim=1), labels, device=device) for e in embeddings_per_model
+    ]
     separated = {name: float(np.mean([m[name] for m in per_model])) for name in METRICS}
     concatenated = accuracy(concatenate(embeddings_per_model), labels, device=device)
     return {"concatenated": concatenated, "separated": separated, "per_model": per_model}

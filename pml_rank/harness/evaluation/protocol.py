@@ -5,7 +5,7 @@ and means with 95% confidence intervals over repeated runs."""
 
 import dataclasses
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -34,11 +34,11 @@ class Recipe:
     """
 
     make_loss: Callable
-    make_miner: Optional[Callable] = None
-    make_sampler: Optional[Callable] = None
+    make_miner: Callable | None = None
+    make_sampler: Callable | None = None
     name: str = ""
     batches: str = ""
-    per_class: Optional[int] = None
+    per_class: int | None = None
 
 
 @dataclasses.dataclass
@@ -61,18 +61,37 @@ def test_set_and_folds(dataset, num_folds=4):
     classes, `test_set` holds the second half. All are `LabelledSubset`s of `dataset`."""
     train_idx, test_idx = class_disjoint_split(dataset.labels)
     training = LabelledSubset(dataset, train_idx)
-    folds = [(LabelledSubset(dataset, train_idx[tr]), LabelledSubset(dataset, train_idx[va]))
-             for tr, va in cross_validation_folds(training.labels, num_folds)]
+    folds = [
+        (LabelledSubset(dataset, train_idx[tr]), LabelledSubset(dataset, train_idx[va]))
+        for tr, va in cross_validation_folds(training.labels, num_folds)
+    ]
     return folds, LabelledSubset(dataset, test_idx)
 
 
 test_set_and_folds.__test__ = False  # not a test, though pytest would collect it by its name
 
 
-def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4, seed=0, epochs=8,
-                 batch_size=64, iterations_per_epoch=None, make_optimizer=None, lr=1e-3, device="cpu",
-                 patience=None, folder=None, on_iteration=None, make_lr_scheduler=None,
-                 freeze_trunk_batchnorm=False, quiet=True):
+def run_protocol(
+    dataset,
+    recipe,
+    make_trunk,
+    *,
+    make_embedder=None,
+    num_folds=4,
+    seed=0,
+    epochs=8,
+    batch_size=64,
+    iterations_per_epoch=None,
+    make_optimizer=None,
+    lr=1e-3,
+    device="cpu",
+    patience=None,
+    folder=None,
+    on_iteration=None,
+    make_lr_scheduler=None,
+    freeze_trunk_batchnorm=False,
+    quiet=True,
+):
     """One run of the protocol with one `Recipe`; returns a `ProtocolResult`.
 
     Trains `num_folds` models (``make_trunk()``, ``make_embedder()``, fresh for each fold,
@@ -93,25 +112,47 @@ def run_protocol(dataset, recipe, make_trunk, *, make_embedder=None, num_folds=4
         sampler = None
         if recipe.make_sampler is not None and epochs > 0:
             sampler = recipe.make_sampler(
-                train_set, batch_size=batch_size, model=torch.nn.Sequential(trunk, embedder).to(device),
-                device=device, iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
-                seed=seed * 1000 + k)
+                train_set,
+                batch_size=batch_size,
+                model=torch.nn.Sequential(trunk, embedder).to(device),
+                device=device,
+                iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
+                seed=seed * 1000 + k,
+            )
         result = train_model(
-            recipe.make_loss(), train_set, trunk=trunk, embedder=embedder,
-            miner=recipe.make_miner() if recipe.make_miner is not None else None, sampler=sampler,
-            val_set=val_set, epochs=epochs, batch_size=batch_size,
-            iterations_per_epoch=iterations_per_epoch, make_optimizer=make_optimizer, lr=lr,
-            device=device, folder=None if folder is None else f"{folder}/fold{k}", patience=patience,
-            on_iteration=on_iteration, make_lr_scheduler=make_lr_scheduler,
-            freeze_trunk_batchnorm=freeze_trunk_batchnorm, quiet=quiet,
+            recipe.make_loss(),
+            train_set,
+            trunk=trunk,
+            embedder=embedder,
+            miner=recipe.make_miner() if recipe.make_miner is not None else None,
+            sampler=sampler,
+            val_set=val_set,
+            epochs=epochs,
+            batch_size=batch_size,
+            iterations_per_epoch=iterations_per_epoch,
+            make_optimizer=make_optimizer,
+            lr=lr,
+            device=device,
+            folder=None if folder is None else f"{folder}/fold{k}",
+            patience=patience,
+            on_iteration=on_iteration,
+            make_lr_scheduler=make_lr_scheduler,
+            freeze_trunk_batchnorm=freeze_trunk_batchnorm,
+            quiet=quiet,
         )
         embeddings, labels = compute_embeddings(result.trunk, test_set, result.embedder, device)
         test_embeddings.append(embeddings)
         histories.append(result.history)
         best_epochs.append(result.best_epoch)
     scores = concatenated_and_separated(test_embeddings, labels)
-    return ProtocolResult(scores["concatenated"], scores["separated"], scores["per_model"], histories,
-                          best_epochs, time.perf_counter() - started)
+    return ProtocolResult(
+        scores["concatenated"],
+        scores["separated"],
+        scores["per_model"],
+        histories,
+        best_epochs,
+        time.perf_counter() - started,
+    )
 
 
 def raw_input_accuracy(dataset):

@@ -34,8 +34,7 @@ def class_partitions(classes, num_folds=4):
     partition, the next 25% the second, and so on. Returns a list of lists."""
     classes = list(classes)
     if num_folds < 2 or num_folds > len(classes):
-        raise ValueError(f"num_folds must be between 2 and the number of classes ({len(classes)}), "
-                         f"got {num_folds}")
+        raise ValueError(f"num_folds must be between 2 and the number of classes ({len(classes)}), got {num_folds}")
     bounds = [len(classes) * k // num_folds for k in range(num_folds + 1)]
     return [classes[start:end] for start, end in zip(bounds, bounds[1:])]
 

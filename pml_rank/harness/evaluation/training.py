@@ -14,15 +14,15 @@ import random
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 import tqdm as tqdm_module
 from pytorch_metric_learning import samplers, testers, trainers
-from pytorch_metric_learning.trainers import base_trainer
 from pytorch_metric_learning.testers import base_tester
+from pytorch_metric_learning.trainers import base_trainer
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
@@ -46,7 +46,7 @@ class TrainResult:
     best_epoch: int
     history: list
     seconds: float
-    folder: Optional[str] = None
+    folder: str | None = None
 
 
 def seed_everything(seed):
@@ -68,11 +68,16 @@ def make_record_keeper(folder):
         tensorboard_writer = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"))
     except ModuleNotFoundError:
         tensorboard_writer = None
-    record_writer = record_keeper.RecordWriter(folder=str(Path(folder) / "records"), global_db_path=None,
-                                               experiment_name=None, is_new_experiment=True,
-                                               save_lists=False)
+    record_writer = record_keeper.RecordWriter(
+        folder=str(Path(folder) / "records"),
+        global_db_path=None,
+        experiment_name=None,
+        is_new_experiment=True,
+        save_lists=False,
+    )
     return record_keeper.RecordKeeper(
-        tensorboard_writer=tensorboard_writer, record_writer=record_writer,
+        tensorboard_writer=tensorboard_writer,
+        record_writer=record_writer,
         attributes_to_search_for=c_f.list_of_recordable_attributes_list_names(),
     )
 
@@ -110,8 +115,11 @@ def quiet_pml(quiet=True):
 def make_tester(device="cpu", batch_size=256, end_of_testing_hook=None, normalize_embeddings=True):
     """PML's `GlobalEmbeddingSpaceTester` computing `METRICS` with k = "max_bin_count"."""
     return testers.GlobalEmbeddingSpaceTester(
-        normalize_embeddings=normalize_embeddings, batch_size=batch_size, dataloader_num_workers=0,
-        data_device=torch.device(device), end_of_testing_hook=end_of_testing_hook,
+        normalize_embeddings=normalize_embeddings,
+        batch_size=batch_size,
+        dataloader_num_workers=0,
+        data_device=torch.device(device),
+        end_of_testing_hook=end_of_testing_hook,
         accuracy_calculator=AccuracyCalculator(include=METRICS, k="max_bin_count"),
     )
 
@@ -132,15 +140,33 @@ def default_sampler(labels, batch_size, m_per_class=4):
     protocol's batch construction)."""
     labels = np.asarray(labels)
     length = max(len(labels) - len(labels) % batch_size, batch_size)
-    return samplers.MPerClassSampler(labels, m=m_per_class, batch_size=batch_size,
-                                     length_before_new_iter=length)
+    return samplers.MPerClassSampler(labels, m=m_per_class, batch_size=batch_size, length_before_new_iter=length)
 
 
-def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampler=None,
-                val_set=None, epochs=8, batch_size=64, iterations_per_epoch=None,
-                make_optimizer: Optional[Callable] = None, lr=1e-3, device="cpu", folder=None,
-                patience=None, seed=None, log_freq=10, on_iteration: Optional[Callable] = None,
-                make_lr_scheduler: Optional[Callable] = None, freeze_trunk_batchnorm=False, quiet=True):
+def train_model(
+    loss_func,
+    train_set,
+    *,
+    trunk,
+    embedder=None,
+    miner=None,
+    sampler=None,
+    val_set=None,
+    epochs=8,
+    batch_size=64,
+    iterations_per_epoch=None,
+    make_optimizer: Callable | None = None,
+    lr=1e-3,
+    device="cpu",
+    folder=None,
+    patience=None,
+    seed=None,
+    log_freq=10,
+    on_iteration: Callable | None = None,
+    make_lr_scheduler: Callable | None = None,
+    freeze_trunk_batchnorm=False,
+    quiet=True,
+):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer and returns a
     `TrainResult`.
 
@@ -189,8 +215,9 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
         optimizers["metric_loss_optimizer"] = make_optimizer(loss_func.to(device).parameters(), lr)
     lr_schedulers = {}
     if make_lr_scheduler is not None:
-        lr_schedulers = {f"{name}_scheduler_by_epoch": make_lr_scheduler(optimizers[f"{name}_optimizer"])
-                         for name in models}
+        lr_schedulers = {
+            f"{name}_scheduler_by_epoch": make_lr_scheduler(optimizers[f"{name}_optimizer"]) for name in models
+        }
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -201,8 +228,9 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
             kept_folder = str(folder)
         stack.enter_context(quiet_pml(quiet))
         record_keeper = make_record_keeper(folder)
-        hooks = logging_presets.get_hook_container(record_keeper, log_freq=log_freq,
-                                                   validation_split_name=VALIDATION_SPLIT)
+        hooks = logging_presets.get_hook_container(
+            record_keeper, log_freq=log_freq, validation_split_name=VALIDATION_SPLIT
+        )
         model_folder = str(Path(folder) / "models")
         epoch_losses = []
 
@@ -216,8 +244,7 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
         history = []
         if val_set is not None:
             tester = make_tester(device, end_of_testing_hook=hooks.end_of_testing_hook)
-            validate = hooks.end_of_epoch_hook(tester, {VALIDATION_SPLIT: val_set}, model_folder,
-                                               patience=patience)
+            validate = hooks.end_of_epoch_hook(tester, {VALIDATION_SPLIT: val_set}, model_folder, patience=patience)
         else:
             tester, validate = None, None
 
@@ -233,13 +260,20 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
             return keep_going
 
         trainer = trainers.MetricLossOnly(
-            models=models, optimizers=optimizers, lr_schedulers=lr_schedulers,
+            models=models,
+            optimizers=optimizers,
+            lr_schedulers=lr_schedulers,
             freeze_trunk_batchnorm=freeze_trunk_batchnorm,
-            batch_size=batch_size, loss_funcs={"metric_loss": loss_func},
+            batch_size=batch_size,
+            loss_funcs={"metric_loss": loss_func},
             mining_funcs={} if miner is None else {"tuple_miner": miner},
-            dataset=train_set, sampler=sampler, iterations_per_epoch=iterations_per_epoch,
-            data_device=torch.device(device), dataloader_num_workers=0,
-            end_of_iteration_hook=end_of_iteration, end_of_epoch_hook=end_of_epoch,
+            dataset=train_set,
+            sampler=sampler,
+            iterations_per_epoch=iterations_per_epoch,
+            data_device=torch.device(device),
+            dataloader_num_workers=0,
+            end_of_iteration_hook=end_of_iteration,
+            end_of_epoch_hook=end_of_epoch,
         )
         trainer.train(num_epochs=epochs)
         best_epoch = history[-1]["epoch"] if history else epochs
@@ -248,5 +282,6 @@ def train_model(loss_func, train_set, *, trunk, embedder=None, miner=None, sampl
             hooks.load_latest_saved_models(trainer, model_folder, torch.device(device), best=True)
             embedder = trainer.models["embedder"]
         record_keeper.save_records()
-    return TrainResult(trunk.eval(), embedder.eval(), int(best_epoch), history,
-                       time.perf_counter() - started, kept_folder)
+    return TrainResult(
+        trunk.eval(), embedder.eval(), int(best_epoch), history, time.perf_counter() - started, kept_folder
+    )

@@ -30,8 +30,7 @@ def pair_masks(labels, ref_labels=None):
     return positive, retrieved
 
 
-def fast_ap_per_query(embeddings, labels, ref_emb=None, ref_labels=None, num_bins=10,
-                      positive=None, retrieved=None):
+def fast_ap_per_query(embeddings, labels, ref_emb=None, ref_labels=None, num_bins=10, positive=None, retrieved=None):
     """FastAP of every query (0 for queries without a positive) and the number of positives.
     `positive` / `retrieved` (boolean, queries x references) override the label masks."""
     if positive is None:
@@ -59,11 +58,9 @@ def fast_ap_per_query(embeddings, labels, ref_emb=None, ref_labels=None, num_bin
     return terms.sum(1) / num_positives.clamp(min=1), num_positives
 
 
-def fast_ap_loss(embeddings, labels, ref_emb=None, ref_labels=None, num_bins=10,
-                 positive=None, retrieved=None):
+def fast_ap_loss(embeddings, labels, ref_emb=None, ref_labels=None, num_bins=10, positive=None, retrieved=None):
     """1 - mean FastAP over the queries with a positive (0 if there is none)."""
-    ap, num_positives = fast_ap_per_query(embeddings, labels, ref_emb, ref_labels, num_bins,
-                                          positive, retrieved)
+    ap, num_positives = fast_ap_per_query(embeddings, labels, ref_emb, ref_labels, num_bins, positive, retrieved)
     has_positive = num_positives > 0
     if not has_positive.any():
         return embeddings.sum() * 0

@@ -30,7 +30,7 @@ def npairs_loss(embeddings, labels, mode="mc", l2_reg_weight=0.0, normalize=Fals
     per_anchor = []
     for i in range(len(pairs)):
         similarities = positives @ anchors[i]  # f_iᵀf_j⁺ for every j
-        differences = torch.cat([similarities[:i], similarities[i + 1:]]) - similarities[i]
+        differences = torch.cat([similarities[:i], similarities[i + 1 :]]) - similarities[i]
         if mode == "mc":
             per_anchor.append(torch.log(1 + torch.exp(differences).sum()))
         elif mode == "ovo":
@@ -38,7 +38,7 @@ def npairs_loss(embeddings, labels, mode="mc", l2_reg_weight=0.0, normalize=Fals
         else:
             raise ValueError(f"unknown mode {mode}")
     loss = torch.stack(per_anchor).mean() if per_anchor else embeddings.sum() * 0
-    penalty = (embeddings ** 2).sum(dim=1).mean()
+    penalty = (embeddings**2).sum(dim=1).mean()
     return loss + l2_reg_weight * penalty
 
 

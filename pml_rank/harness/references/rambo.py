@@ -42,8 +42,7 @@ def rank_among_positives(scores, positives):
     return rank(only_positives)
 
 
-def similarities_without_self(embeddings, labels, ref_emb=None, ref_labels=None,
-                              memory_emb=None, memory_labels=None):
+def similarities_without_self(embeddings, labels, ref_emb=None, ref_labels=None, memory_emb=None, memory_labels=None):
     """Cosine similarities of each query to every reference (the batch itself when
     `ref_emb` is None, then the query itself is left out), followed by the memory."""
     exclude_self = ref_emb is None
