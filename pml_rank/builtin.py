@@ -2,6 +2,7 @@
 entry point (see pyproject.toml), exactly as a third-party plugin would."""
 
 from . import losses, samplers
+from .losses.rambo import MEMORY_VARIANTS
 from .plugins import hookimpl
 
 
@@ -16,8 +17,6 @@ def pml_rank_samplers():
 
 
 def _rambo_space(trial, recall):
-    from .losses.rambo import MEMORY_VARIANTS
-
     params = {
         # λ of the blackbox ranking (normalised ranks, so the papers' values carry over).
         "lambda_val": trial.suggest_float("lambda_val", 0.05, 20.0, log=True),

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
 from . import outputs
-from .budget import DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes
+from .budget import DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes, with_defaults
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
@@ -385,7 +385,7 @@ def run_bench(
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    given = dict(
+    config = with_defaults(
         dataset=dataset,
         epochs=epochs,
         iterations_per_epoch=iterations_per_epoch,
@@ -396,7 +396,6 @@ def run_bench(
         num_folds=num_folds,
         device=device,
     )
-    config = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
     config["num_classes"] = num_classes
     if config["dataset"] not in DATASETS:
         raise KeyError(f"unknown data set {config['dataset']}; available: {', '.join(DATASETS)}")

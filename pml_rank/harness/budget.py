@@ -52,3 +52,8 @@ def minimum_classes(per_class, batch_size, num_folds=DEFAULTS["num_folds"]):
     while fold_training_classes(num_classes, num_folds) < needed:
         num_classes += 1
     return num_classes
+
+
+def with_defaults(**given):
+    """`given` with `DEFAULTS` in place of every None."""
+    return {key: DEFAULTS[key] if value is None else value for key, value in given.items()}

@@ -30,6 +30,7 @@ from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_we
 from .bench import hard_negative_classes, m_per_class
 from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
+from .data.tiny_layouts import make_all
 from .evaluation import (
     METRICS,
     SHORT_NAMES,
@@ -247,8 +248,6 @@ class Script:
         try:
             with tempfile.TemporaryDirectory(prefix="pml-rank-smoke-") as scratch:
                 if args.smoke and args.data_root is None:
-                    from .data.tiny_layouts import make_all
-
                     args.data_root = make_all(scratch, size=SMOKE_SETUP["image_size"], only=[variant.dataset])
                 if args.data_root is None:
                     raise DataSetNotFoundError(f"--data-root is required (or --smoke).\n{variant_data_help(variant)}")

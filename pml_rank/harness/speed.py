@@ -27,6 +27,7 @@ from ..losses.auc import AUCLoss
 from ..plugins import registry
 from . import outputs
 from .references.auc import auc_bh_loss
+from .text_table import format_text_table
 
 DEFAULT_BATCH_SIZES = (512, 1024, 2048)
 DEFAULT_DIM = 512
@@ -503,8 +504,6 @@ def format_table(result):
 
 
 def format_underflow(results):
-    from .text_table import format_text_table
-
     rows = [
         (
             r["loss"],

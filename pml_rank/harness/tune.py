@@ -36,6 +36,14 @@ import time
 import warnings
 from pathlib import Path
 
+from ..plugins import registry
+from .bench import DATASETS, recipes
+from .budget import with_defaults
+from .evaluation import test_set_and_folds
+from .evaluation.training import seed_everything, train_model
+from .outputs import write_bytes, write_text
+from .text_table import format_text_table
+
 TUNED_FILE = "tuned.json"
 PRUNER_STARTUP_TRIALS = 6
 SAMPLER_STARTUP_TRIALS = 8
@@ -81,7 +89,6 @@ PML_SEARCH_SPACES = {
 def search_spaces():
     """``{bench row name: space(trial) -> constructor keywords}``: the plugins' spaces and
     `PML_SEARCH_SPACES`."""
-    from ..plugins import registry
 
     return {**registry.search_spaces(), **PML_SEARCH_SPACES}
 
@@ -139,9 +146,8 @@ def budget_config(
     seed=0,
 ):
     """The budget that defines a study (the bench's `DEFAULTS` for what is None)."""
-    from .budget import DEFAULTS
 
-    given = dict(
+    config = with_defaults(
         dataset=dataset,
         epochs=epochs,
         iterations_per_epoch=iterations_per_epoch,
@@ -150,7 +156,6 @@ def budget_config(
         lr=lr,
         num_folds=num_folds,
     )
-    config = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
     config.update(num_classes=num_classes, seed=seed)
     return config
 
@@ -283,9 +288,6 @@ def cross_validation_score(
     is called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`). Returns
     ``(mean, fold values, fold histories)``."""
     import torch
-
-    from .evaluation import test_set_and_folds
-    from .evaluation.training import seed_everything, train_model
 
     folds, _ = test_set_and_folds(data, num_folds)  # the test half is never touched
     values, histories = [], []
@@ -425,8 +427,6 @@ def run_worker(job, ready=None):
     import optuna
     import torch
 
-    from .bench import DATASETS, recipes
-
     _quiet_optuna()
     torch.set_num_threads(job.threads)
     storage = make_storage(job.storage, job.heartbeat)
@@ -527,7 +527,6 @@ def summarize_study(study, command=None, seconds=None, storage=None):
 
 
 def write_json_atomic(path, payload):
-    from .outputs import write_text
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return write_text(path, json.dumps(payload, indent=1) + "\n")
@@ -577,7 +576,6 @@ def write_png(study, path):
     for image in images:
         canvas.paste(image, (x, 0))
         x += image.width
-    from .outputs import write_bytes
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -588,7 +586,6 @@ def write_png(study, path):
 
 def format_table(entries):
     """The best parameters per loss as a text table."""
-    from .text_table import format_text_table
 
     rows = []
     for loss, e in entries.items():

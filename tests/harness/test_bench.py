@@ -17,14 +17,6 @@ from pml_rank.plugins import registry
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="session")
-def glyph_cache(tmp_path_factory):
-    """The default glyph set, generated once per test session."""
-    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
-    load_glyphs(cache_dir=folder)
-    return folder
-
-
 @pytest.fixture
 def small_glyphs(glyph_cache):
     return load_glyphs(cache_dir=glyph_cache, num_classes=16)

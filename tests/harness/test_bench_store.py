@@ -9,20 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from pml_rank.harness import bench
-from pml_rank.harness.data import load_glyphs
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
-
-
-@pytest.fixture(scope="module")
-def glyph_cache(tmp_path_factory):
-    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
-    load_glyphs(cache_dir=folder)
-    return folder
 
 
 def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache):

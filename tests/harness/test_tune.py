@@ -17,17 +17,9 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import tune  # noqa: E402
-from pml_rank.harness.data import load_glyphs  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
-
-
-@pytest.fixture(scope="module")
-def glyph_cache(tmp_path_factory):
-    folder = tmp_path_factory.getbasetemp() / "glyph-cache"
-    load_glyphs(cache_dir=folder)
-    return folder
 
 
 def run_tune(*args, cache, check=True, timeout=300):
