@@ -14,16 +14,13 @@ import os
 
 import torch
 import torch.distributed as dist
-from pytorch_metric_learning import miners
 from pytorch_metric_learning.utils.distributed import (
     DistributedLossWrapper,
     DistributedMinerWrapper,
 )
 
 import pml_rank
-
-# The papers' miners, wrapped for distribution as well.
-PAPER_MINERS = {"AUCLoss": miners.BatchHardMiner}
+from pml_rank.harness.bench import PAPER_RECIPES
 
 
 def clustered_data(num_classes, per_class, dim, seed=0):
@@ -51,8 +48,9 @@ def main(argv=None):
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loss_func = DistributedLossWrapper(pml_rank.registry.losses()[args.loss]())
-    miner = PAPER_MINERS.get(args.loss)
-    miner = DistributedMinerWrapper(miner()) if miner else None
+    # The paper's miner, as pml-rank bench uses it, wrapped for distribution as well.
+    make_miner = PAPER_RECIPES.get(args.loss, {}).get("make_miner")
+    miner = DistributedMinerWrapper(make_miner()) if make_miner else None
 
     dataset = torch.utils.data.TensorDataset(data, labels)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, seed=0, drop_last=True)
