@@ -39,8 +39,7 @@ from pathlib import Path
 from ..plugins import registry
 from .bench import DATASETS, recipes
 from .budget import with_defaults
-from .evaluation import test_set_and_folds
-from .evaluation.training import seed_everything, train_model
+from .evaluation import test_set_and_folds, train_fold_model
 from .outputs import write_bytes, write_text
 from .text_table import format_text_table
 
@@ -287,31 +286,15 @@ def cross_validation_score(
     validation MAP@R, on the training half of the classes only. ``on_fold(k, running_mean)``
     is called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`). Returns
     ``(mean, fold values, fold histories)``."""
-    import torch
-
     folds, _ = test_set_and_folds(data, num_folds)  # the test half is never touched
     values, histories = [], []
     for k, (train_set, val_set) in enumerate(folds):
-        seed_everything(seed * 1000 + k)
-        trunk = make_trunk()
-        sampler = None
-        if recipe.make_sampler is not None:
-            sampler = recipe.make_sampler(
-                train_set,
-                batch_size=batch_size,
-                model=trunk.to(device),
-                device=device,
-                iterations_per_epoch=iterations_per_epoch,
-                seed=seed * 1000 + k,
-            )
-        result = train_model(
-            recipe.make_loss(),
+        result = train_fold_model(
+            recipe,
+            make_trunk,
             train_set,
-            trunk=trunk,
-            embedder=torch.nn.Identity(),
-            miner=recipe.make_miner() if recipe.make_miner is not None else None,
-            sampler=sampler,
-            val_set=val_set,
+            val_set,
+            seed * 1000 + k,
             epochs=epochs,
             batch_size=batch_size,
             iterations_per_epoch=iterations_per_epoch,
@@ -344,7 +327,9 @@ def _check_surplus(trial, target):
     )
     finished = sum(t.state != TrialState.RUNNING for t in study_trials)
     running = sorted(t.number for t in study_trials if t.state == TrialState.RUNNING)
-    if trial.number in running[max(target - finished, 0) :] and "failed_trial" not in trial.system_attrs:
+    # A live `Trial` has no system_attrs in Optuna 5: read them from its frozen record.
+    retried = any("failed_trial" in t.system_attrs for t in study_trials if t.number == trial.number)
+    if trial.number in running[max(target - finished, 0) :] and not retried:
         raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
 
 
@@ -352,11 +337,11 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
     import optuna
 
     def objective(trial):
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         if target is not None:
             _check_surplus(trial, target)
         params = space(trial)
         trial.set_user_attr("params", params)
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
 
         def on_fold(k, running_mean):
             trial.report(running_mean, k)

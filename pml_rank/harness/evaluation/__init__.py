@@ -11,7 +11,15 @@ Building blocks, usable on their own:
 """
 
 from .metrics import METRICS, PML_NAMES, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated, mean_and_ci
-from .protocol import ProtocolResult, Recipe, raw_input_accuracy, run_protocol, summarize, test_set_and_folds
+from .protocol import (
+    ProtocolResult,
+    Recipe,
+    raw_input_accuracy,
+    run_protocol,
+    summarize,
+    test_set_and_folds,
+    train_fold_model,
+)
 from .splits import LabelledSubset, class_disjoint_split, class_partitions, cross_validation_folds
 from .training import (
     TrainResult,
@@ -49,5 +57,6 @@ __all__ = [
     "seed_everything",
     "summarize",
     "test_set_and_folds",
+    "train_fold_model",
     "train_model",
 ]

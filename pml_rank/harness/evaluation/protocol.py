@@ -71,6 +71,54 @@ def test_set_and_folds(dataset, num_folds=4):
 test_set_and_folds.__test__ = False  # not a test, though pytest would collect it by its name
 
 
+def train_fold_model(
+    recipe,
+    make_trunk,
+    train_set,
+    val_set,
+    fold_seed,
+    *,
+    make_embedder=None,
+    epochs,
+    batch_size,
+    iterations_per_epoch=None,
+    device="cpu",
+    **training,
+):
+    """One fold's model: seeds everything with `fold_seed`, builds ``make_trunk()`` (and
+    ``make_embedder()``, default the identity), the recipe's sampler (given the network, for
+    samplers that mine with it) and trains with `training.train_model`, validating on
+    `val_set` every epoch; `training` holds `train_model`'s other keywords. Returns its
+    `TrainResult`."""
+    seed_everything(fold_seed)
+    trunk = make_trunk()
+    embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
+    sampler = None
+    if recipe.make_sampler is not None and epochs > 0:
+        sampler = recipe.make_sampler(
+            train_set,
+            batch_size=batch_size,
+            model=torch.nn.Sequential(trunk, embedder).to(device),
+            device=device,
+            iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
+            seed=fold_seed,
+        )
+    return train_model(
+        recipe.make_loss(),
+        train_set,
+        trunk=trunk,
+        embedder=embedder,
+        miner=recipe.make_miner() if recipe.make_miner is not None else None,
+        sampler=sampler,
+        val_set=val_set,
+        epochs=epochs,
+        batch_size=batch_size,
+        iterations_per_epoch=iterations_per_epoch,
+        device=device,
+        **training,
+    )
+
+
 def run_protocol(
     dataset,
     recipe,
@@ -106,27 +154,13 @@ def run_protocol(
     test_embeddings, histories, best_epochs = [], [], []
     labels = None
     for k, (train_set, val_set) in enumerate(folds):
-        seed_everything(seed * 1000 + k)
-        trunk = make_trunk()
-        embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
-        sampler = None
-        if recipe.make_sampler is not None and epochs > 0:
-            sampler = recipe.make_sampler(
-                train_set,
-                batch_size=batch_size,
-                model=torch.nn.Sequential(trunk, embedder).to(device),
-                device=device,
-                iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
-                seed=seed * 1000 + k,
-            )
-        result = train_model(
-            recipe.make_loss(),
+        result = train_fold_model(
+            recipe,
+            make_trunk,
             train_set,
-            trunk=trunk,
-            embedder=embedder,
-            miner=recipe.make_miner() if recipe.make_miner is not None else None,
-            sampler=sampler,
-            val_set=val_set,
+            val_set,
+            seed * 1000 + k,
+            make_embedder=make_embedder,
             epochs=epochs,
             batch_size=batch_size,
             iterations_per_epoch=iterations_per_epoch,
