@@ -256,6 +256,8 @@ def _cmd_tune(args):
             prune=not args.no_prune,
             command=command,
         )
+    except tune.StorageError as error:
+        raise UsageError(f"argument --storage: {error}") from None
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1

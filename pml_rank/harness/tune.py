@@ -184,14 +184,22 @@ def redact(url):
         return "<storage URL>"
 
 
+class StorageError(RuntimeError):
+    """The Optuna storage cannot be opened (bad URL, missing driver, no server)."""
+
+
 def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
     import optuna
     from optuna.storages import RDBStorage
 
-    try:
-        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry  # Optuna >= 4.9
+    try:  # Optuna >= 4.9 renamed the callback and its keyword
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+
+        retry_keyword = "heartbeat_stale_trial_callback"
     except ImportError:
         from optuna.storages import RetryFailedTrialCallback as Retry
+
+        retry_keyword = "failed_trial_callback"
 
     engine_kwargs = {}
     if url.startswith("sqlite"):
@@ -206,7 +214,7 @@ def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
             engine_kwargs=engine_kwargs,
             heartbeat_interval=max(1, int(heartbeat)),
             grace_period=max(2, int(2 * heartbeat)),
-            failed_trial_callback=Retry(max_retry=3),
+            **{retry_keyword: Retry(max_retry=3)},
         )
 
 
@@ -604,8 +612,12 @@ def tune(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     job = TuneJob(list(losses), trials, config, storage, cache_dir, threads, device, heartbeat, prune)
-    rdb = make_storage(storage, heartbeat)
-    studies = {loss: open_study(loss, config, rdb, prune) for loss in losses}  # created once, before the workers
+    try:
+        rdb = make_storage(storage, heartbeat)
+        studies = {loss: open_study(loss, config, rdb, prune) for loss in losses}  # created once, before the workers
+    except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StorageError(f"cannot open {redact(storage)}: {reason}") from error
     targets = {loss: target_trials(loss, trials) for loss in losses}
 
     def finished():

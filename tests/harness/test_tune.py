@@ -285,3 +285,12 @@ def test_two_workers_share_one_study_on_postgresql(tmp_path, glyph_cache, postgr
     text = (tmp_path / "tuned.json").read_text()
     assert json.loads(text)["RaMBORecallLoss"]["trials"] == 3
     assert "secret-password" not in text and "secret-password" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
+def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, tmp_path, glyph_cache):
+    result = run_tune("AUCLoss", "--storage", url, "--out", str(tmp_path), cache=glyph_cache, check=False)
+    assert result.returncode == 2
+    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
+    assert "secret" not in result.stdout + result.stderr
+    assert not (tmp_path / "tuned.json").exists()
