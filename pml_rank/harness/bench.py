@@ -227,8 +227,11 @@ class RunStore:
         self.budget = {k: config.get(k) for k in STORE_KEYS}
         self.key = _digest(self.budget)
         self.runs = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
+        text = self.path.read_text() if self.path.exists() else ""
+        # A crash can cut the last line short: the next record must start on a line of its own.
+        self._cut_short = bool(text) and not text.endswith("\n")
+        if text:
+            for line in text.splitlines():
                 if not line.strip():
                     continue
                 try:
@@ -264,7 +267,8 @@ class RunStore:
         self.runs[(row, record["params_key"], seed)] = record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
+            file.write(("\n" if self._cut_short else "") + json.dumps(record) + "\n")
+            self._cut_short = False
             file.flush()
             os.fsync(file.fileno())
         return record

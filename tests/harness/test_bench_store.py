@@ -121,3 +121,17 @@ def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph
     assert rows["RaMBORecallLoss"]["params_source"] == "tuned (tuned.json)"
     assert rows["pml:TripletMarginLoss"]["params_source"] == "defaults"
     assert "params_source" in (out / "bench.csv").read_text().splitlines()[0]
+
+
+def test_a_line_cut_short_by_a_crash_costs_only_its_own_run(tmp_path):
+    config = {key: 1 for key in bench.STORE_KEYS}
+    path = tmp_path / bench.STORE_FILE
+    first = bench.RunStore(path, config)
+    first.add("AUCLoss", {}, 0, {"value": 0.5})
+    with open(path, "a") as file:  # kill -9 in the middle of the next record
+        file.write('{"config_key": "')
+    resumed = bench.RunStore(path, config)
+    assert resumed.get("AUCLoss", {}, 0)["value"] == 0.5
+    resumed.add("AUCLoss", {}, 1, {"value": 0.7})
+    again = bench.RunStore(path, config)
+    assert again.get("AUCLoss", {}, 0)["value"] == 0.5 and again.get("AUCLoss", {}, 1)["value"] == 0.7
