@@ -5,7 +5,14 @@ import importlib.util
 import sys
 
 from . import __version__
-from .harness.budget import DATASET_NAMES, DEFAULTS, SPEED_DEFAULT_SIZES, SPEED_DEFAULT_SIZES_PER_LOSS, minimum_classes
+from .harness.budget import (
+    DATASET_NAMES,
+    DEFAULTS,
+    LR_SCHEDULES,
+    SPEED_DEFAULT_SIZES,
+    SPEED_DEFAULT_SIZES_PER_LOSS,
+    minimum_classes,
+)
 
 # Everything that imports torch is imported inside the commands, so that --help and
 # argument errors answer at once.
@@ -162,6 +169,7 @@ def _cmd_bench(args):
             seeds=args.seeds,
             embedding_size=args.embedding_size,
             lr=args.lr,
+            lr_schedule=args.lr_schedule,
             device=args.device,
             cache_dir=args.cache_dir,
             num_classes=args.classes,
@@ -229,6 +237,7 @@ def _cmd_tune(args):
         batch_size=args.batch_size,
         embedding_size=args.embedding_size,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
         num_classes=args.classes,
         seed=args.seed,
     )
@@ -276,7 +285,7 @@ OUT_HELP = "folder for the results, created if missing and checked writable befo
 
 def add_budget_arguments(parser):
     """Adds the training budget options of `pml-rank bench` to `parser` (an argparse
-    parser): --dataset --epochs --iterations --batch-size --classes --embedding-size --lr
+    parser): --dataset --epochs --iterations --batch-size --classes --embedding-size --lr --lr-schedule
     --threads --cache-dir --device, with bench's defaults and types that reject a bad
     value at parse time (one line naming the option, exit status 2). Checks that depend
     on the chosen rows (the batch size against samples per class, the number of classes)
@@ -311,9 +320,10 @@ def add_budget_arguments(parser):
     )
     parser.add_argument(
         "--classes",
-        type=arguments.at_least(2),
+        type=arguments.class_count,
+        default=DEFAULTS["num_classes"],
         metavar="N",
-        help=f"use only the first N classes, for quick runs (default: all). Half are for "
+        help="use the first N classes of the data set, or 'all' (default %(default)s). Half are for "
         f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
         f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
         f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
@@ -330,6 +340,12 @@ def add_budget_arguments(parser):
         type=arguments.positive_float,
         default=DEFAULTS["lr"],
         help="Adam learning rate, a finite number > 0 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default=DEFAULTS["lr_schedule"],
+        help="cosine: anneal the learning rate to zero over the epochs; constant: keep it (default %(default)s)",
     )
     parser.add_argument(
         "--threads",

@@ -45,6 +45,16 @@ non_negative_int = at_least(0)
 non_negative_int.__name__ = "non-negative integer"
 
 
+def class_count(text):
+    """Type: a number of classes, an integer >= 2, or "all"."""
+    if text == "all":
+        return text
+    value = _integer(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2 or 'all', got {value}")
+    return value
+
+
 def positive_float(text):
     """Type: a finite number above zero (learning rates)."""
     try:

@@ -25,10 +25,10 @@ from tqdm import tqdm
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
 from . import outputs
-from .budget import DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes, with_defaults
+from .budget import ALL_CLASSES, DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes, with_defaults
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
-from .evaluation import METRICS, SHORT_NAMES, Recipe, raw_input_accuracy, run_protocol, summarize
+from .evaluation import METRICS, SHORT_NAMES, Recipe, lr_schedule, raw_input_accuracy, run_protocol, summarize
 from .evaluation.training import default_sampler
 
 RAW_INPUT = "raw input"
@@ -107,6 +107,11 @@ def _glyphs(cache_dir=None, num_classes=None):
     return load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
 
 
+def class_count(num_classes):
+    """`num_classes` as the data loaders take it: None for every class (`ALL_CLASSES`)."""
+    return None if num_classes in (None, ALL_CLASSES) else num_classes
+
+
 def _small_cnn(embedding_size):
     return lambda: SmallCNN(embedding_size=embedding_size)
 
@@ -139,11 +144,12 @@ def _group_name(per_class):
 
 
 def check_budget(contenders, batch_size, num_classes=None, num_folds=None):
-    """Raises `BudgetError` when `batch_size` or `num_classes` (None: not known yet)
+    """Raises `BudgetError` when `batch_size` or `num_classes` (None or "all": not known yet)
     cannot make the batches of the rows `contenders` (``{name: Recipe}``): the batch size
     must be a multiple of each row's samples per class and hold two classes or more, and
     every fold model must train on at least as many classes as a batch holds."""
     num_folds = num_folds or DEFAULTS["num_folds"]
+    num_classes = class_count(num_classes)
     groups = _rows_by_per_class(contenders)
     if any(batch_size % m or batch_size < 2 * m for m in groups):
         needs = [
@@ -205,6 +211,7 @@ STORE_KEYS = (
     "batch_size",
     "embedding_size",
     "lr",
+    "lr_schedule",
     "num_folds",
     "device",
     "num_classes",
@@ -309,7 +316,7 @@ def _init_worker(counter, threads):
 def _data(dataset, cache_dir, num_classes):
     key = (dataset, cache_dir, num_classes)
     if key not in _WORKER:
-        _WORKER[key] = DATASETS[dataset][0](cache_dir, num_classes)
+        _WORKER[key] = DATASETS[dataset][0](cache_dir, class_count(num_classes))
     return _WORKER[key]
 
 
@@ -344,6 +351,7 @@ def run_job(job):
         batch_size=config["batch_size"],
         iterations_per_epoch=config["iterations_per_epoch"],
         lr=config["lr"],
+        make_lr_scheduler=lr_schedule(config["lr_schedule"], epochs),
         device=config["device"],
         on_iteration=on_iteration,
     )
@@ -363,6 +371,7 @@ def run_bench(
     seeds=None,
     embedding_size=None,
     lr=None,
+    lr_schedule=None,
     num_folds=None,
     device=None,
     cache_dir=None,
@@ -397,10 +406,12 @@ def run_bench(
         seeds=seeds,
         embedding_size=embedding_size,
         lr=lr,
+        lr_schedule=lr_schedule,
         num_folds=num_folds,
         device=device,
+        num_classes=num_classes,
     )
-    config["num_classes"] = num_classes
+    num_classes = config["num_classes"]
     if config["dataset"] not in DATASETS:
         raise KeyError(f"unknown data set {config['dataset']}; available: {', '.join(DATASETS)}")
     contenders = recipes(losses)
@@ -414,7 +425,7 @@ def run_bench(
     try:
         data = _data(config["dataset"], cache_dir, num_classes)
     except ValueError as error:
-        if num_classes is None:
+        if class_count(num_classes) is None:
             raise
         raise BudgetError("--classes", str(error)) from None
     check_budget(contenders, config["batch_size"], len(np.unique(data.labels)), config["num_folds"])

@@ -37,9 +37,9 @@ import warnings
 from pathlib import Path
 
 from ..plugins import registry
-from .bench import DATASETS, recipes
+from .bench import DATASETS, class_count, recipes
 from .budget import with_defaults
-from .evaluation import test_set_and_folds, train_fold_model
+from .evaluation import lr_schedule, test_set_and_folds, train_fold_model
 from .outputs import write_bytes, write_text
 from .text_table import format_text_table
 
@@ -127,6 +127,7 @@ BUDGET_KEYS = (
     "batch_size",
     "embedding_size",
     "lr",
+    "lr_schedule",
     "num_folds",
     "num_classes",
     "seed",
@@ -140,6 +141,7 @@ def budget_config(
     batch_size=None,
     embedding_size=None,
     lr=None,
+    lr_schedule=None,
     num_folds=None,
     num_classes=None,
     seed=0,
@@ -153,20 +155,22 @@ def budget_config(
         batch_size=batch_size,
         embedding_size=embedding_size,
         lr=lr,
+        lr_schedule=lr_schedule,
         num_folds=num_folds,
+        num_classes=num_classes,
     )
-    config.update(num_classes=num_classes, seed=seed)
+    config.update(seed=seed)
     return config
 
 
 def study_name(loss, config):
-    """``<loss> <data set> e<epochs>x<iterations> b<batch> d<dim> lr<lr> f<folds> c<classes> s<seed>``:
-    one study per loss, data set and budget."""
+    """``<loss> <data set> e<epochs>x<iterations> b<batch> d<dim> lr<lr>-<schedule> f<folds>
+    c<classes> s<seed>``: one study per loss, data set and budget."""
     c = config
-    classes = "-all" if c["num_classes"] is None else c["num_classes"]
+    classes = "-all" if class_count(c["num_classes"]) is None else c["num_classes"]
     return (
         f"{loss} {c['dataset']} e{c['epochs']}x{c['iterations_per_epoch']} b{c['batch_size']} "
-        f"d{c['embedding_size']} lr{c['lr']:g} f{c['num_folds']} c{classes} s{c['seed']}"
+        f"d{c['embedding_size']} lr{c['lr']:g}-{c['lr_schedule']} f{c['num_folds']} c{classes} s{c['seed']}"
     )
 
 
@@ -285,6 +289,7 @@ def cross_validation_score(
     batch_size,
     iterations_per_epoch,
     lr,
+    lr_schedule_name="constant",
     num_folds=4,
     device="cpu",
     on_fold=None,
@@ -307,6 +312,7 @@ def cross_validation_score(
             batch_size=batch_size,
             iterations_per_epoch=iterations_per_epoch,
             lr=lr,
+            make_lr_scheduler=lr_schedule(lr_schedule_name, epochs),
             device=device,
             on_iteration=on_iteration,
         )
@@ -365,6 +371,7 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
             batch_size=config["batch_size"],
             iterations_per_epoch=config["iterations_per_epoch"],
             lr=config["lr"],
+            lr_schedule_name=config["lr_schedule"],
             num_folds=config["num_folds"],
             device=device,
             on_fold=on_fold,
@@ -424,7 +431,7 @@ def run_worker(job, ready=None):
     torch.set_num_threads(job.threads)
     storage = make_storage(job.storage, job.heartbeat)
     load, trunk_for = DATASETS[job.config["dataset"]]
-    data = load(job.cache_dir, job.config["num_classes"])
+    data = load(job.cache_dir, class_count(job.config["num_classes"]))
     make_trunk = trunk_for(job.config["embedding_size"])
     spaces = search_spaces()
     if ready is not None:  # the local workers start trials together, none runs ahead while another still loads

@@ -134,6 +134,17 @@ def compute_embeddings(trunk, dataset, embedder=None, device="cpu", batch_size=2
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
 
+def lr_schedule(name, epochs):
+    """`train_model`'s ``make_lr_scheduler`` for a schedule of `budget.LR_SCHEDULES`:
+    "cosine" anneals the learning rate to zero over `epochs` epochs (the last epoch trains
+    at about 2% of it for 10 epochs), "constant" (None) keeps it."""
+    if name == "constant":
+        return None
+    if name == "cosine":
+        return lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    raise ValueError(f"unknown learning-rate schedule {name!r}; available: cosine, constant")
+
+
 def default_sampler(labels, batch_size, m_per_class=4):
     """PML's `MPerClassSampler`: `batch_size // m_per_class` classes with `m_per_class`
     samples each, one pass over roughly the data set per epoch (the Reality Check
