@@ -19,7 +19,7 @@ from pytorch_metric_learning import losses
 from pml_rank.harness.budget import DEFAULTS
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import test_set_and_folds
-from pml_rank.harness.evaluation.training import default_sampler, train_model
+from pml_rank.harness.evaluation.training import default_sampler, lr_schedule, train_model
 
 
 def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
@@ -60,6 +60,7 @@ def bench_iteration_seconds(train_set, val_set, epochs, iterations):
         batch_size=DEFAULTS["batch_size"],
         iterations_per_epoch=iterations,
         lr=DEFAULTS["lr"],
+        make_lr_scheduler=lr_schedule(DEFAULTS["lr_schedule"], epochs),
     )
     return (time.perf_counter() - started) / (epochs * iterations)
 
@@ -71,7 +72,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    folds, _ = test_set_and_folds(load_glyphs(), DEFAULTS["num_folds"])
+    folds, _ = test_set_and_folds(load_glyphs(num_classes=DEFAULTS["num_classes"]), DEFAULTS["num_folds"])
     train_set, val_set = folds[0]
     bench_iteration_seconds(train_set, val_set, 1, 2)  # imports and first-call costs, once per process
     raw, raw_nchw, bench = [], [], []

@@ -260,8 +260,19 @@ def test_add_budget_arguments_gives_the_bench_defaults_and_checks():
     assert args.embedding_size == budget.DEFAULTS["embedding_size"]
     assert args.lr == budget.DEFAULTS["lr"] and args.threads == budget.DEFAULTS["threads"]
     assert args.dataset == budget.DEFAULTS["dataset"] and args.device == budget.DEFAULTS["device"]
-    assert args.classes is None and args.cache_dir is None
-    for argv in (["--epochs", "0"], ["--lr", "nan"], ["--dataset", "foo"], ["--threads", "-1"]):
+    assert args.lr_schedule == budget.DEFAULTS["lr_schedule"] == "cosine"
+    assert args.classes == budget.DEFAULTS["num_classes"] and args.cache_dir is None
+    assert parser.parse_args(["--classes", "all"]).classes == "all"
+    assert parser.parse_args(["--classes", "30", "--lr-schedule", "constant"]).lr_schedule == "constant"
+    for argv in (
+        ["--epochs", "0"],
+        ["--lr", "nan"],
+        ["--dataset", "foo"],
+        ["--threads", "-1"],
+        ["--classes", "1"],
+        ["--classes", "some"],
+        ["--lr-schedule", "linear"],
+    ):
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(argv)
         assert exit_.value.code == 2

@@ -304,3 +304,47 @@ def test_check_budget_refuses_batches_the_rows_cannot_make():
 def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache):
     with pytest.raises(bench.BudgetError, match="--classes"):
         bench.run_bench(["pml:TripletMarginLoss"], num_classes=10**6, cache_dir=glyph_cache, progress=False)
+
+
+def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
+    from pml_rank.harness.evaluation import lr_schedule
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = lr_schedule("cosine", 4)(optimizer)
+    rates = []
+    for _ in range(4):
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    assert rates == pytest.approx([1.0, (1 + np.cos(np.pi / 4)) / 2, 0.5, (1 + np.cos(3 * np.pi / 4)) / 2])
+    assert lr_schedule("constant", 4) is None
+    with pytest.raises(ValueError, match="linear"):
+        lr_schedule("linear", 4)
+
+
+def test_the_bench_trains_with_the_schedule_it_records(glyph_cache):
+    def run(schedule):
+        return bench.run_bench(
+            ["pml:TripletMarginLoss"],
+            epochs=2,
+            iterations_per_epoch=3,
+            seeds=1,
+            num_classes=24,
+            lr_schedule=schedule,
+            cache_dir=glyph_cache,
+            progress=False,
+        )
+
+    cosine, constant = run("cosine"), run("constant")
+    assert cosine.config["lr_schedule"] == "cosine" and constant.config["lr_schedule"] == "constant"
+    cosine_losses = [[e["loss"] for e in fold] for fold in cosine.histories["pml:TripletMarginLoss"][0]]
+    constant_losses = [[e["loss"] for e in fold] for fold in constant.histories["pml:TripletMarginLoss"][0]]
+    # The same seeds: the first epoch trains at the same rate, the second at half of it.
+    assert [f[0] for f in cosine_losses] == [f[0] for f in constant_losses]
+    assert [f[1] for f in cosine_losses] != [f[1] for f in constant_losses]
+
+
+def test_all_classes_is_a_budget_of_its_own():
+    assert bench.class_count("all") is None and bench.class_count(64) == 64
+    bench.check_budget(bench.recipes(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
+    with pytest.raises(bench.BudgetError, match="--classes"):
+        bench.check_budget(bench.recipes(["NPairsMCLoss"]), 32, 24)

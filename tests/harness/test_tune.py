@@ -294,3 +294,23 @@ def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, tmp_pa
     assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
     assert "secret" not in result.stdout + result.stderr
     assert not (tmp_path / "tuned.json").exists()
+
+
+def test_every_budget_key_makes_a_study_of_its_own():
+    base = tune.budget_config()
+    assert base["num_classes"] == 64 and base["lr_schedule"] == "cosine"
+    others = dict(
+        epochs=3,
+        iterations_per_epoch=7,
+        batch_size=16,
+        embedding_size=8,
+        lr=1e-4,
+        lr_schedule="constant",
+        num_folds=3,
+        num_classes="all",
+        seed=1,
+    )
+    assert set(tune.BUDGET_KEYS) == {"dataset", *others}
+    names = {tune.study_name("AUCLoss", base)}
+    names |= {tune.study_name("AUCLoss", tune.budget_config(**{key: value})) for key, value in others.items()}
+    assert len(names) == 1 + len(others)
