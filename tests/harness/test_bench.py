@@ -314,6 +314,7 @@ def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
     rates = []
     for _ in range(4):
         rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([1.0, (1 + np.cos(np.pi / 4)) / 2, 0.5, (1 + np.cos(3 * np.pi / 4)) / 2])
     assert lr_schedule("constant", 4) is None
