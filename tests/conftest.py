@@ -1,4 +1,6 @@
 import importlib
+import signal
+import subprocess
 import sys
 import textwrap
 
@@ -56,3 +58,22 @@ def fake_distribution(tmp_path, monkeypatch):
         sys.modules.pop(module, None)
     monkeypatch.undo()
     pml_rank.registry.reload()
+
+
+@pytest.fixture
+def start_interruptible():
+    """``start(args) -> Popen``: a command in a process group of its own that Ctrl-C
+    (SIGINT to the group) interrupts as in a terminal, even when the test session itself
+    was started in the background by a shell, whose children inherit SIGINT ignored."""
+
+    def start(args):
+        return subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+
+    return start

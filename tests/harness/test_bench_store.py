@@ -42,7 +42,7 @@ def store_rows(out):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache):
+def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache, start_interruptible):
     out = tmp_path / "out"
     args = [
         str(PML_RANK),
@@ -59,7 +59,7 @@ def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, g
         "--out",
         str(out),
     ]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = start_interruptible(args)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(r["row"] == "pml:TripletMarginLoss" for r in store_rows(out)):
         time.sleep(0.05)

@@ -163,7 +163,7 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     assert len(retried) == 1 and retried[0].params == failed[0].params  # the lost trial, run again
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache):
+def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache, start_interruptible):
     url = f"sqlite:///{tmp_path / 't.db'}"
     args = [
         str(PML_RANK),
@@ -182,7 +182,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache):
         "--cache-dir",
         str(glyph_cache),
     ]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = start_interruptible(args)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
