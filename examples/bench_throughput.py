@@ -21,7 +21,7 @@ from pytorch_metric_learning import losses
 from pml_rank.harness.budget import DEFAULTS
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import test_set_and_folds
-from pml_rank.harness.evaluation.training import default_sampler, lr_schedule, train_model
+from pml_rank.harness.evaluation.training import default_sampler, lr_scheduler_factory, train_model
 
 
 def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
@@ -66,7 +66,7 @@ def bench_iteration_seconds(train_set, val_set, epochs, iterations):
         batch_size=DEFAULTS["batch_size"],
         iterations_per_epoch=iterations,
         lr=DEFAULTS["lr"],
-        make_lr_scheduler=lr_schedule(DEFAULTS["lr_schedule"], epochs),
+        make_lr_scheduler=lr_scheduler_factory(DEFAULTS["lr_schedule"], epochs),
     )
     return (time.perf_counter() - started) / (epochs * iterations)
 

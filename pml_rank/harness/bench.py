@@ -28,7 +28,7 @@ from . import outputs
 from .budget import ALL_CLASSES, DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes, with_defaults
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
-from .evaluation import METRICS, SHORT_NAMES, Recipe, lr_schedule, raw_input_accuracy, run_protocol, summarize
+from .evaluation import METRICS, SHORT_NAMES, Recipe, lr_scheduler_factory, raw_input_accuracy, run_protocol, summarize
 from .evaluation.training import default_sampler
 
 RAW_INPUT = "raw input"
@@ -351,7 +351,7 @@ def run_job(job):
         batch_size=config["batch_size"],
         iterations_per_epoch=config["iterations_per_epoch"],
         lr=config["lr"],
-        make_lr_scheduler=lr_schedule(config["lr_schedule"], epochs),
+        make_lr_scheduler=lr_scheduler_factory(config["lr_schedule"], epochs),
         device=config["device"],
         on_iteration=on_iteration,
     )

@@ -39,7 +39,7 @@ from pathlib import Path
 from ..plugins import registry
 from .bench import DATASETS, class_count, recipes
 from .budget import with_defaults
-from .evaluation import lr_schedule, test_set_and_folds, train_fold_model
+from .evaluation import lr_scheduler_factory, test_set_and_folds, train_fold_model
 from .outputs import write_bytes, write_text
 from .text_table import format_text_table
 
@@ -289,7 +289,7 @@ def cross_validation_score(
     batch_size,
     iterations_per_epoch,
     lr,
-    lr_schedule_name="constant",
+    lr_schedule,
     num_folds=4,
     device="cpu",
     on_fold=None,
@@ -312,7 +312,7 @@ def cross_validation_score(
             batch_size=batch_size,
             iterations_per_epoch=iterations_per_epoch,
             lr=lr,
-            make_lr_scheduler=lr_schedule(lr_schedule_name, epochs),
+            make_lr_scheduler=lr_scheduler_factory(lr_schedule, epochs),
             device=device,
             on_iteration=on_iteration,
         )
@@ -371,7 +371,7 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
             batch_size=config["batch_size"],
             iterations_per_epoch=config["iterations_per_epoch"],
             lr=config["lr"],
-            lr_schedule_name=config["lr_schedule"],
+            lr_schedule=config["lr_schedule"],
             num_folds=config["num_folds"],
             device=device,
             on_fold=on_fold,

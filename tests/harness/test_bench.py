@@ -307,19 +307,19 @@ def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_
 
 
 def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
-    from pml_rank.harness.evaluation import lr_schedule
+    from pml_rank.harness.evaluation import lr_scheduler_factory
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = lr_schedule("cosine", 4)(optimizer)
+    scheduler = lr_scheduler_factory("cosine", 4)(optimizer)
     rates = []
     for _ in range(4):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([1.0, (1 + np.cos(np.pi / 4)) / 2, 0.5, (1 + np.cos(3 * np.pi / 4)) / 2])
-    assert lr_schedule("constant", 4) is None
+    assert lr_scheduler_factory("constant", 4) is None
     with pytest.raises(ValueError, match="linear"):
-        lr_schedule("linear", 4)
+        lr_scheduler_factory("linear", 4)
 
 
 def test_the_bench_trains_with_the_schedule_it_records(glyph_cache):

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pml_rank.harness import bench
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
@@ -135,3 +137,13 @@ def test_a_line_cut_short_by_a_crash_costs_only_its_own_run(tmp_path):
     resumed.add("AUCLoss", {}, 1, {"value": 0.7})
     again = bench.RunStore(path, config)
     assert again.get("AUCLoss", {}, 0)["value"] == 0.5 and again.get("AUCLoss", {}, 1)["value"] == 0.7
+
+
+def test_a_store_of_another_schedule_or_class_count_is_refused(tmp_path):
+    path = tmp_path / bench.STORE_FILE
+    config = dict(bench.DEFAULTS)
+    bench.RunStore(path, config).add("AUCLoss", {}, 0, {"run": {}, "histories": [], "seconds": 0.0})
+    assert bench.RunStore(path, dict(config)).get("AUCLoss", {}, 0) is not None
+    for changed in (dict(lr_schedule="constant"), dict(num_classes="all")):
+        with pytest.raises(bench.StoreMismatchError, match=next(iter(changed))):
+            bench.RunStore(path, {**config, **changed})

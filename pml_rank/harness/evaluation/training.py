@@ -134,7 +134,7 @@ def compute_embeddings(trunk, dataset, embedder=None, device="cpu", batch_size=2
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
 
-def lr_schedule(name, epochs):
+def lr_scheduler_factory(name, epochs):
     """`train_model`'s ``make_lr_scheduler`` for a schedule of `budget.LR_SCHEDULES`:
     "cosine" anneals the learning rate to zero over `epochs` epochs (the last epoch trains
     at about 2% of it for 10 epochs), "constant" (None) keeps it."""
