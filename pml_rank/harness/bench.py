@@ -25,7 +25,15 @@ from tqdm import tqdm
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
 from . import outputs
-from .budget import ALL_CLASSES, DATASET_NAMES, DEFAULTS, fold_training_classes, minimum_classes, with_defaults
+from .budget import (
+    ALL_CLASSES,
+    DATASET_NAMES,
+    DEFAULTS,
+    TRAINING_KEYS,
+    fold_training_classes,
+    minimum_classes,
+    with_defaults,
+)
 from .components import PML_PREFIX, component_class
 from .data import SmallCNN, load_glyphs
 from .evaluation import METRICS, SHORT_NAMES, Recipe, lr_scheduler_factory, raw_input_accuracy, run_protocol, summarize
@@ -204,18 +212,7 @@ class StoreMismatchError(RuntimeError):
 
 STORE_FILE = "bench-runs.jsonl"
 # What defines comparable runs; the seeds and the rows may grow from one run to the next.
-STORE_KEYS = (
-    "dataset",
-    "epochs",
-    "iterations_per_epoch",
-    "batch_size",
-    "embedding_size",
-    "lr",
-    "lr_schedule",
-    "num_folds",
-    "device",
-    "num_classes",
-)
+STORE_KEYS = (*TRAINING_KEYS, "device")
 
 
 def _digest(value):

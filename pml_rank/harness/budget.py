@@ -22,6 +22,20 @@ DEFAULTS = dict(
     threads=1,
 )
 
+# What makes two training budgets the same: a bench store and a tuning study hold runs of
+# one budget only (the bench adds the device, tune its sampler's seed).
+TRAINING_KEYS = (
+    "dataset",
+    "epochs",
+    "iterations_per_epoch",
+    "batch_size",
+    "embedding_size",
+    "lr",
+    "lr_schedule",
+    "num_folds",
+    "num_classes",
+)
+
 # `--lr-schedule`: "cosine" anneals the learning rate to zero over the epochs
 # (`torch.optim.lr_scheduler.CosineAnnealingLR`, stepped after each epoch), "constant" keeps it.
 LR_SCHEDULES = ("cosine", "constant")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..plugins import registry
 from .bench import DATASETS, class_count, recipes
-from .budget import with_defaults
+from .budget import TRAINING_KEYS, with_defaults
 from .evaluation import lr_scheduler_factory, test_set_and_folds, train_fold_model
 from .outputs import write_bytes, write_text
 from .text_table import format_text_table
@@ -120,18 +120,7 @@ def is_empty(space):
 
 # ----------------------------------------------------------------------------- studies
 
-BUDGET_KEYS = (
-    "dataset",
-    "epochs",
-    "iterations_per_epoch",
-    "batch_size",
-    "embedding_size",
-    "lr",
-    "lr_schedule",
-    "num_folds",
-    "num_classes",
-    "seed",
-)
+BUDGET_KEYS = (*TRAINING_KEYS, "seed")
 
 
 def budget_config(
