@@ -49,7 +49,10 @@ def class_count(text):
     """Type: a number of classes, an integer >= 2, or "all"."""
     if text == "all":
         return text
-    value = _integer(text)
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2 or 'all', got {text!r}") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be an integer >= 2 or 'all', got {value}")
     return value

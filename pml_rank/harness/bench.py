@@ -310,7 +310,9 @@ def _init_worker(counter, threads):
     _WORKER["counter"] = counter
 
 
-def _data(dataset, cache_dir, num_classes):
+def load_dataset(dataset, cache_dir, num_classes):
+    """The data set a bench or tune process trains on (`num_classes` a count or "all"),
+    loaded once per process."""
     key = (dataset, cache_dir, num_classes)
     if key not in _WORKER:
         _WORKER[key] = DATASETS[dataset][0](cache_dir, class_count(num_classes))
@@ -321,7 +323,7 @@ def run_job(job):
     """One (row, seed) of the bench: the protocol with the row's recipe and parameters.
     Runs in a worker process or in the caller's; the result depends only on `job`."""
     config, row, params, seed, cache_dir = job["config"], job["row"], job["params"], job["seed"], job["cache_dir"]
-    data = _data(config["dataset"], cache_dir, config["num_classes"])
+    data = load_dataset(config["dataset"], cache_dir, config["num_classes"])
     make_trunk = DATASETS[config["dataset"]][1](config["embedding_size"])
     if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
         recipe, epochs = Recipe(make_loss=lambda: None, name=UNTRAINED), 0
@@ -420,7 +422,7 @@ def run_bench(
     run_store = RunStore(store, config) if store is not None else None
     started = time.perf_counter()
     try:
-        data = _data(config["dataset"], cache_dir, num_classes)
+        data = load_dataset(config["dataset"], cache_dir, num_classes)
     except ValueError as error:
         if class_count(num_classes) is None:
             raise

@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 
 from ..plugins import registry
-from .bench import DATASETS, class_count, recipes
+from .bench import DATASETS, class_count, load_dataset, recipes
 from .budget import TRAINING_KEYS, with_defaults
 from .evaluation import lr_scheduler_factory, test_set_and_folds, train_fold_model
 from .outputs import write_bytes, write_text
@@ -123,31 +123,13 @@ def is_empty(space):
 BUDGET_KEYS = (*TRAINING_KEYS, "seed")
 
 
-def budget_config(
-    dataset=None,
-    epochs=None,
-    iterations_per_epoch=None,
-    batch_size=None,
-    embedding_size=None,
-    lr=None,
-    lr_schedule=None,
-    num_folds=None,
-    num_classes=None,
-    seed=0,
-):
-    """The budget that defines a study (the bench's `DEFAULTS` for what is None)."""
-
-    config = with_defaults(
-        dataset=dataset,
-        epochs=epochs,
-        iterations_per_epoch=iterations_per_epoch,
-        batch_size=batch_size,
-        embedding_size=embedding_size,
-        lr=lr,
-        lr_schedule=lr_schedule,
-        num_folds=num_folds,
-        num_classes=num_classes,
-    )
+def budget_config(seed=0, **given):
+    """The budget that defines a study: `given` keywords among `TRAINING_KEYS` (the bench's
+    `DEFAULTS` for those missing or None) and the sampler's `seed`."""
+    unknown = sorted(set(given) - set(TRAINING_KEYS))
+    if unknown:
+        raise TypeError(f"budget_config() got unexpected keyword arguments {', '.join(unknown)}")
+    config = with_defaults(**{key: given.get(key) for key in TRAINING_KEYS})
     config.update(seed=seed)
     return config
 
@@ -419,9 +401,8 @@ def run_worker(job, ready=None):
     _quiet_optuna()
     torch.set_num_threads(job.threads)
     storage = make_storage(job.storage, job.heartbeat)
-    load, trunk_for = DATASETS[job.config["dataset"]]
-    data = load(job.cache_dir, class_count(job.config["num_classes"]))
-    make_trunk = trunk_for(job.config["embedding_size"])
+    data = load_dataset(job.config["dataset"], job.cache_dir, job.config["num_classes"])
+    make_trunk = DATASETS[job.config["dataset"]][1](job.config["embedding_size"])
     spaces = search_spaces()
     if ready is not None:  # the local workers start trials together, none runs ahead while another still loads
         try:
