@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from . import arguments, outputs
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
-from .bench import hard_negative_classes, m_per_class
+from .recipes import hard_negative_classes, m_per_class
 from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .data.tiny_layouts import make_all

@@ -600,3 +600,46 @@ def write_json(result, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return outputs.write_text(path, json.dumps(result, indent=2))
+
+
+def run_command(names, args, out):
+    """`pml-rank speed`: measures `names` as the parsed `args` say, prints each table and
+    writes speed-<loss>.json into `out` (and the --report files); returns the exit status."""
+    import datetime
+    import shlex
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results, underflow = [], []
+    for name in names:
+        sizes = args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES
+        result = measure(
+            name, sizes=sizes, dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs
+        )
+        results.append(result)
+        print(format_table(result))
+        path = write_json(result, out / f"speed-{name}.json")
+        print(f"written: {path}\n")
+    if args.underflow:
+        for name in names:
+            size = max(args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES)
+            underflow.append(
+                measure_underflow(
+                    name,
+                    size=size,
+                    dim=args.dim,
+                    repeats=args.repeats,
+                    device=args.device,
+                    seed=args.seed,
+                    runs=args.runs,
+                )
+            )
+        print(
+            "No slow path: each loss on underflow-provoking inputs / on its usual inputs "
+            f"(median of per-round ratios, min-max)\n{format_underflow(underflow)}\n"
+        )
+    if args.report:
+        command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
+        for path in write_report(results, underflow, args.report, command, started, load_start):
+            print(f"written: {path}")
+    return 0
