@@ -242,10 +242,11 @@ def run_protocol(
     )
 
 
-def raw_input_accuracy(dataset):
+def raw_input_accuracy(dataset, transform=None):
     """Accuracy on the protocol's test classes of the flattened, L2-normalised inputs
-    (the "raw input" row: what retrieval gives without any network)."""
-    _, test_set = test_set_and_folds(dataset, num_folds=2)
+    (the "raw input" row: what retrieval gives without any network); `transform` turns a
+    data set's images into tensors (its evaluation transform)."""
+    _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
     inputs = torch.stack([test_set[i][0].reshape(-1).float() for i in range(len(test_set))])
     return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
 
