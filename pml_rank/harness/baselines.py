@@ -17,10 +17,12 @@ defines the row is set (the margin rows' learnable β, SoftTriple's 10 centres p
 Search spaces are the paper's CUB-200 ranges at batch 32, read from powerful-benchmarker's
 optimisation plots (`PLOTS`: cub_<loss>.html hold every trial's parameters and each axis'
 bounds and scale; FastAP was a grid, cub_fast_ap.png). The loss optimizer's learning rate
-was searched log-uniformly on [1e-6, 1]
-(src/powerful_benchmarker/configs/config_optimizers/with_metric_loss_optimizer_bayes_opt.yaml). Two of the paper's
-loss terms are regularisers in PML 2.9 (`Regularizer`); their weights keep the paper's
-meaning. The table in examples/README.md ("Reality Check baselines") is `markdown_table()`.
+was searched log-uniformly on [1e-6, 1] (src/powerful_benchmarker/configs/config_optimizers/
+with_metric_loss_optimizer_bayes_opt.yaml). `Baseline.paper_cub200` holds the paper's best
+CUB-200 values (docs/papers/mlrc.md there). Two of the paper's loss terms are regularisers
+in PML 2.9 (`Regularizer`); their weights keep the paper's meaning, except SoftTriple's,
+doubled because PML 2.9 halved the term. examples/README.md's "Reality Check baselines"
+table is `markdown_table()`.
 
 Importing this module imports neither torch nor PML; `build` does.
 """
@@ -53,13 +55,14 @@ class Regularizer:
     (one of the row's parameters) is above 0; at 0 the loss has none, as PML's default.
 
     kind: "embedding" or "weight" (PML's ``embedding_regularizer`` / ``weight_regularizer``).
-    name: the class in ``pytorch_metric_learning.regularizers``.
+    name: the class in `module`.
     takes: loss keywords its constructor takes too.
     """
 
     kind: str
     name: str
     takes: tuple = ()
+    module: str = "pytorch_metric_learning.regularizers"
 
     @property
     def weight_key(self):
@@ -85,6 +88,7 @@ class Baseline:
     regularizer: a `Regularizer`, or None.
     source: where the search space comes from.
     note: what a table should say besides.
+    paper_cub200: the paper's best `params` on CUB-200 (empty for the rows beyond it).
     """
 
     row: str
@@ -101,10 +105,11 @@ class Baseline:
     regularizer: Regularizer | None = None
     source: str = ""
     note: str = ""
+    paper_cub200: Mapping = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "defaults", types.MappingProxyType(dict(self.defaults)))
-        object.__setattr__(self, "miner_defaults", types.MappingProxyType(dict(self.miner_defaults)))
+        for name in ("defaults", "miner_defaults", "paper_cub200"):
+            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
         unknown = set(self.needs) - set(NEEDS)
         if unknown:
             raise ValueError(f"{self.row}: needs {sorted(unknown)}; a row can need only {NEEDS}")
@@ -237,6 +242,7 @@ _ROWS = (
         space=_contrastive_space,
         batches=_M4,
         source=PLOTS + "cub_contrastive.html",
+        paper_cub200={"pos_margin": -0.2, "neg_margin": 0.3841},
     ),
     Baseline(
         row="pml:TripletMarginLoss",
@@ -245,6 +251,7 @@ _ROWS = (
         space=_triplet_space,
         batches=_M4,
         source=PLOTS + "cub_triplet.html",
+        paper_cub200={"margin": 0.0961},
     ),
     Baseline(
         row="pml:NTXentLoss",
@@ -253,6 +260,7 @@ _ROWS = (
         space=_ntxent_space,
         batches=_M4,
         source=PLOTS + "cub_ntxent.html",
+        paper_cub200={"temperature": 0.0091},
         note="Cars-196 and SOP: [1e-5, 100] log",
     ),
     Baseline(
@@ -264,6 +272,7 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="a proxy per class",
         source=PLOTS + "cub_proxy_nca.html",
+        paper_cub200={"softmax_scale": 13.98, LOSS_LR: 6.04e-3},
     ),
     Baseline(
         row="pml:MarginLoss",
@@ -274,6 +283,7 @@ _ROWS = (
         loss_parameters="β",
         loss_weight_decay=0.0,
         source=PLOTS + "cub_margin_no_weight_decay.html",
+        paper_cub200={"margin": 0.0878, "beta": 0.7838, LOSS_LR: 1.31e-3},
         note=_MARGIN_NOTE,
     ),
     Baseline(
@@ -286,6 +296,7 @@ _ROWS = (
         loss_parameters="a β per class",
         loss_weight_decay=0.0,
         source=PLOTS + "cub_margin_param_per_class_no_weight_decay.html",
+        paper_cub200={"margin": 0.0779, "beta": 0.9796, LOSS_LR: 2.65e-4},
         note=_MARGIN_NOTE,
     ),
     Baseline(
@@ -297,6 +308,7 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="class weights",
         source=PLOTS + "cub_normalized_softmax.html",
+        paper_cub200={"temperature": 0.1087, LOSS_LR: 4.46e-3},
     ),
     Baseline(
         row="pml:CosFaceLoss",
@@ -307,6 +319,7 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="class weights",
         source=PLOTS + "cub_cosface.html",
+        paper_cub200={"margin": 0.6182, "scale": 100.0, LOSS_LR: 2.53e-3},
     ),
     Baseline(
         row="pml:ArcFaceLoss",
@@ -317,6 +330,7 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="class weights",
         source=PLOTS + "cub_arcface.html",
+        paper_cub200={"margin": 23.22, "scale": 100.0, LOSS_LR: 5.13e-3},
         note="margin in degrees; SOP: scale [0.01, 300]",
     ),
     Baseline(
@@ -326,6 +340,7 @@ _ROWS = (
         space=_fastap_space,
         batches=_M4,
         source=PLOTS + "cub_fast_ap.png",
+        paper_cub200={"num_bins": 17},
         note="the paper tried every num_bins from 2 to 32 (a grid)",
     ),
     Baseline(
@@ -334,9 +349,10 @@ _ROWS = (
         defaults={"pos_margin": 0.0, "neg_margin": 1.0, "embedding_reg_weight": 0.0},
         space=_snr_space,
         batches=_M4,
-        regularizer=Regularizer("embedding", "ZeroMeanRegularizer"),
+        regularizer=Regularizer("embedding", "NormalizedZeroMeanRegularizer", module="pml_rank.harness.zero_mean"),
         source=PLOTS + "cub_snr_contrastive.html",
-        note="the paper's regularizer_weight: the same term is PML 2.9's ZeroMeanRegularizer",
+        paper_cub200={"pos_margin": 0.3264, "neg_margin": 0.8446, "embedding_reg_weight": 0.1382},
+        note="embedding_reg_weight is the paper's regularizer_weight (PML <= 0.9.86's term, on normalised embeddings)",
     ),
     Baseline(
         row="pml:MultiSimilarityLoss",
@@ -345,6 +361,7 @@ _ROWS = (
         space=_multi_similarity_space,
         batches=_M4,
         source=PLOTS + "cub_multi_similarity.html",
+        paper_cub200={"alpha": 0.01, "beta": 50.60, "base": 0.56},
         note="Cars-196 and SOP: alpha [0.01, 100]",
     ),
     Baseline(
@@ -356,6 +373,7 @@ _ROWS = (
         miner="MultiSimilarityMiner",
         miner_defaults={"epsilon": 0.1},
         source=PLOTS + "cub_multi_similarity_with_ms_miner.html",
+        paper_cub200={"alpha": 17.97, "beta": 75.66, "base": 0.77, "miner_epsilon": 0.39},
         note="SOP: beta [0.01, 200]",
     ),
     Baseline(
@@ -368,6 +386,7 @@ _ROWS = (
         loss_parameters="10 centres per class",
         regularizer=Regularizer("weight", "SparseCentersRegularizer", takes=("num_classes", "centers_per_class")),
         source=PLOTS + "cub_soft_triple.html",
+        paper_cub200={"la": 78.02, "gamma": 58.95, "margin": 0.4307, "weight_reg_weight": 2 * 0.3754, LOSS_LR: 5.37e-5},
         note=(
             "weight_reg_weight = 2 x the paper's reg_weight (PML 2.9's SparseCentersRegularizer "
             "halves the term); Cars-196 and SOP: gamma [0.01, 100]; SOP: la [0.01, 200], no regulariser"
@@ -463,8 +482,8 @@ def build(row, params=None, num_classes=None, embedding_size=None):
     if baseline.regularizer is not None:
         regularizer = baseline.regularizer
         if loss_kwargs[regularizer.weight_key] > 0:
-            regularizers = importlib.import_module("pytorch_metric_learning.regularizers")
-            made = getattr(regularizers, regularizer.name)(**{key: loss_kwargs[key] for key in regularizer.takes})
+            cls = getattr(importlib.import_module(regularizer.module), regularizer.name)
+            made = cls(**{key: loss_kwargs[key] for key in regularizer.takes})
             loss_kwargs[f"{regularizer.kind}_regularizer"] = made
         else:
             del loss_kwargs[regularizer.weight_key]
@@ -479,68 +498,84 @@ def build(row, params=None, num_classes=None, embedding_size=None):
 # ----------------------------------------------------------------------------- tables
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """One suggestion of a search space: `name` on [`low`, `high`] (``integer``: whole
+    numbers; ``log``: log-uniform), or one of `choices`."""
+
+    name: str
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    integer: bool = False
+    choices: tuple | None = None
+
+    def __str__(self):
+        if self.choices is not None:
+            return f"{self.name} in {{{', '.join(map(str, self.choices))}}}"
+        kind = ", ".join(word for word, on in (("integers", self.integer), ("log", self.log)) if on)
+        return f"{self.name} [{_number(self.low)}, {_number(self.high)}]" + (f" {kind}" if kind else "")
+
+
 class _RecordingTrial:
-    """Stands in for an Optuna trial to read a space: records each suggestion."""
+    """Stands in for an Optuna trial to read a space: records each suggestion, answers its low end."""
 
     def __init__(self):
-        self.suggestions = []
+        self.ranges = []
 
     def suggest_float(self, name, low, high, *, log=False, step=None):
-        self.suggestions.append((name, low, high, "log" if log else ""))
+        self.ranges.append(Range(name, low, high, log=log))
         return low
 
     def suggest_int(self, name, low, high, *, log=False, step=1):
-        self.suggestions.append((name, low, high, "integers, log" if log else "integers"))
+        self.ranges.append(Range(name, low, high, log=log, integer=True))
         return low
 
     def suggest_categorical(self, name, choices):
-        self.suggestions.append((name, choices, None, "choices"))
+        self.ranges.append(Range(name, choices=tuple(choices)))
         return choices[0]
+
+
+def space_ranges(row):
+    """The `Range` of each parameter `row`'s space suggests (at the low end of the earlier ones)."""
+    trial = _RecordingTrial()
+    search_space(row)(trial)
+    return trial.ranges
 
 
 def _number(value):
     return f"{value:g}"
 
 
-def describe_space(row):
-    """`row`'s search space in words: ``"margin [-0.2, 2]; loss_lr [1e-06, 1] log"``."""
-    trial = _RecordingTrial()
-    search_space(row)(trial)
-    parts = []
-    for name, low, high, kind in trial.suggestions:
-        if kind == "choices":
-            parts.append(f"{name} in {{{', '.join(map(str, low))}}}")
-        else:
-            parts.append(f"{name} [{_number(low)}, {_number(high)}]" + (f" {kind}" if kind else ""))
-    return "; ".join(parts) or "nothing to tune"
-
-
-def _defaults_text(baseline):
-    items = [*baseline.defaults.items(), *((MINER_PREFIX + k, v) for k, v in baseline.miner_defaults.items())]
-    return ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in items)
+def _params_text(params):
+    return ", ".join(
+        f"{key}={_number(value)}" if isinstance(value, float) else f"{key}={value}" for key, value in params
+    )
 
 
 def markdown_table():
     """The "Reality Check baselines" table of examples/README.md."""
     lines = [
-        "| row | loss | miner | batches | own parameters (optimizer) | defaults | search space | source | notes |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| row | loss | miner | batches | own parameters (optimizer) | defaults | search space "
+        "| paper's best on CUB-200 | source | notes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for baseline in BASELINES.values():
         optimizer = "none"
         if baseline.loss_parameters:
-            decay = (
-                "" if baseline.loss_weight_decay is None else f", weight decay {_number(baseline.loss_weight_decay)}"
-            )
-            optimizer = f"{baseline.loss_parameters} (own, lr `{LOSS_LR}`{decay})"
+            decay = baseline.loss_weight_decay
+            optimizer = f"{baseline.loss_parameters} (own, lr `{LOSS_LR}`"
+            optimizer += ")" if decay is None else f", weight decay {_number(decay)})"
+        defaults = [*baseline.defaults.items(), *((MINER_PREFIX + k, v) for k, v in baseline.miner_defaults.items())]
         cells = [
             f"`{baseline.row}`",
             baseline.loss + (f" + {baseline.regularizer.name}" if baseline.regularizer else ""),
             baseline.miner or "none",
             baseline.batches,
             optimizer,
-            _defaults_text(baseline) or "none",
-            describe_space(baseline.row),
+            _params_text(defaults) or "none",
+            "; ".join(map(str, space_ranges(baseline.row))) or "nothing to tune",
+            _params_text(baseline.paper_cub200.items()) or "",
             baseline.source,
             baseline.note,
         ]
