@@ -74,7 +74,7 @@ class Baseline:
     """One row.
 
     row: the name on the command line and in tables (``pml:<Loss>`` or a variant of it).
-    loss: the class in ``pytorch_metric_learning.losses``.
+    loss: PML's loss class (in ``pytorch_metric_learning.losses``).
     defaults: every constructor keyword `params` may set, at its untuned value.
     space: ``space(trial) -> params`` for an Optuna trial (names as in `params`).
     batches: how batches are made, in words, for tables.
@@ -89,6 +89,8 @@ class Baseline:
     source: where the search space comes from.
     note: what a table should say besides.
     paper_cub200: the paper's best `params` on CUB-200 (empty for the rows beyond it).
+    implementation: ``"module:Class"`` built instead of PML's `loss` class (a subclass that
+        fixes a numerical fault), or "".
     """
 
     row: str
@@ -106,6 +108,7 @@ class Baseline:
     source: str = ""
     note: str = ""
     paper_cub200: Mapping = dataclasses.field(default_factory=dict)
+    implementation: str = ""
 
     def __post_init__(self):
         for name in ("defaults", "miner_defaults", "paper_cub200"):
@@ -272,6 +275,8 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="a proxy per class",
         source=PLOTS + "cub_proxy_nca.html",
+        implementation="pml_rank.harness.proxy_nca:LogSpaceProxyNCALoss",
+        note="PML's class gives NaN gradients once softmax_scale passes about 40; this row takes log p in log space",
         paper_cub200={"softmax_scale": 13.98, LOSS_LR: 6.04e-3},
     ),
     Baseline(
@@ -487,8 +492,8 @@ def build(row, params=None, num_classes=None, embedding_size=None):
             loss_kwargs[f"{regularizer.kind}_regularizer"] = made
         else:
             del loss_kwargs[regularizer.weight_key]
-    losses = importlib.import_module("pytorch_metric_learning.losses")
-    loss = getattr(losses, baseline.loss)(**loss_kwargs)
+    module, name = (baseline.implementation or f"pytorch_metric_learning.losses:{baseline.loss}").split(":")
+    loss = getattr(importlib.import_module(module), name)(**loss_kwargs)
     miner = None
     if baseline.miner is not None:
         miner = getattr(importlib.import_module("pytorch_metric_learning.miners"), baseline.miner)(**miner_kwargs)
@@ -569,7 +574,9 @@ def markdown_table():
         defaults = [*baseline.defaults.items(), *((MINER_PREFIX + k, v) for k, v in baseline.miner_defaults.items())]
         cells = [
             f"`{baseline.row}`",
-            baseline.loss + (f" + {baseline.regularizer.name}" if baseline.regularizer else ""),
+            baseline.loss
+            + (f" ({baseline.implementation.split(':')[1]})" if baseline.implementation else "")
+            + (f" + {baseline.regularizer.name}" if baseline.regularizer else ""),
             baseline.miner or "none",
             baseline.batches,
             optimizer,
