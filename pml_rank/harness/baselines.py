@@ -33,7 +33,6 @@ import math
 import types
 from collections.abc import Callable, Mapping
 
-PML_PREFIX = "pml:"
 MINER_PREFIX = "miner_"
 LOSS_LR = "loss_lr"
 # What a constructor may take from the data and the model rather than from `params`.
