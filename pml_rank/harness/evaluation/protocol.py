@@ -38,6 +38,7 @@ class Recipe:
             "num_classes" (1 + the largest training label: proxies, class weights) and
             "embedding_size".
         loss_lr: learning rate of the loss's own parameters; None: the trunk's.
+        loss_weight_decay: their weight decay; None: the trunk optimizer's.
     """
 
     make_loss: Callable
@@ -48,6 +49,7 @@ class Recipe:
     per_class: int | None = None
     loss_needs: tuple = ()
     loss_lr: float | None = None
+    loss_weight_decay: float | None = None
 
 
 @dataclasses.dataclass
@@ -140,6 +142,7 @@ def train_fold_model(
         iterations_per_epoch=iterations_per_epoch,
         device=device,
         loss_lr=recipe.loss_lr,
+        loss_weight_decay=recipe.loss_weight_decay,
         **training,
     )
 
