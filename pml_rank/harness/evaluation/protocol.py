@@ -234,7 +234,7 @@ def run_protocol(
             test_embeddings.append(embeddings)
     if validation_only:
         return ProtocolResult({}, {}, best_validation, histories, best_epochs, time.perf_counter() - started)
-    scores = concatenated_and_separated(test_embeddings, labels)
+    scores = concatenated_and_separated(test_embeddings, labels, device=device)
     return ProtocolResult(
         scores["concatenated"],
         scores["separated"],
