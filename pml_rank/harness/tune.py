@@ -371,10 +371,12 @@ def write_png(study, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    import optuna
     import optuna.visualization.matplotlib as ovm
     from PIL import Image
 
     _quiet_optuna()
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", module="optuna")
     warnings.filterwarnings("ignore", message=".*tight_layout")
     warnings.filterwarnings("ignore", message=".*identical low and high xlims")

@@ -73,7 +73,18 @@ def test_folder_problems_are_refused_before_any_training(tmp_path, problem, expe
     else:
         target[0].write_bytes(b"" if problem == "empty" else b"\x89PNG\r\n\x1a\n broken")
         named = target[0]
-    status = main(["bench", "pml:TripletMarginLoss", "--dataset", f"folder:{folder}", "--out", str(tmp_path / "o")])
+    status = main(
+        [
+            "bench",
+            "pml:TripletMarginLoss",
+            "--dataset",
+            f"folder:{folder}",
+            "--trunk",
+            "small-cnn",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and expected in err and str(named) in err and "Traceback" not in err
     assert not (tmp_path / "o" / "bench.db").exists()
