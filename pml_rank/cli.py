@@ -267,6 +267,7 @@ def _cmd_tune(args):
             args.out,
             workers=workers,
             place=_place(args),
+            devices=args.devices,
             threads=args.threads,
             heartbeat=args.heartbeat,
             prune=not args.no_prune,

@@ -426,6 +426,7 @@ def tune(
     out,
     workers=1,
     place=runner.Place(),
+    devices=None,
     threads=1,
     heartbeat=DEFAULT_HEARTBEAT,
     prune=True,
@@ -433,7 +434,8 @@ def tune(
     progress=True,
 ):
     """Runs `workers` processes until every loss's study holds `trials` finished trials,
-    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Ctrl-C stops the
+    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Worker i runs on
+    ``devices[i % len(devices)]`` when `devices` are given. Ctrl-C stops the
     workers (their running trials are lost, finished ones kept) and still writes the outputs.
     Raises `StorageError` when the storage cannot be opened, before any work."""
     from tqdm import tqdm
@@ -468,7 +470,13 @@ def tune(
 
     failed = []
     try:
-        failed = run_processes(run_worker, [(job,)] * workers, show)
+        jobs = [
+            (dataclasses.replace(job, place=dataclasses.replace(place, device=devices[i % len(devices)])),)
+            if devices
+            else (job,)
+            for i in range(workers)
+        ]
+        failed = run_processes(run_worker, jobs, show)
     except KeyboardInterrupt:
         interrupted = True
     finally:
