@@ -6,6 +6,7 @@ import collections.abc
 import difflib
 import functools
 import inspect
+import math
 import numbers
 import re
 import types
@@ -32,6 +33,13 @@ def check_embeddings(component, **tensors):
                 f"{owner}: {name} contains {int((~finite).sum())} NaN/Inf value(s), "
                 f"first at index {tuple(bad)}: {tensor[tuple(bad)].item()}"
             )
+
+
+def check_lambda(owner, lambda_val):
+    """Raise ValueError, naming `owner`, unless `lambda_val` (RaMBO's interpolation strength
+    λ) is a finite number > 0."""
+    if isinstance(lambda_val, bool) or not isinstance(lambda_val, numbers.Real) or not 0 < lambda_val < math.inf:
+        raise ValueError(f"{owner}: lambda_val must be a finite number > 0, got {lambda_val!r}")
 
 
 def check_references(component, labels, ref_emb, ref_labels):

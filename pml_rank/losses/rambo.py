@@ -13,13 +13,15 @@ whatever multiplies the loss (world size in `DistributedLossWrapper`, trainers' 
 weights): see `pml_rank.ranking`.
 """
 
+import warnings
 from collections import deque
 
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from ..ranking import LossScale, _check_lambda, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
+from .._checks import check_lambda
+from ..ranking import LossScale, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
 from .base import RankLossBase, pair_masks, reference_is_batch
 
 
@@ -74,11 +76,15 @@ class ScoreMemory(torch.nn.Module):
 MEMORY_VARIANTS = ("extend", "rows")
 
 
+class ZeroRankGradientWarning(UserWarning):
+    """A RaMBO loss had something to learn, but Algorithm 1 gave an exactly zero gradient."""
+
+
 class _RaMBOLoss(RankLossBase):
     def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        _check_lambda(owner, lambda_val)
+        check_lambda(owner, lambda_val)
         if not 0 <= margin < float("inf"):
             raise ValueError(f"{owner}: margin must be a finite number >= 0, got {margin!r}")
         if memory_variant not in MEMORY_VARIANTS:
@@ -91,6 +97,8 @@ class _RaMBOLoss(RankLossBase):
         self.add_to_recordable_attributes(list_of_names=["lambda_val", "margin", "memory_size"], is_stat=False)
         self.add_to_recordable_attributes(list_of_names=["num_pos_pairs"], is_stat=True)
         self._loss_scale = None
+        self._watched = None
+        self._warned_zero_gradient = False
 
     def get_default_distance(self):
         return CosineSimilarity()
@@ -101,8 +109,40 @@ class _RaMBOLoss(RankLossBase):
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         # The scale probe sits on the final loss, after the reducer and any regularizer.
         self._loss_scale = LossScale()
+        self._watched = None
         loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        if self._watched is not None:
+            scores, something_to_learn = self._watched
+            self._watched = None
+            scores.register_hook(self._zero_gradient_check(self._loss_scale, something_to_learn))
         return self._loss_scale.attach(loss) if torch.is_tensor(loss) else loss
+
+    def watch_gradient(self, scores, something_to_learn):
+        """Have the backward pass warn (once per loss object) when the current batch has
+        `something_to_learn` (a bool tensor: a negative ranks above a positive) but
+        Algorithm 1, which ranks `scores`, moves no rank: an exactly zero gradient."""
+        if scores.requires_grad and not self._warned_zero_gradient:
+            self._watched = (scores, something_to_learn)
+
+    def _zero_gradient_check(self, loss_scale, something_to_learn):
+        # A hook on the ranked scores runs after the ranker's backward, which set ranks_moved.
+        def check(_grad):
+            if loss_scale.ranks_moved is False and not self._warned_zero_gradient and bool(something_to_learn):
+                self._warned_zero_gradient = True
+                warnings.warn(
+                    f"{type(self).__name__}: the loss is positive but its gradient is exactly zero: "
+                    f"Algorithm 1's perturbation (lambda_val={self.lambda_val} times the loss's gradient) "
+                    "moves no rank, because the positives lie further below the negatives than it reaches. "
+                    f"Typically all similarities lie within the margin ({self.margin}) of one another, which "
+                    "puts every positive below every negative: collapsed embeddings, as from an untrained "
+                    "network (cosine similarities 0.996-0.9996). Raise lambda_val (the paper's Online "
+                    "Products value is 4; more with a score memory, which shares the gradient among more "
+                    "pairs) or lower margin. Warned once per loss object.",
+                    ZeroRankGradientWarning,
+                    stacklevel=2,
+                )
+
+        return check
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
@@ -238,7 +278,9 @@ class RaMBORecallLoss(_RaMBOLoss):
             shifted, positives, self.lambda_val, self._loss_scale
         )
         # r = rank among all − rank among positives, as counts.
-        return ranks * scores.shape[-1] - among_positives.to(scores.dtype), rows, columns
+        negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
+        self.watch_gradient(scores, (negatives_above.detach() > 0.5).any())
+        return negatives_above, rows, columns
 
     def weighted(self, negatives_above):
         """ℓ(r) or ℓ(ℓ(r)) (eq. 20)."""
@@ -291,17 +333,22 @@ class RaMBOAPLoss(_RaMBOLoss):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
     def losses_per_query(self, scores, positives, exclude_self):
-        precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale
-        )
+        precision, has_positive = self.precision(scores, positives)
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
     def mean_over_rows(self, scores, positives, stored_precisions, total_rows):
         """1 − the mean precision over the current and the stored rows with a positive;
         returns it and this batch's precisions (to store)."""
+        precision, has_positive = self.precision(scores, positives)
+        precision = precision[has_positive]
+        return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
+
+    def precision(self, scores, positives):
+        """Per row: the mean precision at its positives (eq. 21) and whether it has one."""
         precision, has_positive = precision_at_positives(
             scores, positives, self.lambda_val, self.margin, self._loss_scale
         )
-        precision = precision[has_positive]
-        return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
+        # Precisions are ratios of counts up to n: below 1, they are at most 1 - 1/n.
+        self.watch_gradient(scores, (precision.detach()[has_positive] < 1 - 0.5 / scores.shape[-1]).any())
+        return precision, has_positive

@@ -3,6 +3,7 @@ reference, score memory, state_dict, PML integration, DistributedLossWrapper, er
 
 import importlib.util
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pml_rank import ranking
 from pml_rank.harness import speed
 from pml_rank.harness.references import rambo as reference
 from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
+from pml_rank.losses.rambo import ZeroRankGradientWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -486,3 +488,66 @@ def test_memory_variants_example_runs_in_smoke_mode(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert all(f"| {label} |" in out for label in ["floor", "no-memory", "rows", "extend"])
+
+
+# An exactly zero gradient on a batch with something to learn is reported, once.
+
+
+def collapsed_batch(seed, size=32, dim=64, spread=0.06):
+    """Embeddings around one direction, as from an untrained pooled-ReLU trunk: cosine
+    similarities 0.99-0.998, all within the default margin (0.02) of one another."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=torch.Generator().manual_seed(0)), dim=0)
+    embeddings = direction + spread * torch.randn(size, dim, generator=gen) / dim**0.5
+    return embeddings.requires_grad_(), torch.arange(size) // 4
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_collapsed_embeddings_warn_once_that_the_gradient_is_zero(loss_class):
+    loss = loss_class()
+    similarities = torch.nn.functional.normalize(collapsed_batch(0)[0].detach(), dim=1)
+    similarities = (similarities @ similarities.T)[~torch.eye(32, dtype=torch.bool)]
+    assert similarities.max() - similarities.min() < loss.margin
+    with pytest.warns(ZeroRankGradientWarning) as caught:
+        for seed in range(4):
+            embeddings, labels = collapsed_batch(seed)
+            value = loss(embeddings, labels)
+            value.backward()
+            assert value.item() > 0
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"{loss_class.__name__}: ") and "gradient is exactly zero" in message
+    assert "lambda_val=0.2" in message and "margin (0.02)" in message and "Raise lambda_val" in message
+    assert not embeddings.grad.any()  # the last batch: still zero, no second warning
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_a_larger_lambda_moves_collapsed_embeddings(loss_class):
+    embeddings, labels = collapsed_batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_class(lambda_val=4.0)(embeddings, labels).backward()
+    assert embeddings.grad.abs().sum() > 0
+
+
+def clustered_batch(seed, size=64, dim=16, per_class=4):
+    """Classes around their own centres, as a network in training embeds them."""
+    labels = torch.arange(size) // per_class
+    centres = torch.randn(size // per_class, dim, generator=torch.Generator().manual_seed(100), dtype=torch.float64)
+    noise = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (centres[labels] + noise).requires_grad_(), labels
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_no_warning_on_ordinary_batches_or_with_nothing_to_learn(loss_class):
+    loss = loss_class()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(6):
+            embeddings, labels = clustered_batch(seed)
+            loss(embeddings, labels).backward()
+            assert embeddings.grad.abs().sum() > 0
+        # One class: no negative, a zero gradient and nothing to warn about.
+        one_class = collapsed_batch(9, size=64)[0]
+        loss(one_class, torch.zeros(64, dtype=torch.long)).backward()
+        assert not one_class.grad.any()
