@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ._checks import check_embeddings
+from ._checks import check_embeddings, check_lambda
 
 __all__ = [
     "LossScale",
@@ -92,10 +92,16 @@ class LossScale:
     ``loss = scale.attach(loss)`` is the identity in the forward pass; in the backward
     pass it stores the incoming gradient. Autograd runs it before any node the loss
     depends on, so the rankers read the value before they need it.
+
+    The rankers also record ``ranks_moved``: whether Algorithm 1's perturbation moved any
+    rank (`blackbox_ranks_of_positives`: any positive's; when every positive is pushed the
+    same way, as by RaMBO's losses, no positive moving means no rank moved). False means
+    an exactly zero gradient; None, not computed (no backward pass yet, or k = 0).
     """
 
     def __init__(self):
         self.value = None
+        self.ranks_moved = None
 
     def attach(self, loss):
         return _RecordScale.apply(loss, self)
@@ -142,7 +148,10 @@ class _BlackboxRank(torch.autograd.Function):
         # Everything happens in forward (sorted) order, where rk is the position + 1.
         step = grad_ranks.gather(-1, order).mul_(ctx.lambda_val / k)
         n = values.shape[-1]
-        change = _rank_change(values, step).to(values.dtype).mul_(k / (ctx.lambda_val * n))
+        change = _rank_change(values, step)
+        if ctx.loss_scale is not None:
+            ctx.loss_scale.ranks_moved = bool(change.any())
+        change = change.to(values.dtype).mul_(k / (ctx.lambda_val * n))
         return torch.empty_like(change).scatter_(-1, order, change), None, None
 
 
@@ -155,18 +164,13 @@ def _rank_change(values, step):
     return torch.empty_like(moved).scatter_(-1, moved, positions - moved)
 
 
-def _check_lambda(owner, lambda_val):
-    if not isinstance(lambda_val, (int, float)) or not lambda_val > 0 or lambda_val == float("inf"):
-        raise ValueError(f"{owner}: lambda_val must be a finite number > 0, got {lambda_val!r}")
-
-
 def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     """Ranks of `scores` along the last dimension (1 = highest) divided by the sequence
     length, differentiable by RaMBO's Algorithm 1 with interpolation strength
     `lambda_val`. With `loss_scale` (a `LossScale` attached to the final loss), λ is
     independent of what multiplies that loss. With `return_order`, also returns the
     descending order (not differentiable), for `ranks_among_positives`."""
-    _check_lambda("blackbox_rank", lambda_val)
+    check_lambda("blackbox_rank", lambda_val)
     if not torch.is_tensor(scores) or not torch.is_floating_point(scores) or scores.ndim == 0:
         raise TypeError("blackbox_rank: scores must be a floating-point tensor with at least one dimension")
     ranks, order = _BlackboxRank.apply(scores, float(lambda_val), loss_scale)
@@ -184,7 +188,7 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
     (at most log2(n)) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `ranks_among_positives`)."""
-    _check_lambda("blackbox_ranks_of_positives", lambda_val)
+    check_lambda("blackbox_ranks_of_positives", lambda_val)
     sequences, n = scores.shape
     # The positives' indices give their number per sequence: counting the mask itself
     # (a sum, which first copies the bool matrix) costs twice as much.
@@ -311,6 +315,8 @@ class _CountedRanks(torch.autograd.Function):
                 scores[rows], values[rows], new_values[rows], above[rows], slots.elements[rows], slots.valid[rows]
             )
         change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
+        if ctx.loss_scale is not None:
+            ctx.loss_scale.ranks_moved = bool(own.any())
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
 
 
@@ -390,7 +396,7 @@ def _check_targets(owner, scores, targets):
 
 
 def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
-    _check_lambda(owner, lambda_val)
+    check_lambda(owner, lambda_val)
     if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
         check_embeddings(owner, scores=scores)
     targets = _check_targets(owner, scores, targets)
