@@ -9,10 +9,10 @@ sigmoid of temperature τ:
     AP_q   = (1 / |P|) Σ_{i ∈ P} R_P(i) / R(i)
 
 and the loss of q is 1 − AP_q. Only positives i need a rank, so a query costs |P| × M
-sigmoids (M references), not M × M; the (query, positive) pairs are processed in chunks
-of about the size of the similarity matrix, and a custom autograd function recomputes
-each chunk in the backward pass with the analytic gradient, so memory stays O(B²)
-whatever the class sizes.
+sigmoids (M references), not M × M. The (query, positive) pairs are taken in slots (each
+query's first positive, then its second, ...), each slot at most queries × references,
+and a custom autograd function recomputes each slot in the backward pass with the
+analytic gradient: memory stays a few similarity matrices whatever the class sizes.
 """
 
 import torch
@@ -21,10 +21,6 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
-
-# Elements of a chunk's (pairs x references) tensors when the similarity matrix is smaller.
-MIN_CHUNK_ELEMENTS = 2**16
-
 
 class SmoothAPLoss(RankLossBase):
     """Smooth-AP loss: 1 − the sigmoid-relaxed AP of each query that has a positive
@@ -107,69 +103,76 @@ class SmoothAPLoss(RankLossBase):
         )
 
 
-def _pair_chunks(rows, num_references):
-    """Slices of the (query, positive) pairs, each about the size of the similarity
-    matrix (at least MIN_CHUNK_ELEMENTS elements) once expanded over the references."""
-    num_queries = int(rows.max()) + 1 if len(rows) else 1
-    per_chunk = max(1, max(num_queries * num_references, MIN_CHUNK_ELEMENTS) // num_references)
-    return [slice(start, start + per_chunk) for start in range(0, len(rows), per_chunk)]
+def _positive_slots(positive):
+    """The (query, positive) pairs as [(rows, columns)] per slot: slot a holds the a-th
+    positive of every query that has one, queries in order, so a slot has at most one
+    pair per query and its tensors over the references are at most queries x references."""
+    rows, columns = positive.nonzero(as_tuple=True)
+    counts = positive.sum(1)
+    slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+    order = torch.argsort(slot, stable=True)
+    sizes = torch.bincount(slot).tolist()
+    return list(zip(rows[order].split(sizes), columns[order].split(sizes)))
 
 
-def _relaxed_ranks(scores, positive, negative, rows, columns, inv_temperature):
-    """For each (query, positive) pair of a chunk: the sigmoids σ((s_qj − s_qi) / τ) over
-    the references j, R_P(i) and the negatives' sum R(i) − R_P(i)."""
-    row_scores = scores[rows]
-    sigmoids = torch.sigmoid((row_scores - row_scores.gather(1, columns.unsqueeze(1))) * inv_temperature)
-    row_positive = positive[rows]
-    row_negative = negative[rows]
-    # The positive's own column is in R_P as σ(0) = 1/2: 1 + Σ_{j≠i} = 1/2 + Σ_j.
-    rank_among_positives = sigmoids.masked_fill(~row_positive, 0).sum(1) + 0.5
-    negatives_above = sigmoids.masked_fill(~row_negative, 0).sum(1)
-    return sigmoids, row_positive, row_negative, rank_among_positives, negatives_above
+def _sigmoids_and_ranks(scaled, negative, rows, columns):
+    """For one slot's (query q, positive i) pairs: σ((s_qj − s_qi) / τ) over the
+    references j, the rank R(i) among all references and its negatives' part R_N(i).
+    `scaled` holds s / τ, −inf where a reference is left out of the query's ranking;
+    `negative` is the float negative mask."""
+    every_query = len(rows) == len(scaled)  # rows is then 0, 1, ..., queries - 1
+    row_scaled = scaled if every_query else scaled[rows]
+    row_negative = negative if every_query else negative[rows]
+    sigmoids = torch.sub(row_scaled, scaled[rows, columns].unsqueeze(1)).sigmoid_()
+    # The positive's own column adds σ(0) = 1/2; its rank is 1 + the others' sum.
+    rank = sigmoids.sum(1) + 0.5
+    rank_negatives = (sigmoids * row_negative).sum(1)
+    return sigmoids, row_negative, rank, rank_negatives, every_query
 
 
 class SmoothAPFunction(torch.autograd.Function):
     """Smooth-AP of every query (0 for a query without positives) from `scores`
     (queries x references), boolean `positive` and `negative` masks (a reference in
     neither is left out of the query's ranking) and τ; exact analytic gradient with
-    respect to `scores`, recomputed chunk by chunk."""
+    respect to `scores`, recomputed slot by slot (see `_positive_slots`)."""
 
     @staticmethod
     def forward(ctx, scores, positive, negative, temperature):
-        rows, columns = positive.nonzero(as_tuple=True)
-        num_positives = positive.sum(1, dtype=torch.int32)
-        inv_temperature = 1.0 / temperature
+        num_positives = positive.sum(1, dtype=torch.int32).clamp_(min=1)
+        # σ(−inf) = 0 and its slope is 0: a reference left out counts nowhere.
+        scaled = (scores / temperature).masked_fill_(~(positive | negative), float("-inf"))
+        negative = negative.to(scores.dtype)
+        slots = _positive_slots(positive)
         ap = scores.new_zeros(len(scores))
-        for chunk in _pair_chunks(rows, scores.shape[1]):
-            *_, rank_among_positives, negatives_above = _relaxed_ranks(
-                scores, positive, negative, rows[chunk], columns[chunk], inv_temperature
-            )
-            ap.index_add_(0, rows[chunk], rank_among_positives / (rank_among_positives + negatives_above))
-        ap /= num_positives.clamp(min=1)
-        ctx.save_for_backward(scores, positive, negative, rows, columns, num_positives)
-        ctx.inv_temperature = inv_temperature
+        for rows, columns in slots:
+            *_, rank, rank_negatives, _ = _sigmoids_and_ranks(scaled, negative, rows, columns)
+            ap.index_add_(0, rows, 1 - rank_negatives / rank)  # R_P / R
+        ap /= num_positives
+        ctx.save_for_backward(scaled, negative, num_positives)
+        ctx.slots = slots
+        ctx.temperature = temperature
         return ap
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        scores, positive, negative, rows, columns, num_positives = ctx.saved_tensors
-        inv_temperature = ctx.inv_temperature
-        grad_scores = torch.zeros_like(scores)
-        per_pair = grad_ap / num_positives.clamp(min=1)
-        for chunk in _pair_chunks(rows, scores.shape[1]):
-            chunk_rows, chunk_columns = rows[chunk], columns[chunk]
-            sigmoids, row_positive, row_negative, rank_p, rank_n = _relaxed_ranks(
-                scores, positive, negative, chunk_rows, chunk_columns, inv_temperature
+        scaled, negative, num_positives = ctx.saved_tensors
+        grad_scores = torch.zeros_like(scaled)
+        per_pair = grad_ap / num_positives / ctx.temperature
+        for rows, columns in ctx.slots:
+            sigmoids, row_negative, rank, rank_negatives, every_query = _sigmoids_and_ranks(
+                scaled, negative, rows, columns
             )
-            # Term R_P / (R_P + R_N): d/dR_P = R_N / R², d/dR_N = −R_P / R².
-            scale = per_pair[chunk_rows] / (rank_p + rank_n).square()
-            d_positive = (scale * rank_n).unsqueeze(1)
-            d_negative = (scale * -rank_p).unsqueeze(1)
-            # d σ((s_j − s_i)/τ) / d s_j = σ(1 − σ)/τ; the same with a minus sign for s_i.
-            slopes = sigmoids.sub_(sigmoids.square()).mul_(inv_temperature)
-            weights = torch.where(row_positive, d_positive, 0.0) + torch.where(row_negative, d_negative, 0.0)
-            grad_rows = slopes.mul_(weights)
-            grad_scores.index_add_(0, chunk_rows, grad_rows)
-            grad_scores.index_put_((chunk_rows, chunk_columns), -grad_rows.sum(1), accumulate=True)
+            # Term R_P / R with R = R_P + R_N: d/dR_P = R_N / R², d/dR_N = −R_P / R²
+            # (so a negative's weight is the positive's minus R / R²), and
+            # d σ((s_j − s_i)/τ) / d s_j = σ(1 − σ) / τ (the opposite for s_i).
+            scale = per_pair[rows] / rank.square()
+            d_positive = (scale * rank_negatives).unsqueeze(1)
+            weights = torch.addcmul(d_positive, row_negative, (-scale * rank).unsqueeze(1))
+            grad_rows = sigmoids.addcmul_(sigmoids, sigmoids, value=-1).mul_(weights)
+            if every_query:
+                grad_scores += grad_rows
+            else:
+                grad_scores.index_add_(0, rows, grad_rows)
+            grad_scores[rows, columns] -= grad_rows.sum(1)  # one pair per query: no repeated index
         return grad_scores, None, None, None
