@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
 
+
 class SmoothAPLoss(RankLossBase):
     """Smooth-AP loss: 1 − the sigmoid-relaxed AP of each query that has a positive
     other than itself.
@@ -103,31 +104,38 @@ class SmoothAPLoss(RankLossBase):
         )
 
 
-def _positive_slots(positive):
-    """The (query, positive) pairs as [(rows, columns)] per slot: slot a holds the a-th
-    positive of every query that has one, queries in order, so a slot has at most one
-    pair per query and its tensors over the references are at most queries x references."""
+def _positive_slots(positive, scaled):
+    """Each query's positives as columns of a padded [queries, most positives] matrix and
+    their scaled scores (−inf in the padding), and the (query, positive) pairs as
+    [(rows, slot)] per slot: slot a holds the a-th positive of every query that has one,
+    queries in order, so a slot's tensors over the references are at most queries x
+    references."""
     rows, columns = positive.nonzero(as_tuple=True)
     counts = positive.sum(1)
     slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
-    order = torch.argsort(slot, stable=True)
+    most = int(counts.max())
+    positive_columns = torch.zeros(len(positive), most, dtype=torch.long, device=rows.device)
+    positive_columns[rows, slot] = columns
+    positive_scaled = torch.full_like(positive_columns, float("-inf"), dtype=scaled.dtype)
+    positive_scaled[rows, slot] = scaled[rows, columns]
     sizes = torch.bincount(slot).tolist()
-    return list(zip(rows[order].split(sizes), columns[order].split(sizes)))
+    slot_rows = rows[torch.argsort(slot, stable=True)].split(sizes)
+    return positive_columns, positive_scaled, list(enumerate(slot_rows))
 
 
-def _sigmoids_and_ranks(scaled, negative, rows, columns):
-    """For one slot's (query q, positive i) pairs: σ((s_qj − s_qi) / τ) over the
-    references j, the rank R(i) among all references and its negatives' part R_N(i).
-    `scaled` holds s / τ, −inf where a reference is left out of the query's ranking;
-    `negative` is the float negative mask."""
+def _sigmoids(scaled, positive_scaled, rows, slot):
+    """For one slot's (query q, positive i) pairs: σ((s_qj − s_qi) / τ) over every
+    reference j and over q's positives j (padded with zeros), and, summing them, the
+    ranks R(i) among all references and R_P(i) among the positives. `scaled` holds
+    s / τ, −inf where a reference is left out of the query's ranking."""
     every_query = len(rows) == len(scaled)  # rows is then 0, 1, ..., queries - 1
-    row_scaled = scaled if every_query else scaled[rows]
-    row_negative = negative if every_query else negative[rows]
-    sigmoids = torch.sub(row_scaled, scaled[rows, columns].unsqueeze(1)).sigmoid_()
+    own = positive_scaled[rows, slot].unsqueeze(1)
+    over_all = torch.sub(scaled if every_query else scaled[rows], own).sigmoid_()
+    over_positives = torch.sub(positive_scaled[rows], own).sigmoid_()
     # The positive's own column adds σ(0) = 1/2; its rank is 1 + the others' sum.
-    rank = sigmoids.sum(1) + 0.5
-    rank_negatives = (sigmoids * row_negative).sum(1)
-    return sigmoids, row_negative, rank, rank_negatives, every_query
+    rank = over_all.sum(1) + 0.5
+    rank_among_positives = over_positives.sum(1) + 0.5
+    return over_all, over_positives, rank, rank_among_positives, every_query
 
 
 class SmoothAPFunction(torch.autograd.Function):
@@ -141,14 +149,13 @@ class SmoothAPFunction(torch.autograd.Function):
         num_positives = positive.sum(1, dtype=torch.int32).clamp_(min=1)
         # σ(−inf) = 0 and its slope is 0: a reference left out counts nowhere.
         scaled = (scores / temperature).masked_fill_(~(positive | negative), float("-inf"))
-        negative = negative.to(scores.dtype)
-        slots = _positive_slots(positive)
+        positive_columns, positive_scaled, slots = _positive_slots(positive, scaled)
         ap = scores.new_zeros(len(scores))
-        for rows, columns in slots:
-            *_, rank, rank_negatives, _ = _sigmoids_and_ranks(scaled, negative, rows, columns)
-            ap.index_add_(0, rows, 1 - rank_negatives / rank)  # R_P / R
+        for slot, rows in slots:
+            *_, rank, rank_among_positives, _ = _sigmoids(scaled, positive_scaled, rows, slot)
+            ap.index_add_(0, rows, rank_among_positives / rank)
         ap /= num_positives
-        ctx.save_for_backward(scaled, negative, num_positives)
+        ctx.save_for_backward(scaled, positive_columns, positive_scaled, num_positives)
         ctx.slots = slots
         ctx.temperature = temperature
         return ap
@@ -156,23 +163,26 @@ class SmoothAPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        scaled, negative, num_positives = ctx.saved_tensors
+        scaled, positive_columns, positive_scaled, num_positives = ctx.saved_tensors
         grad_scores = torch.zeros_like(scaled)
         per_pair = grad_ap / num_positives / ctx.temperature
-        for rows, columns in ctx.slots:
-            sigmoids, row_negative, rank, rank_negatives, every_query = _sigmoids_and_ranks(
-                scaled, negative, rows, columns
+        for slot, rows in ctx.slots:
+            over_all, over_positives, rank, rank_among_positives, every_query = _sigmoids(
+                scaled, positive_scaled, rows, slot
             )
-            # Term R_P / R with R = R_P + R_N: d/dR_P = R_N / R², d/dR_N = −R_P / R²
-            # (so a negative's weight is the positive's minus R / R²), and
-            # d σ((s_j − s_i)/τ) / d s_j = σ(1 − σ) / τ (the opposite for s_i).
-            scale = per_pair[rows] / rank.square()
-            d_positive = (scale * rank_negatives).unsqueeze(1)
-            weights = torch.addcmul(d_positive, row_negative, (-scale * rank).unsqueeze(1))
-            grad_rows = sigmoids.addcmul_(sigmoids, sigmoids, value=-1).mul_(weights)
+            # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
+            # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
+            scale = per_pair[rows] / rank
+            grad_all = over_all.addcmul_(over_all, over_all, value=-1).mul_(
+                (-scale * rank_among_positives / rank).unsqueeze(1)
+            )
+            grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(1))
             if every_query:
-                grad_scores += grad_rows
+                grad_scores += grad_all
             else:
-                grad_scores.index_add_(0, rows, grad_rows)
-            grad_scores[rows, columns] -= grad_rows.sum(1)  # one pair per query: no repeated index
+                grad_scores.index_add_(0, rows, grad_all)
+            columns = positive_columns[rows]
+            # The padding's zeros go to column 0 of their row: accumulate, never overwrite.
+            grad_scores.index_put_((rows.unsqueeze(1), columns), grad_positives, accumulate=True)
+            grad_scores[rows, columns[:, slot]] -= grad_all.sum(1) + grad_positives.sum(1)
         return grad_scores, None, None, None
