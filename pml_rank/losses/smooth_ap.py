@@ -123,14 +123,22 @@ def _positive_slots(positive, scaled):
     return positive_columns, positive_scaled, list(enumerate(slot_rows))
 
 
-def _sigmoids(scaled, positive_scaled, rows, slot):
+def _sigmoids(scaled, positive_scaled, rows, slot, buffer):
     """For one slot's (query q, positive i) pairs: σ((s_qj − s_qi) / τ) over every
-    reference j and over q's positives j (padded with zeros), and, summing them, the
-    ranks R(i) among all references and R_P(i) among the positives. `scaled` holds
-    s / τ, −inf where a reference is left out of the query's ranking."""
+    reference j (written into `buffer`, shaped like `scaled`) and over q's positives j
+    (padded with zeros), and, summing them, the ranks R(i) among all references and
+    R_P(i) among the positives. `scaled` holds s / τ, −inf where a reference is left
+    out of the query's ranking."""
     every_query = len(rows) == len(scaled)  # rows is then 0, 1, ..., queries - 1
     own = positive_scaled[rows, slot].unsqueeze(1)
-    over_all = torch.sub(scaled if every_query else scaled[rows], own).sigmoid_()
+    # One buffer for every slot: a fresh queries x references tensor per slot costs
+    # more in page faults than the subtraction that fills it.
+    over_all = buffer[: len(rows)]
+    if every_query:
+        torch.sub(scaled, own, out=over_all)
+    else:
+        torch.index_select(scaled, 0, rows, out=over_all).sub_(own)
+    over_all.sigmoid_()
     over_positives = torch.sub(positive_scaled[rows], own).sigmoid_()
     # The positive's own column adds σ(0) = 1/2; its rank is 1 + the others' sum.
     rank = over_all.sum(1) + 0.5
@@ -151,8 +159,9 @@ class SmoothAPFunction(torch.autograd.Function):
         scaled = (scores / temperature).masked_fill_(~(positive | negative), float("-inf"))
         positive_columns, positive_scaled, slots = _positive_slots(positive, scaled)
         ap = scores.new_zeros(len(scores))
+        buffer = torch.empty_like(scaled)
         for slot, rows in slots:
-            *_, rank, rank_among_positives, _ = _sigmoids(scaled, positive_scaled, rows, slot)
+            *_, rank, rank_among_positives, _ = _sigmoids(scaled, positive_scaled, rows, slot, buffer)
             ap.index_add_(0, rows, rank_among_positives / rank)
         ap /= num_positives
         ctx.save_for_backward(scaled, positive_columns, positive_scaled, num_positives)
@@ -165,10 +174,11 @@ class SmoothAPFunction(torch.autograd.Function):
     def backward(ctx, grad_ap):
         scaled, positive_columns, positive_scaled, num_positives = ctx.saved_tensors
         grad_scores = torch.zeros_like(scaled)
+        buffer = torch.empty_like(scaled)
         per_pair = grad_ap / num_positives / ctx.temperature
         for slot, rows in ctx.slots:
             over_all, over_positives, rank, rank_among_positives, every_query = _sigmoids(
-                scaled, positive_scaled, rows, slot
+                scaled, positive_scaled, rows, slot, buffer
             )
             # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
             # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
