@@ -98,9 +98,9 @@ def test_recall_is_the_log_of_negatives_above_each_positive():
 
 
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
-def test_defaults_are_the_papers_cub200_values(loss_class):
+def test_defaults_are_the_papers_cub200_values_with_the_authors_memory(loss_class):
     loss = loss_class()
-    assert (loss.lambda_val, loss.margin, loss.memory_size) == (0.2, 0.02, 3)
+    assert (loss.lambda_val, loss.margin, loss.memory_size, loss.memory_variant) == (0.2, 0.02, 3, "rows")
 
 
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
@@ -119,7 +119,7 @@ def test_ref_emb_is_ranked_without_leaving_anything_out(loss_class):
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
 def test_memory_equals_one_call_on_the_concatenated_references(loss_class):
     tau = 2
-    loss = loss_class(memory_size=tau)
+    loss = loss_class(memory_size=tau, memory_variant="extend")
     batches = [batch(size, seed=10 + i) for i, size in enumerate([16, 24, 8, 20])]  # sizes change
     for step, (embeddings, labels) in enumerate(batches):
         embeddings = embeddings.clone().requires_grad_()
@@ -195,6 +195,14 @@ def test_rows_memory_differs_from_extend_and_needs_equal_row_lengths():
     rows(*batch(24))
 
 
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_without_memory_the_variant_plays_no_part(loss_class):
+    embeddings, labels = batch(seed=3)
+    rows = value_and_grad(lambda e: loss_class(memory_size=0, memory_variant="rows")(e, labels), embeddings)
+    extend = value_and_grad(lambda e: loss_class(memory_size=0, memory_variant="extend")(e, labels), embeddings)
+    assert torch.equal(rows[0], extend[0]) and torch.equal(rows[1], extend[1])
+
+
 def test_rows_memory_round_trips_through_state_dict():
     loss = RaMBOAPLoss(memory_size=2, memory_variant="rows")
     for seed in range(3):
@@ -241,7 +249,7 @@ def test_reset_memory_and_memory_size_zero():
 
 
 def test_changing_embedding_size_needs_a_reset():
-    loss = RaMBORecallLoss(memory_size=2)
+    loss = RaMBORecallLoss(memory_size=2, memory_variant="extend")
     loss(*batch(dim=8))
     with pytest.raises(ValueError, match="RaMBORecallLoss: embedding size 6 differs from the 8 stored"):
         loss(*batch(dim=6))
@@ -463,3 +471,18 @@ def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_pa
         recorded = str(dict(keeper.record_writer.records))
         assert "lambda_val" in recorded and "embeddings" not in recorded
         assert "memory._extra_state" in loss.state_dict()
+
+
+def test_memory_variants_example_runs_in_smoke_mode(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "rambo_memory_variants", ROOT / "examples" / "rambo_memory_variants.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--smoke"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert all(f"| {label} |" in out for label in ["floor", "no-memory", "rows", "extend"])
