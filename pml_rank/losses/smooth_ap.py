@@ -50,16 +50,10 @@ class SmoothAPLoss(RankLossBase):
     default MeanReducer gives the authors' loss, 1 − the mean AP over queries.
     """
 
-    def __init__(self, temperature=0.01, include_query=True, **kwargs):
+    def __init__(self, temperature: float = 0.01, include_query: bool = True, **kwargs):
         super().__init__(**kwargs)
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not 0 < temperature < float("inf")
-        ):
+        if not 0 < temperature < float("inf"):
             raise ValueError(f"SmoothAPLoss: temperature must be a finite number > 0, got {temperature!r}")
-        if not isinstance(include_query, bool):
-            raise TypeError(f"SmoothAPLoss: include_query must be True or False, got {include_query!r}")
         self.temperature = float(temperature)
         self.include_query = include_query
         self.add_to_recordable_attributes(list_of_names=["temperature"], is_stat=False)
