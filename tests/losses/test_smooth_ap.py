@@ -275,6 +275,12 @@ def _example():
     return module
 
 
+def test_example_prints_the_table(capsys):
+    _example().main(["--seed", "1", "--dim", "8"])
+    out = capsys.readouterr().out
+    assert "seed 1, dim 8" in out and all(f"| {c} x {n} |" in out for c, n in _example().LAYOUTS)
+
+
 def test_pml_groups_rows_by_the_wrong_count_unless_classes_equal_samples_per_class():
     """The README's table (examples/smooth_ap_vs_pml.py): on every batch ours is the
     paper's loss; PML's is only where classes == samples per class."""
