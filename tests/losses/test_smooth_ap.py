@@ -17,6 +17,7 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.reducers import DoNothingReducer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+from pml_rank.harness import speed
 from pml_rank.harness.speed import peak_memory
 from pml_rank.losses import SmoothAPLoss
 
@@ -188,6 +189,12 @@ def test_peak_memory_is_a_few_similarity_matrices_whatever_the_class_size(per_cl
     peak = peak_memory(SmoothAPLoss(), (embeddings, labels), torch.device("cpu"))
     matrix = size * size * 4
     assert peak < 12 * matrix, f"{peak / matrix:.1f} similarity matrices"
+
+
+def test_speed_times_pml_only_where_its_cubes_fit():
+    case = speed.CASES["SmoothAPLoss"]
+    assert "pml" in case.contenders(768) and "pml" not in case.contenders(1024)
+    assert "ours" in case.contenders(2048)
 
 
 @pytest.mark.parametrize("include_query", [True, False])
