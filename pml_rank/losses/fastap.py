@@ -15,7 +15,7 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
-from .base import RankLossBase, pair_masks, reference_is_batch
+from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
 # Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
 MAX_DISTANCE = 4.0
@@ -59,7 +59,7 @@ class FastAPLoss(RankLossBase):
             return self.zero_losses()
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
-        queries, references = self.normalized_with_distance_stats(embeddings, ref_emb)
+        queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self, num_positives, self.num_bins)
         return {
             "loss": {
@@ -68,16 +68,6 @@ class FastAPLoss(RankLossBase):
                 "reduction_type": "element",
             }
         }
-
-    def normalized_with_distance_stats(self, embeddings, ref_emb):
-        """The L2-normalised embeddings and references, recording the distance's
-        statistics as its own forward does (the kernel computes the distances itself)."""
-        distance = self.distance
-        distance.reset_stats()
-        queries = distance.normalize(embeddings, dim=1)
-        references = queries if ref_emb is embeddings else distance.normalize(ref_emb, dim=1)
-        distance.set_default_stats(embeddings, ref_emb, queries, references)
-        return queries, references
 
     def get_default_distance(self):
         return LpDistance(power=2)
@@ -99,24 +89,6 @@ def _soft_histograms(flat_bin, lower_weight, upper_weight, num_queries, num_cent
     hist.index_add_(0, flat_bin.reshape(-1), lower_weight.reshape(-1))
     hist[1:].index_add_(0, flat_bin.reshape(-1), upper_weight.reshape(-1))
     return hist.view(num_queries, num_centres)
-
-
-def _symmetrize_(matrix, block=256):
-    """``matrix + matrix.T`` of a square matrix, in place, block by block: no second
-    N x N buffer (the backward's peak memory), and cache-sized reads of the transposed
-    side (adding a whole transposed view reads it strided, 3 times slower). The sums
-    are those of ``matrix + matrix.T``."""
-    n = len(matrix)
-    for i in range(0, n, block):
-        rows = slice(i, i + block)
-        for j in range(i, n, block):
-            columns = slice(j, j + block)
-            upper, lower = matrix[rows, columns], matrix[columns, rows]
-            total = upper + lower.T
-            upper.copy_(total)
-            if j != i:
-                lower.copy_(total.T)
-    return matrix
 
 
 def _tail_sum(x):
@@ -202,7 +174,7 @@ class FastAPFunction(torch.autograd.Function):
 
         grad_queries = grad_references = None
         if ctx.same:
-            grad_queries = _symmetrize_(grad_cos) @ queries
+            grad_queries = symmetrize_(grad_cos) @ queries
         else:
             if ctx.needs_input_grad[0]:
                 grad_queries = grad_cos @ references
