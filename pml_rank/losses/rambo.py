@@ -119,19 +119,16 @@ class _RaMBOLoss(RankLossBase):
             scores, positives = self.similarities(embeddings, labels, all_refs, all_ref_labels, exclude_self)
         else:
             scores, positives = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self)
-            stored = self.memory.stored() if len(self.memory) else None
-            if stored is not None:
-                self.memory.check_width(scores, "score row length")
+            stored = list(self.memory.batches)
+            self.memory.check_width(scores, "score row length")
             self.memory.append(scores, positives)
         self.num_pos_pairs = int(torch.count_nonzero(positives))  # sum() copies bool to int64 first
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         if self.memory_variant == "extend":
             return self.losses_per_query(scores, positives, exclude_self)
-        if stored is not None:
-            scores = torch.cat([scores, stored[0].to(scores)])
-            positives = torch.cat([positives, stored[1].to(positives.device)])
-        loss = self.mean_over_rows(scores, positives)
+        stored = [(rows.to(scores), mask.to(positives.device)) for rows, mask in stored]
+        loss = self.mean_over_rows(scores, positives, stored)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
     def references_with_memory(self, ref_emb, ref_labels):
@@ -244,27 +241,36 @@ class RaMBORecallLoss(_RaMBOLoss):
         self.weighting = weighting
         self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
 
-    def losses_of_pairs(self, scores, positives, r_scale=1.0):
-        """ℓ per positive pair, with its (row, column) index; r is multiplied by `r_scale`."""
+    def negatives_above(self, scores, positives, r_scale=1.0):
+        """r per positive pair (eq. 17) times `r_scale`, with its (row, column) index."""
         shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
             shifted, positives, self.lambda_val, self._loss_scale
         )
-        # r = rank among all − rank among positives (eq. 17), as counts.
-        negatives_above = (ranks * scores.shape[-1] - among_positives.to(scores.dtype)) * r_scale
+        # r = rank among all − rank among positives, as counts.
+        return (ranks * scores.shape[-1] - among_positives.to(scores.dtype)) * r_scale, rows, columns
+
+    def recall_losses(self, negatives_above):
+        """ℓ(r) or ℓ(ℓ(r)) per pair (eq. 20)."""
         self.mean_negatives_above = float(negatives_above.detach().mean())
         losses = torch.log1p(negatives_above)
         if self.weighting == "loglog":
             losses = torch.log1p(losses)
-        return losses, rows, columns
+        return losses
 
     def losses_per_query(self, scores, positives, exclude_self):
-        losses, queries, columns = self.losses_of_pairs(scores, positives)
+        negatives_above, queries, columns = self.negatives_above(scores, positives)
         indices = (queries, reference_index(queries, columns, exclude_self))
-        return {"loss": {"losses": losses, "indices": indices, "reduction_type": "pos_pair"}}
+        return {
+            "loss": {"losses": self.recall_losses(negatives_above), "indices": indices, "reduction_type": "pos_pair"}
+        }
 
-    def mean_over_rows(self, scores, positives):
-        return self.losses_of_pairs(scores, positives, r_scale=len(scores) / scores.shape[-1])[0].mean()
+    def mean_over_rows(self, scores, positives, stored):
+        r_scale = (len(scores) + sum(len(rows) for rows, _ in stored)) / scores.shape[-1]
+        negatives_above = [self.negatives_above(scores, positives, r_scale)[0]]
+        with torch.no_grad():  # stored rows get no gradient: ranked without a backward pass
+            negatives_above += [self.negatives_above(rows, mask, r_scale)[0] for rows, mask in stored]
+        return self.recall_losses(torch.cat(negatives_above)).mean()
 
 
 class RaMBOAPLoss(_RaMBOLoss):
@@ -295,8 +301,13 @@ class RaMBOAPLoss(_RaMBOLoss):
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
-    def mean_over_rows(self, scores, positives):
+    def mean_over_rows(self, scores, positives, stored):
         precision, has_positive = precision_at_positives(
             scores, positives, self.lambda_val, self.margin, self._loss_scale
         )
-        return 1 - precision[has_positive].mean()
+        precisions = [precision[has_positive]]
+        with torch.no_grad():  # stored rows get no gradient: ranked without a backward pass
+            for rows, mask in stored:
+                precision, has_positive = precision_at_positives(rows, mask, self.lambda_val, self.margin)
+                precisions.append(precision[has_positive])
+        return 1 - torch.cat(precisions).mean()
