@@ -73,22 +73,20 @@ class FastAPLoss(RankLossBase):
         return LpDistance(power=2)
 
 
-def _leave_out(pairs, excluded, exclude_self):
-    """Zero, in place, the entries of a queries x references matrix that are no pair."""
+def _leave_out(pairs, excluded, exclude_self, first_row=0):
+    """Zero, in place, the entries of rows `first_row`... of a queries x references
+    matrix that are no pair (`excluded`: those rows' mask)."""
     if exclude_self:
-        pairs.diagonal().zero_()
+        pairs.diagonal(first_row).zero_()
     if excluded is not None:
         pairs.masked_fill_(excluded, 0)
 
 
-def _soft_histograms(flat_bin, lower_weight, upper_weight, num_queries, num_centres):
-    """Per-query histograms: each pair adds `lower_weight` to its lower bin centre and
-    `upper_weight` to the next one. `flat_bin` is the lower centre's index in the
-    flattened (num_queries, num_centres) histogram, never a row's last centre."""
-    hist = lower_weight.new_zeros(num_queries * num_centres)
-    hist.index_add_(0, flat_bin.reshape(-1), lower_weight.reshape(-1))
-    hist[1:].index_add_(0, flat_bin.reshape(-1), upper_weight.reshape(-1))
-    return hist.view(num_queries, num_centres)
+def _row_chunks(n, m, budget=1 << 17):
+    """Slices of rows of an n x m matrix with at most `budget` entries (at least one row):
+    their int64 temporaries stay small and in cache."""
+    step = max(1, budget // max(m, 1))
+    return [slice(start, start + step) for start in range(0, n, step)]
 
 
 def _tail_sum(x):
@@ -112,31 +110,32 @@ class FastAPFunction(torch.autograd.Function):
         per_unit = 2.0 / delta
         position = torch.addmm(queries.new_tensor(per_unit), queries, references.T, alpha=-per_unit)
         position.clamp_(0, num_bins)
-        flat_bin = position.to(torch.int32)  # lower bin (position >= 0)
-        # Triangular kernels: 1 - frac below, frac above (frac is exactly position - bin;
-        # subtracting the int32 bins would first copy them to float, the peak memory).
-        upper_weight = position.frac_()
-        if int(flat_bin.max()) == num_bins:  # distance exactly 4: all weight on the last centre
-            upper_weight.masked_fill_(flat_bin == num_bins, 1.0)
-            flat_bin.clamp_(max=num_bins - 1)
-        _leave_out(upper_weight, excluded, exclude_self)
-        flat_bin += torch.arange(0, n * num_centres, num_centres, dtype=torch.int32, device=flat_bin.device).unsqueeze(
-            1
-        )
-
-        positive_pairs = positive.view(-1).nonzero().squeeze(1)
-        flat_bin = flat_bin.view(-1)
-        positive_upper = upper_weight.view(-1)[positive_pairs]
-        pos_hist = _soft_histograms(flat_bin[positive_pairs], 1 - positive_upper, positive_upper, n, num_centres)
-        # Every pair: the upper weights, then the lower ones computed in the same buffer.
-        # A fresh N x M buffer costs more (page faults) than the pass that fills it.
-        all_hist = upper_weight.new_zeros(n * num_centres)
-        all_hist[1:].index_add_(0, flat_bin, upper_weight.view(-1))
-        lower_weight = upper_weight.neg_().add_(1)
-        _leave_out(lower_weight, excluded, exclude_self)
-        all_hist.index_add_(0, flat_bin, lower_weight.view(-1))
-        all_hist = all_hist.view(n, num_centres)
-        del lower_weight, upper_weight, position
+        # Per query, the soft histograms of its negative pairs (centres 0 ... C - 1) and of
+        # its positive pairs (C ... 2C - 1) side by side: a pair's code is its lower centre,
+        # plus C when positive. Triangular kernels: 1 - frac to the lower centre, frac to
+        # the next. Row by row scatters (threads share the rows), in chunks of rows.
+        two_c = 2 * num_centres
+        hist = position.new_zeros(n, two_c)
+        # The codes as indices into the backward's flattened (N, 2C) slope table.
+        codes = torch.empty(position.shape, dtype=torch.int32, device=position.device)
+        row_start = torch.arange(0, n * two_c, two_c, device=position.device).unsqueeze(1)
+        for rows in _row_chunks(*position.shape):
+            excluded_rows = None if excluded is None else excluded[rows]
+            code = position[rows].to(torch.int64)  # lower centre (position >= 0)
+            upper_weight = position[rows].frac_()  # exactly position - code
+            if int(code.max()) == num_bins:  # distance exactly 4: all weight on the last centre
+                upper_weight.masked_fill_(code == num_bins, 1.0)
+                code.clamp_(max=num_bins - 1)
+            _leave_out(upper_weight, excluded_rows, exclude_self, rows.start)
+            code.add_(positive[rows], alpha=num_centres)
+            hist[rows, 1:].scatter_add_(1, code, upper_weight)
+            lower_weight = upper_weight.neg_().add_(1)
+            _leave_out(lower_weight, excluded_rows, exclude_self, rows.start)
+            hist[rows].scatter_add_(1, code, lower_weight)
+            torch.add(code, row_start[rows], out=codes[rows])
+        del position
+        pos_hist = hist[:, num_centres:]
+        all_hist = hist[:, :num_centres] + pos_hist
 
         pos_cum = pos_hist.cumsum(1)
         inv_cum = all_hist.cumsum(1)
@@ -144,10 +143,7 @@ class FastAPFunction(torch.autograd.Function):
         scale = 1.0 / num_positives.clamp(min=1).to(queries.dtype)
         ap = (pos_hist * pos_cum * inv_cum).sum(1) * scale
 
-        # Route positive pairs to the second half of the backward's slope table.
-        flat_bin[positive_pairs] += n * num_centres
-        flat_bin = flat_bin.view(positive.shape)
-        ctx.save_for_backward(queries, references, flat_bin, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale)
+        ctx.save_for_backward(queries, references, codes, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale)
         ctx.exclude_self = exclude_self
         ctx.delta = delta
         ctx.same = references is queries
@@ -156,7 +152,7 @@ class FastAPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        queries, references, flat_bin, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale = ctx.saved_tensors
+        queries, references, codes, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale = ctx.saved_tensors
         # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
         #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
         #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
@@ -165,11 +161,11 @@ class FastAPFunction(torch.autograd.Function):
         d_neg = -_tail_sum(pos_hist * pos_cum * inv_sq)
         # A pair in bin l moves weight from centre l to l + 1 as its distance grows:
         # dAP/dd = (dAP/dh_{l+1} - dAP/dh_l) / Δ. Also fold in d(distance)/d(cos) = -2.
-        weight = (grad_ap * scale * (-2.0 / ctx.delta)).unsqueeze(1)
-        table = torch.stack([d_neg, d_pos]) * weight
+        weight = (grad_ap * scale * (-2.0 / ctx.delta)).view(-1, 1, 1)
+        table = torch.stack([d_neg, d_pos], dim=1) * weight  # (N, 2, C), as the codes
         table = torch.nn.functional.pad(table.diff(dim=2), (0, 1))
         # d loss / d cos(query, reference); index_select takes int32 indices as they are.
-        grad_cos = table.view(-1).index_select(0, flat_bin.view(-1)).view(flat_bin.shape)
+        grad_cos = table.view(-1).index_select(0, codes.view(-1)).view(codes.shape)
         _leave_out(grad_cos, excluded, ctx.exclude_self)
 
         grad_queries = grad_references = None

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from pml_rank import ranking
 from pml_rank.harness.references import auc as auc_reference
@@ -244,3 +245,51 @@ def test_symmetrize_in_place_equals_matrix_plus_transpose(n):
 
     matrix = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
     assert torch.equal(symmetrize_(matrix.clone()), matrix + matrix.T)
+
+
+def fastap_inputs(case, dtype):
+    generator = torch.Generator().manual_seed(7)
+    embeddings = torch.randn(50, 6, generator=generator, dtype=dtype)
+    labels = torch.randint(0, 6, (50,), generator=generator)
+    if case == "antipodal":  # distances exactly 4 in the last rows: the last-centre fix, chunk by chunk
+        embeddings[40:] = -embeddings[:10]
+    kwargs = {}
+    if case == "mined":
+        a1, p, a2, n = lmu.get_all_pairs_indices(labels)
+        kwargs["indices_tuple"] = (a1[::2], p[::2], a2[::3], n[::3])
+    if case == "ref_emb":
+        kwargs["ref_emb"] = torch.randn(30, 6, generator=generator, dtype=dtype).requires_grad_()
+        kwargs["ref_labels"] = torch.randint(0, 6, (30,), generator=generator)
+    return embeddings, labels, kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["batch", "antipodal", "mined", "ref_emb"])
+def test_fastap_histograms_scattered_a_few_rows_at_a_time_are_the_same(case, dtype, monkeypatch):
+    """The forward pass scatters its histograms one chunk of rows at a time. Chunks of
+    3 rows (16 full chunks and a partial one) give exactly the one-chunk value and
+    gradients, which equal the reference's."""
+    from pml_rank.harness.references.fastap import fast_ap_loss
+    from pml_rank.losses import FastAPLoss, fastap
+
+    embeddings, labels, kwargs = fastap_inputs(case, dtype)
+
+    def run():
+        x = embeddings.clone().requires_grad_()
+        loss = FastAPLoss()(x, labels, **kwargs)
+        refs = kwargs.get("ref_emb")
+        grads = torch.autograd.grad(loss, [x] + ([refs] if refs is not None else []))
+        return (loss.detach(), *grads)
+
+    one_chunk = run()
+    chunks = fastap._row_chunks
+    monkeypatch.setattr(fastap, "_row_chunks", lambda n, m: chunks(n, m, budget=3 * m))
+    assert len(fastap._row_chunks(50, 50)) == 17
+    for got, expected in zip(run(), one_chunk, strict=True):
+        assert torch.equal(got, expected)
+    if dtype == torch.float64 and case != "mined":  # the reference takes labels, not pairs
+        x = embeddings.clone().requires_grad_()
+        refs = {k: v for k, v in kwargs.items() if k.startswith("ref")}
+        expected = fast_ap_loss(x, labels, **refs)
+        torch.testing.assert_close(one_chunk[0], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(one_chunk[1], torch.autograd.grad(expected, x)[0], rtol=1e-9, atol=1e-12)
