@@ -293,3 +293,48 @@ def test_fastap_histograms_scattered_a_few_rows_at_a_time_are_the_same(case, dty
         expected = fast_ap_loss(x, labels, **refs)
         torch.testing.assert_close(one_chunk[0], expected.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(one_chunk[1], torch.autograd.grad(expected, x)[0], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 300])
+def test_similarities_without_self_have_autograds_gradient(n):
+    # 300 rows: more than one block of symmetrize_.
+    from pml_rank.losses.rambo import _SimilaritiesWithoutSelf, without_self
+
+    generator = torch.Generator().manual_seed(n)
+    queries = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    incoming = torch.randn(n, n - 1, generator=generator, dtype=torch.float64)
+    ours = value_and_grad(lambda x: (_SimilaritiesWithoutSelf.apply(x) * incoming).sum(), queries)
+    expected = value_and_grad(lambda x: (without_self(x @ x.T) * incoming).sum(), queries)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    if n <= 5:
+        assert torch.autograd.gradcheck(_SimilaritiesWithoutSelf.apply, queries.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "distance", [None, DotProductSimilarity(), DotProductSimilarity(normalize_embeddings=False)], ids=str
+)
+def test_rambo_inner_products_equal_pmls_distance_and_autograd(distance, dtype, monkeypatch):
+    """RaMBO computes a batch's inner products (cosine by default) with its own backward
+    pass; PML's distance object and autograd give the same loss, gradient and stats."""
+    from pml_rank.losses import RaMBORecallLoss, rambo
+
+    generator = torch.Generator().manual_seed(11)
+    embeddings = torch.randn(64, 8, generator=generator, dtype=dtype)
+    labels = torch.arange(64) // 4
+    kwargs = {} if distance is None else {"distance": distance}
+
+    def run():
+        loss = RaMBORecallLoss(memory_size=0, lambda_val=1.0, **kwargs)
+        loss.distance.collect_stats = True
+        value, grad = value_and_grad(lambda e: loss(e, labels), embeddings)
+        return value, grad, loss.distance.initial_avg_query_norm
+
+    ours = run()
+    monkeypatch.setattr(rambo, "is_inner_product", lambda distance: False)
+    expected = run()
+    assert ours[1].abs().sum() > 0
+    if dtype == torch.float64:
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(ours, expected)
