@@ -55,7 +55,8 @@ class FastAPLoss(RankLossBase):
         # The pairs that are neither: the diagonal when the batch is its own reference set.
         exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
         excluded = None if indices_tuple is None else ~(positive | negative)
-        num_positives = positive.sum(1, dtype=torch.int32)  # summing bool as int64 copies N x M first: 10x slower
+        # Summed as bytes: a bool sum converts every element first (3 times slower).
+        num_positives = positive.view(torch.uint8).sum(1, dtype=torch.int32)
         has_positive = num_positives > 0
         if self.collect_stats:
             self.num_queries = int(has_positive.sum())
