@@ -3,7 +3,7 @@
 The same function as the authors' code and PML's `FastAPLoss` (which builds a
 (num_bins+1) x N x N pulse tensor and differentiates it with autograd). Here each
 distance falls into at most two adjacent triangular bins, so its bin index and weight
-are computed once, the histograms are accumulated with `index_add_`, and the backward
+are computed once, the histograms are accumulated with `scatter_add_`, and the backward
 pass applies the paper's analytic gradient through a custom autograd function. Memory
 stays a few N x M matrices whatever `num_bins` is.
 """
