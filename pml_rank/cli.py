@@ -167,7 +167,7 @@ def _cmd_bench(args):
     out = _prepare_out(args.out)
     url = args.storage or storage.default_url(out, bench.STORE_FILE)
     if args.status:
-        return _bench_status(url, budget)
+        return _bench_status(url)
     if note:
         print(f"note: {note}", file=sys.stderr)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
@@ -203,14 +203,14 @@ def _cmd_bench(args):
     return 0
 
 
-def _bench_status(url, budget):
+def _bench_status(url):
     """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's bench."""
     from .harness.jobs import JobStore
     from .harness.storage import redact
     from .harness.text_table import format_text_table
 
     try:
-        store = JobStore(url, budget)
+        store = JobStore(url)
     except _refusals() as error:
         raise _refused(error) from None
     try:
@@ -267,6 +267,7 @@ def _cmd_tune(args):
             args.out,
             workers=workers,
             place=_place(args),
+            devices=args.devices,
             threads=args.threads,
             heartbeat=args.heartbeat,
             prune=not args.no_prune,

@@ -64,16 +64,16 @@ def tuned_budget_differences(path, budget):
 
 def choose_params(params_file=None, untuned=False, budget=None):
     """``(params, source, defaults_won, note)`` for a bench: --params FILE, the file shipped
-    for the default glyph budget, or none (--untuned, or a budget the shipped file was not
-    tuned for). `note` says when the file was tuned with another budget. Raises
+    for the default glyph budget (on the glyphs), or none (--untuned, other data). `note`
+    says when the file was tuned with another budget. Raises
     `ParamsError` for a file that cannot be read."""
     if untuned:
         return {}, None, set(), None
     path = Path(params_file) if params_file else SHIPPED_PARAMS
     if params_file and not path.is_file():
         raise ParamsError(f"--params {path}: no such file")
-    if not params_file and (budget is None or tuned_budget_differences(path, budget)):
-        return {}, None, set(), None  # the shipped parameters are for the default glyph budget only
+    if not params_file and (budget is None or budget["dataset"] != "glyphs"):
+        return {}, None, set(), None  # the shipped parameters were tuned on the glyphs
     params, won = load_params(path)
     differences = tuned_budget_differences(path, budget) if budget is not None else []
     note = (

@@ -70,13 +70,16 @@ def budget_key(budget):
 class JobStore:
     """The bench's jobs in the storage at `url` (see the module's docstring)."""
 
-    def __init__(self, url, budget, heartbeat=20.0):
+    def __init__(self, url, budget=None, heartbeat=20.0):
+        """`budget` None: only to read the storage's bench (`status`, `outcomes`)."""
         import optuna
 
         _quiet_optuna()
-        self.url, self.budget = url, dict(budget)
+        self.url, self.budget = url, budget
         self.storage = open_storage(url, heartbeat, max_retry=None)
         self.study = optuna.create_study(study_name=STUDY_NAME, storage=self.storage, load_if_exists=True)
+        if budget is None:
+            return
         theirs = self.study.user_attrs.get("budget")
         mine = budget_key(budget)
         if theirs is None:
@@ -188,15 +191,16 @@ class JobStore:
             return float(outcome["run"]["concatenated"][METRIC])
 
         while True:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(self.study)  # a dead process's job: failed, queued again
             states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
             if TrialState.WAITING not in states:
                 if TrialState.RUNNING not in states:
                     return len(finished)
                 time.sleep(poll)
+                with warnings.catch_warnings():  # a dead process's job: failed, queued again
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(self.study)
                 continue
+            # Optuna fails stale trials itself before each trial it starts.
             self.study.optimize(objective, n_trials=1, catch=(_Superseded, _NoJob))
 
 

@@ -68,21 +68,28 @@ def _registered(name, cls):
     return Recipe(make_loss=cls, name=name, **PAPER_RECIPES.get(name, DEFAULT_RECIPE))
 
 
-def _baseline(row):
-    spec = baselines.BASELINES[row]
-    sampler = m_per_class(spec.per_class)
+def _baseline(row, params=None):
+    spec = baselines.get(row)
+    _, miner_kwargs, loss_lr = baselines.split_params(row, params)  # checks them before any work
 
-    def make_miner(**miner_params):
-        return baselines.build_miner(row, miner_params)
+    def make_loss(num_classes=None, embedding_size=None):
+        return baselines.build(row, params, num_classes, embedding_size)[0]
+
+    def make_miner():
+        from pytorch_metric_learning import miners
+
+        return getattr(miners, spec.miner)(**miner_kwargs)
 
     return Recipe(
-        make_loss=functools.partial(baselines.build_loss, row),
+        make_loss=make_loss,
         make_miner=make_miner if spec.miner else None,
-        make_sampler=sampler,
+        make_sampler=m_per_class(spec.per_class),
         name=row,
         batches=spec.batches,
         per_class=spec.per_class,
         loss_needs=spec.needs,
+        loss_lr=loss_lr,
+        loss_weight_decay=spec.loss_weight_decay,
     )
 
 
@@ -108,6 +115,8 @@ def recipes(names=None):
 
 def with_params(recipe, params):
     """`recipe` built with the row's flat `params` (see the module's docstring)."""
+    if recipe.name in baselines.BASELINES:
+        return _baseline(recipe.name, params)
     params = dict(params or {})
     loss_lr = params.pop("loss_lr", None)
     miner_params = {k[len("miner_") :]: params.pop(k) for k in list(params) if k.startswith("miner_")}
@@ -130,7 +139,8 @@ def default_params(row):
     """The params of a row's paper defaults, as its search space names them: what the
     first trial of a study tries. Registered losses: {} (their constructors' defaults)."""
     if row in baselines.BASELINES:
-        return dict(baselines.BASELINES[row].defaults)
+        spec = baselines.BASELINES[row]
+        return {**spec.defaults, **{f"miner_{k}": v for k, v in spec.miner_defaults.items()}}
     return {}
 
 
@@ -192,6 +202,7 @@ def describe(names=None):
     for name, recipe in recipes(names or available()).items():
         spec = baselines.BASELINES.get(name)
         miner = spec.miner if spec is not None else ("BatchHardMiner" if recipe.make_miner else "")
-        optimizer = "trunk's; loss parameters: their own (loss_lr)" if recipe.loss_needs else "trunk's"
+        learns = spec.loss_parameters if spec is not None else ""
+        optimizer = f"trunk's; {learns}: their own (loss_lr)" if learns else "trunk's"
         lines.append((name, miner or "-", recipe.batches, optimizer))
     return lines

@@ -248,6 +248,8 @@ def bench_figure(result):
         if values and values[0] != 0:
             loss.plot(epochs, [v / values[0] for v in values], **style)
     for row, style in ((RAW_INPUT, ":"), (UNTRAINED, "-.")):
+        if row not in summary:
+            continue
         val.axhline(
             100 * summary[row]["separated"][metric][0], color="gray", linestyle=style, label=f"{row} (test classes)"
         )

@@ -88,21 +88,24 @@ def check(budget, rows, place):
 
 
 def rows_without_training(budget):
-    """The reference rows of a bench on this data set: the raw pixels (the glyphs only: an
-    image data set's pixels do not fit in memory) and the untrained networks."""
-    return [RAW_INPUT, UNTRAINED] if budget["dataset"] == "glyphs" else [UNTRAINED]
+    """The reference rows of a bench: the raw pixels (only where the images are used as
+    they are, "none" augmentation: cropped photographs' pixels would not fit in memory)
+    and the untrained networks."""
+    return [RAW_INPUT, UNTRAINED] if budget["augmentation"] == "none" else [UNTRAINED]
 
 
-def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None):
+def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None, folder=None):
     """One experiment; returns ``{"run": {"concatenated": {metric: value}, "separated":
     {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
     ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
     in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
-    `seed` (and the device's arithmetic)."""
+    `seed` (and the device's arithmetic). `folder`: keep each fold's logs and models there."""
     started = time.perf_counter()
     data = dataset_of(budget, place)
+    # The glyphs are tensors already; any image set goes through the budget's transforms.
+    transforms = None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
     if row == RAW_INPUT:
-        raw = raw_input_accuracy(data)
+        raw = raw_input_accuracy(data, transforms[1] if transforms else None)
         seconds = time.perf_counter() - started
         return {"run": {"concatenated": raw, "separated": raw}, "histories": [], "best_epochs": [], "seconds": seconds}
     if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
@@ -110,8 +113,6 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
     else:
         recipe, epochs = recipes.with_params(recipes.recipes([row])[row], params), budget["epochs"]
     make_trunk, make_embedder = model_factories(budget, data.channels)
-    # The glyphs are tensors already; any image set goes through the budget's transforms.
-    transforms = None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
     result = run_protocol(
         data,
         recipe,
@@ -135,6 +136,7 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
         on_iteration=on_iteration,
         validation_only=validation_only,
         on_fold=on_fold,
+        folder=folder,
     )
     outcome = {"histories": result.histories, "best_epochs": result.best_epochs}
     if validation_only:

@@ -58,14 +58,15 @@ def search_spaces():
 
 
 class _FirstChoiceTrial:
-    """Stands in for an Optuna trial to find out whether a space suggests anything."""
+    """Stands in for an Optuna trial to find out what a space suggests: answers `values`
+    where it has one, the lowest or first choice elsewhere."""
 
-    def __init__(self):
-        self.suggested = []
+    def __init__(self, values=None):
+        self.values, self.suggested = values or {}, []
 
     def _take(self, name, value):
         self.suggested.append(name)
-        return value
+        return self.values.get(name, value)
 
     def suggest_float(self, name, low, high, **_):
         return self._take(name, low)
@@ -165,35 +166,37 @@ def paper_defaults(row, space):
     """The values the paper's defaults give the parameters `space` suggests (by name): the
     baseline's stated defaults, else the attributes of the loss built without arguments
     (AUCLoss resolves its slope from its table), else its constructor's defaults. What the
-    first trial of a study tries, so a search never ends below the defaults it measured."""
-    probe = _FirstChoiceTrial()
-    space(probe)
+    first trial of a study tries, so a search never ends below the defaults it measured.
+    The space is asked with those values, so parameters it suggests only for some values
+    (RaMBO's memory variant, with a memory) are found."""
     known = recipes.default_params(row)
     recipe = recipes.recipes([row])[row]
     cls = getattr(recipe.make_loss, "func", recipe.make_loss)
-    signature = {}
     if inspect.isclass(cls):
         signature = {
             k: p.default
             for k, p in inspect.signature(cls).parameters.items()
             if p.default is not inspect.Parameter.empty
         }
-    built = None
-    if row not in known and inspect.isclass(cls) and not recipe.loss_needs:
-        try:
-            built = cls()
-        except Exception:
-            built = None
+        built = None
+        if not recipe.loss_needs:
+            try:
+                built = cls()
+            except Exception:
+                built = None
+        for name in signature:
+            value = getattr(built, name, None) if built is not None else None
+            value = value.item() if hasattr(value, "item") else value
+            if name not in known and (value if value is not None else signature[name]) is not None:
+                known[name] = value if value is not None else signature[name]
     values = {}
-    for name in probe.suggested:
-        if name in known:
-            values[name] = known[name]
-        elif built is not None and getattr(built, name, None) is not None:
-            value = getattr(built, name)
-            values[name] = value.item() if hasattr(value, "item") else value
-        elif signature.get(name) is not None:
-            values[name] = signature[name]
-    return values
+    while True:  # until the suggested names stop changing
+        probe = _FirstChoiceTrial(known)
+        space(probe)
+        found = {name: known[name] for name in probe.suggested if name in known}
+        if found == values:
+            return values
+        values = found
 
 
 class SurplusTrial(Exception):
@@ -371,10 +374,12 @@ def write_png(study, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    import optuna
     import optuna.visualization.matplotlib as ovm
     from PIL import Image
 
     _quiet_optuna()
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", module="optuna")
     warnings.filterwarnings("ignore", message=".*tight_layout")
     warnings.filterwarnings("ignore", message=".*identical low and high xlims")
@@ -424,6 +429,7 @@ def tune(
     out,
     workers=1,
     place=runner.Place(),
+    devices=None,
     threads=1,
     heartbeat=DEFAULT_HEARTBEAT,
     prune=True,
@@ -431,7 +437,8 @@ def tune(
     progress=True,
 ):
     """Runs `workers` processes until every loss's study holds `trials` finished trials,
-    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Ctrl-C stops the
+    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Worker i runs on
+    ``devices[i % len(devices)]`` when `devices` are given. Ctrl-C stops the
     workers (their running trials are lost, finished ones kept) and still writes the outputs.
     Raises `StorageError` when the storage cannot be opened, before any work."""
     from tqdm import tqdm
@@ -466,7 +473,13 @@ def tune(
 
     failed = []
     try:
-        failed = run_processes(run_worker, [(job,)] * workers, show)
+        jobs = [
+            (dataclasses.replace(job, place=dataclasses.replace(place, device=devices[i % len(devices)])),)
+            if devices
+            else (job,)
+            for i in range(workers)
+        ]
+        failed = run_processes(run_worker, jobs, show)
     except KeyboardInterrupt:
         interrupted = True
     finally:

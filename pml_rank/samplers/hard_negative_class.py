@@ -3,19 +3,26 @@ class mining")."""
 
 import copy
 import time
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.distances import BaseDistance, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from .._checks import check_embeddings
+from .._checks import check_embeddings, checked_constructor
 
 # Candidate classes drawn per batch, as a multiple of the classes in a batch, when the
 # caller does not say: the slides ask for "a large number" without giving it.
 DEFAULT_CANDIDATES_PER_CLASS = 4
 
 
+class NoModelAttachedWarning(UserWarning):
+    """A HardNegativeClassSampler finished an epoch without a model: its batches were random."""
+
+
+@checked_constructor
 class HardNegativeClassSampler(torch.utils.data.Sampler):
     """Yields dataset indices whose consecutive chunks of ``2 * classes_per_batch`` are
     N-pair batches: ``classes_per_batch`` (N) distinct classes, two distinct examples
@@ -43,7 +50,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
     batch, the slides' letter). ``mining_seconds`` (time spent building batches,
     embedding included), ``mined_batches`` and ``embedded_examples`` count the cost.
 
-    Until a model is attached, batches hold N classes drawn at random. Attach one with
+    Until a model is attached, batches hold N classes drawn at random (the first epoch
+    that ends so warns, once, `NoModelAttachedWarning`). Attach one with
     :meth:`attach` (a model and the dataset), :meth:`attach_trainer` (a PML trainer;
     its trunk and embedder) or as a PML hook, ``end_of_iteration_hook=sampler.
     end_of_iteration_hook``; or pass ``embed_fn``, a callable mapping a LongTensor of
@@ -69,17 +77,17 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     def __init__(
         self,
-        labels,
-        classes_per_batch,
-        candidate_classes=None,
-        examples_per_class=1,
-        batches_per_epoch=None,
-        refresh_every=None,
-        distance=None,
-        embed_fn=None,
-        seed=0,
-        num_replicas=None,
-        rank=None,
+        labels: list | tuple | np.ndarray | torch.Tensor,
+        classes_per_batch: int,
+        candidate_classes: int | None = None,
+        examples_per_class: int = 1,
+        batches_per_epoch: int | None = None,
+        refresh_every: int | None = None,
+        distance: BaseDistance | None = None,
+        embed_fn: Callable | None = None,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ):
         labels = np.asarray(labels.cpu() if torch.is_tensor(labels) else labels)
         if labels.ndim != 1:
@@ -141,6 +149,7 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self._embed_fn = embed_fn
         self._eval_modules = []
         self._attached_trainer = None
+        self._warned_no_model = False
         self._class_embeddings = None
         # Batch count at which each class was last embedded (never: far in the past).
         self._embedded_at = np.full(num_classes, -(2**62), dtype=np.int64)
@@ -175,6 +184,16 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             self.mined_batches += 1
             shard = len(batch) // self.num_replicas
             yield from batch[self.rank * shard : (self.rank + 1) * shard].tolist()
+        if self._embed_fn is None and not self._warned_no_model:
+            self._warned_no_model = True
+            warnings.warn(
+                f"{self._name}: an epoch ended without a model attached, so its batches held classes "
+                "drawn at random, not mined. In PML's trainers, attach the model being trained before "
+                "trainer.train(): sampler.attach(model, dataset, device=...) or sampler.attach_trainer(trainer) "
+                "(or pass end_of_iteration_hook=sampler.end_of_iteration_hook). Warned once per sampler.",
+                NoModelAttachedWarning,
+                stacklevel=2,
+            )
 
     # --- attaching a model -------------------------------------------------------------
 

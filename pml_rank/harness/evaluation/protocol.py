@@ -38,6 +38,7 @@ class Recipe:
             "num_classes" (1 + the largest training label: proxies, class weights) and
             "embedding_size".
         loss_lr: learning rate of the loss's own parameters; None: the trunk's.
+        loss_weight_decay: their weight decay; None: the trunk optimizer's.
     """
 
     make_loss: Callable
@@ -48,6 +49,7 @@ class Recipe:
     per_class: int | None = None
     loss_needs: tuple = ()
     loss_lr: float | None = None
+    loss_weight_decay: float | None = None
 
 
 @dataclasses.dataclass
@@ -140,6 +142,7 @@ def train_fold_model(
         iterations_per_epoch=iterations_per_epoch,
         device=device,
         loss_lr=recipe.loss_lr,
+        loss_weight_decay=recipe.loss_weight_decay,
         **training,
     )
 
@@ -242,10 +245,11 @@ def run_protocol(
     )
 
 
-def raw_input_accuracy(dataset):
+def raw_input_accuracy(dataset, transform=None):
     """Accuracy on the protocol's test classes of the flattened, L2-normalised inputs
-    (the "raw input" row: what retrieval gives without any network)."""
-    _, test_set = test_set_and_folds(dataset, num_folds=2)
+    (the "raw input" row: what retrieval gives without any network); `transform` turns a
+    data set's images into tensors (its evaluation transform)."""
+    _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
     inputs = torch.stack([test_set[i][0].reshape(-1).float() for i in range(len(test_set))])
     return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
 

@@ -211,6 +211,7 @@ def train_model(
     make_optimizer: Callable | None = None,
     lr=DEFAULTS["lr"],
     loss_lr=None,
+    loss_weight_decay=None,
     device="cpu",
     folder=None,
     patience=None,
@@ -238,7 +239,8 @@ def train_model(
         iterations_per_epoch: default ``len(train_set) // batch_size``.
         make_optimizer: ``f(parameters, lr) -> torch.optim.Optimizer``; default Adam.
             Losses with parameters of their own get an optimizer too (PML's
-            ``metric_loss_optimizer``), at `loss_lr` (default `lr`).
+            ``metric_loss_optimizer``), at `loss_lr` (default `lr`) with `loss_weight_decay`
+            (default: `make_optimizer`'s).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
         patience: stop after this many epochs without a better validation MAP@R.
@@ -271,7 +273,10 @@ def train_model(
         models["embedder"] = embedder
         optimizers["embedder_optimizer"] = make_optimizer(embedder.parameters(), lr)
     if any(True for _ in loss_func.parameters()):
-        optimizers["metric_loss_optimizer"] = make_optimizer(loss_func.to(device).parameters(), loss_lr or lr)
+        group = {"params": list(loss_func.to(device).parameters())}
+        if loss_weight_decay is not None:
+            group["weight_decay"] = loss_weight_decay
+        optimizers["metric_loss_optimizer"] = make_optimizer([group], loss_lr or lr)
     lr_schedulers = {}
     if make_lr_scheduler is not None:
         lr_schedulers = {
