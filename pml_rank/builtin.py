@@ -49,11 +49,22 @@ def _npairs_space(trial):
     return {"l2_reg_weight": trial.suggest_float("l2_reg_weight", 1e-5, 0.1, log=True)}
 
 
+def _smooth_ap_space(trial):
+    # A decade either side of the paper's τ = 0.01 on cosine similarities: at 1e-3 only
+    # pairs within ~0.01 of each other get a useful gradient, at 0.1 the sigmoid spreads over a
+    # fifth of [-1, 1]. Whether the query counts as its own positive is tried both ways.
+    return {
+        "temperature": trial.suggest_float("temperature", 1e-3, 0.1, log=True),
+        "include_query": trial.suggest_categorical("include_query", [True, False]),
+    }
+
+
 @hookimpl
 def pml_rank_search_spaces():
     """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
     size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
-    slope, FastAP's number of bins, N-pair's L2 weight."""
+    slope, FastAP's number of bins, N-pair's L2 weight, Smooth-AP's temperature and
+    query convention."""
     return {
         "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
         "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
@@ -61,4 +72,5 @@ def pml_rank_search_spaces():
         "FastAPLoss": _fastap_space,
         "NPairsMCLoss": _npairs_space,
         "NPairsOVOLoss": _npairs_space,
+        "SmoothAPLoss": _smooth_ap_space,
     }

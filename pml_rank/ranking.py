@@ -237,13 +237,23 @@ class _Slots:
     def gather(self, per_slot):
         return per_slot[self.sequence, self.slot]
 
-    def chunks(self, n, budget=1 << 18):
-        """Slices of sequences with at most `budget` slot-element pairs. Small enough that
-        the temporaries stay in cache and are reused rather than freshly mapped (page
-        faults): at batch 2048, 2^18 took the counting passes from 455 to 300 ms a step
-        against 2^24 (2^15 to 2^19 measured)."""
+    def chunks(self, n, budget=1 << 19):
+        """Slices of sequences with at most `budget` slot-element pairs: few enough Python
+        steps, and scratch buffers (`_count_buffers`) small enough to stay in cache. At
+        batch 2048 (1 thread), the counting forward+backward took 24 ms with 2^19
+        against 28 ms with 2^18 and 30 ms with 2^17."""
         step = max(1, budget // max(1, self.shape[1] * n))
         return [slice(start, start + step) for start in range(0, self.shape[0], step)]
+
+
+def _count_buffers(scores, slots, count):
+    """`count` scratch buffers for one chunk of `_Slots.chunks`' comparisons. Comparisons
+    written as 0/1 floats and summed as floats run about three times faster than through
+    bool tensors (vectorised); the sums are exact integers below 2^24 in float32."""
+    n = scores.shape[-1]
+    dtype = torch.float64 if scores.dtype == torch.float64 or n >= 2**24 else torch.float32
+    rows = max((part.stop - part.start for part in slots.chunks(n)), default=0)
+    return [torch.empty(rows, slots.shape[1], n, dtype=dtype, device=scores.device) for _ in range(count)]
 
 
 def _counts(scores, values, slots):
@@ -252,11 +262,12 @@ def _counts(scores, values, slots):
     padding slots count 0)."""
     greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
     equal = torch.empty_like(greater)
+    (buffer,) = _count_buffers(scores, slots, 1)
     for part in slots.chunks(scores.shape[-1]):
         rows, slot_values = scores[part, None, :], values[part, :, None]
-        # Summed as int32: counting a bool tensor as int64 first copies it (10 times slower).
-        greater[part] = (rows > slot_values).sum(-1, dtype=torch.int32)
-        equal[part] = (rows >= slot_values).sum(-1, dtype=torch.int32) - greater[part]
+        out = buffer[: len(rows)]
+        greater[part] = torch.gt(rows, slot_values, out=out).sum(-1)
+        equal[part] = torch.ge(rows, slot_values, out=out).sum(-1) - greater[part]
     return greater, equal
 
 
@@ -328,14 +339,14 @@ def _crossings_without_ties(scores, values, new_values, above, slots):
     change = torch.empty_like(scores)
     greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
     equal = torch.empty_like(greater)
+    before, after = _count_buffers(scores, slots, 2)
     for part in slots.chunks(scores.shape[-1]):
         rows = scores[part, None, :]
-        before = rows > values[part, :, None]
-        after = rows > new_values[part, :, None]
-        greater[part] = after.sum(-1, dtype=torch.int32)
-        equal[part] = (rows >= new_values[part, :, None]).sum(-1, dtype=torch.int32) - greater[part]
-        # At most log2(n) slots: the per-element sums fit in a byte.
-        change[part] = (before.view(torch.int8) - after.view(torch.int8)).sum(1, dtype=torch.int8)
+        above_before = torch.gt(rows, values[part, :, None], out=before[: len(rows)])
+        above_after = torch.gt(rows, new_values[part, :, None], out=after[: len(rows)])
+        greater[part] = above_after.sum(-1)
+        change[part] = above_before.sub_(above_after).sum(1)
+        equal[part] = torch.ge(rows, new_values[part, :, None], out=above_after).sum(-1) - greater[part]
     # In the positives' columns the perturbed sequence holds new_values, not values.
     greater += _slot_counts(new_values, new_values, torch.gt) - _slot_counts(values, new_values, torch.gt)
     equal += _slot_counts(new_values, new_values, torch.eq) - _slot_counts(values, new_values, torch.eq)

@@ -4,5 +4,6 @@ from .auc import AUCLoss
 from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
+from .smooth_ap import SmoothAPLoss
 
-__all__ = ["AUCLoss", "FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]
+__all__ = ["AUCLoss", "FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss", "SmoothAPLoss"]

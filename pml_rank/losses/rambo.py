@@ -13,16 +13,18 @@ whatever multiplies the loss (world size in `DistributedLossWrapper`, trainers' 
 weights): see `pml_rank.ranking`.
 """
 
+import math
 import warnings
 from collections import deque
 
 import torch
-from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
+from torch.autograd.function import once_differentiable
 
 from .._checks import check_lambda
 from ..ranking import LossScale, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
-from .base import RankLossBase, pair_masks, reference_is_batch
+from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
 
 class ScoreMemory(torch.nn.Module):
@@ -208,12 +210,20 @@ class _RaMBOLoss(RankLossBase):
     def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self):
         """Scores [queries, references] and the positive mask, the query itself left out
         when the batch is its own reference set (see `without_self`)."""
+        positives, _ = pair_masks(labels, ref_labels)
+        if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
+            queries, _ = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
+            return _SimilaritiesWithoutSelf.apply(queries), without_self(positives)
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
-        positives, _ = pair_masks(labels, ref_labels)
         if exclude_self:
             scores, positives = without_self(scores), without_self(positives)
         return scores, positives
+
+
+def is_inner_product(distance):
+    """Whether `distance(x, y)` is the inner products of the (normalised) rows."""
+    return type(distance) in (CosineSimilarity, DotProductSimilarity) and distance.power == 1
 
 
 def without_self(matrix):
@@ -223,8 +233,35 @@ def without_self(matrix):
     view row."""
     queries = len(matrix)
     square, rest = matrix[:, :queries], matrix[:, queries:]
-    off_diagonal = square.flatten()[1:].view(queries - 1, queries + 1)[:, :-1].reshape(queries, queries - 1)
+    off_diagonal = _off_diagonal(square.flatten()).reshape(queries, queries - 1)
     return torch.cat([off_diagonal, rest], dim=1) if rest.shape[1] else off_diagonal
+
+
+def _off_diagonal(flat_square):
+    """The off-diagonal entries of a flattened n x n matrix, as an (n - 1) x n view."""
+    n = math.isqrt(len(flat_square))
+    return flat_square[1:].view(n - 1, n + 1)[:, :-1]
+
+
+class _SimilaritiesWithoutSelf(torch.autograd.Function):
+    """``without_self(queries @ queries.T)``. The backward pass is one matrix product,
+    (G + Gᵀ) @ queries, where autograd takes two, and writes G (zero diagonal) once,
+    where autograd's slicing backward fills and copies twice."""
+
+    @staticmethod
+    def forward(ctx, queries):
+        ctx.save_for_backward(queries)
+        return without_self(queries @ queries.T)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (queries,) = ctx.saved_tensors
+        n = len(queries)
+        full = grad.new_empty(n, n)
+        _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
+        full.diagonal().zero_()
+        return symmetrize_(full) @ queries
 
 
 def reference_index(queries, columns, exclude_self):
