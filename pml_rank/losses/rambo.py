@@ -79,7 +79,13 @@ MEMORY_VARIANTS = ("extend", "rows")
 
 
 class ZeroRankGradientWarning(UserWarning):
-    """A RaMBO loss had something to learn, but Algorithm 1 gave an exactly zero gradient."""
+    """A RaMBO loss had something to learn, but Algorithm 1 gave an exactly zero gradient
+    ZERO_GRADIENT_CALLS times in a row."""
+
+
+# Consecutive calls with an exactly zero gradient before the warning: at the papers' λ a
+# small batch now and then moves no rank; a network that never moves gives one every call.
+ZERO_GRADIENT_CALLS = 5
 
 
 class _RaMBOLoss(RankLossBase):
@@ -100,6 +106,7 @@ class _RaMBOLoss(RankLossBase):
         self.add_to_recordable_attributes(list_of_names=["num_pos_pairs"], is_stat=True)
         self._loss_scale = None
         self._watched = None
+        self._zero_gradient_calls = 0
         self._warned_zero_gradient = False
 
     def get_default_distance(self):
@@ -120,26 +127,33 @@ class _RaMBOLoss(RankLossBase):
         return self._loss_scale.attach(loss) if torch.is_tensor(loss) else loss
 
     def watch_gradient(self, scores, something_to_learn):
-        """Have the backward pass warn (once per loss object) when the current batch has
-        `something_to_learn` (a bool tensor: a negative ranks above a positive) but
-        Algorithm 1, which ranks `scores`, moves no rank: an exactly zero gradient."""
+        """Have the backward pass count the calls whose batch has `something_to_learn` (a
+        bool tensor: a negative ranks above a positive) but in which Algorithm 1, ranking
+        `scores`, moves no rank (an exactly zero gradient), and warn, once per loss object,
+        after ZERO_GRADIENT_CALLS of them in a row."""
         if scores.requires_grad and not self._warned_zero_gradient:
             self._watched = (scores, something_to_learn)
 
     def _zero_gradient_check(self, loss_scale, something_to_learn):
         # A hook on the ranked scores runs after the ranker's backward, which set ranks_moved.
         def check(_grad):
-            if loss_scale.ranks_moved is False and not self._warned_zero_gradient and bool(something_to_learn):
+            if loss_scale.ranks_moved is None or self._warned_zero_gradient:
+                return
+            stuck = not loss_scale.ranks_moved and bool(something_to_learn)
+            self._zero_gradient_calls = self._zero_gradient_calls + 1 if stuck else 0
+            if self._zero_gradient_calls >= ZERO_GRADIENT_CALLS:
                 self._warned_zero_gradient = True
                 warnings.warn(
-                    f"{type(self).__name__}: the loss is positive but its gradient is exactly zero: "
+                    f"{type(self).__name__}: the loss is positive but its gradient has been exactly zero "
+                    f"{ZERO_GRADIENT_CALLS} calls in a row: "
                     f"Algorithm 1's perturbation (lambda_val={self.lambda_val} times the loss's gradient) "
-                    "moves no rank, because the positives lie further below the negatives than it reaches. "
+                    "moves no rank: the positives lie further below the negatives than it reaches. "
                     f"Typically all similarities lie within the margin ({self.margin}) of one another, which "
                     "puts every positive below every negative: collapsed embeddings, as from an untrained "
-                    "network (cosine similarities 0.996-0.9996). Raise lambda_val (the paper's Online "
-                    "Products value is 4; more with a score memory, which shares the gradient among more "
-                    "pairs) or lower margin. Warned once per loss object.",
+                    "network (cosine similarities 0.996-0.9996). Raise lambda_val (on such embeddings 4 "
+                    "moves the recall loss without a score memory; a memory of 3 batches shares the gradient "
+                    "among 4 times the pairs and needs about 16) or lower margin (0 moves it). "
+                    "Warned once per loss object.",
                     ZeroRankGradientWarning,
                     stacklevel=2,
                 )
