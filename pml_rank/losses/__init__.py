@@ -4,5 +4,14 @@ from .auc import AUCLoss
 from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
+from .recall_at_k import RecallAtKSurrogateLoss
 
-__all__ = ["AUCLoss", "FastAPLoss", "NPairsMCLoss", "NPairsOVOLoss", "RaMBOAPLoss", "RaMBORecallLoss"]
+__all__ = [
+    "AUCLoss",
+    "FastAPLoss",
+    "NPairsMCLoss",
+    "NPairsOVOLoss",
+    "RaMBOAPLoss",
+    "RaMBORecallLoss",
+    "RecallAtKSurrogateLoss",
+]
