@@ -42,8 +42,10 @@ SIGMOID_LIMIT = 30.0
 # Just above σ'(±SIGMOID_LIMIT) in any float type: what a clamped entry's derivative
 # turns into, for threshold_ to zero.
 _SLOPE_AT_LIMIT = math.exp(-SIGMOID_LIMIT) * (1 + 1e-4)
-# Entries of one chunk of (pair, reference) sigmoids: 4 MB in float32.
-CHUNK_ELEMENTS = 1 << 20
+# Entries of one chunk of (pair, reference) sigmoids: 1 MB in float32, small enough to
+# stay in cache between the passes over it (2^16 to 2^22 measured at batch 2048: within
+# noise of each other up to 2^20, 2^22 about 10% slower).
+CHUNK_ELEMENTS = 1 << 18
 PAPER_K_VALUES = (1, 2, 4, 8, 16)
 
 

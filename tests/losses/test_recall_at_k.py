@@ -342,3 +342,24 @@ def test_large_batch_trainer_takes_metric_loss_onlys_step():
     assert any((a - b).abs().max() > 0 for a, b in zip(updated, _net(seed=2).parameters()))  # it trained
     for a, b in zip(updated, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_speed_case_times_ours_against_the_reference_and_the_floor():
+    from pml_rank.harness import speed
+
+    result = speed.measure("RecallAtKSurrogateLoss", sizes=(16,), dim=8, repeats=1, warmup=0, progress=False)
+    assert set(result["rows"][0]["seconds"]) == {"ours", "reference", "floor"}
+    assert speed.CASES["RecallAtKSurrogateLoss"].underflow()[0]().rank_temperature == 0.001
+
+
+def test_search_space_gives_valid_constructor_arguments_around_the_papers_values():
+    import optuna
+
+    import pml_rank
+
+    space = pml_rank.registry.search_spaces()["RecallAtKSurrogateLoss"]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(30):
+        params = space(study.ask())
+        RecallAtKSurrogateLoss(**params)
+        assert 1e-3 <= params["rank_temperature"] <= 0.1 and 0.1 <= params["recall_temperature"] <= 10
