@@ -18,6 +18,7 @@ of the best on the grid.
 """
 
 import argparse
+import inspect
 import json
 import math
 from pathlib import Path
@@ -163,7 +164,7 @@ def main(argv=None):
     )
     parser.add_argument("--smoke", action="store_true", help="a few batches and steps, to check the script runs")
     args = parser.parse_args(argv)
-    default_step = AUCLoss.__init__.__defaults__[0]
+    default_step = inspect.signature(AUCLoss).parameters["step"].default
     steps, slopes, batches = STEPS, SLOPES, args.batches
     if args.smoke:
         steps, slopes, batches = (default_step, 0.1), SLOPES[::4], 8

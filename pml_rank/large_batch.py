@@ -22,6 +22,8 @@ import warnings
 import torch
 from pytorch_metric_learning.trainers import MetricLossOnly
 
+from ._checks import check_type
+
 
 def large_batch_backward(embed, loss_func, data, labels, chunk_size, miner=None):
     """Back-propagate ``loss_func`` over a batch too large to embed with a graph at once.
@@ -93,6 +95,9 @@ class LargeBatchMetricLossOnly(MetricLossOnly):
     """
 
     def __init__(self, *args, chunk_size, **kwargs):
+        check_type(type(self).__name__, "chunk_size", chunk_size, int)
+        if chunk_size < 1:
+            raise ValueError(f"{type(self).__name__}: chunk_size must be a positive integer, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self._checked_batchnorm = False
         super().__init__(*args, **kwargs)

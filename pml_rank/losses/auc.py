@@ -122,7 +122,9 @@ class AUCLoss(RankLossBase):
     Recorded statistics: ``num_anchors``, ``mean_hardest_pos_sim``, ``mean_hardest_neg_sim``.
     """
 
-    def __init__(self, step=0.005, slope=None, t_min=-1.0, t_max=1.0, **kwargs):
+    def __init__(
+        self, step: float = 0.005, slope: float | None = None, t_min: float = -1.0, t_max: float = 1.0, **kwargs
+    ):
         super().__init__(**kwargs)
         if not step > 0:
             raise ValueError(f"AUCLoss: step must be positive, got {step}")

@@ -1,19 +1,48 @@
 import torch
+from pytorch_metric_learning.distances import BaseDistance
 from pytorch_metric_learning.losses import BaseMetricLossFunction
+from pytorch_metric_learning.reducers import BaseReducer
+from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from .._checks import check_embeddings, check_references
+from .._checks import check_embeddings, check_references, checked_constructor
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
+@checked_constructor
 class RankLossBase(BaseMetricLossFunction):
     """Base of pml-rank's losses: PML's `BaseMetricLossFunction` that first rejects bad
     input with an error naming the loss and the offending value, so that a NaN never
     travels silently into training, and computes float16/bfloat16 input in float32
     (similarities, exponentials and sums overflow or lose all precision in half
     precision; the gradient flows back in the input's dtype). A batch without rows, or
-    without references, gives PML's zero loss."""
+    without references, gives PML's zero loss.
+
+    Every constructor argument of a subclass is checked against the annotations of its
+    ``__init__`` (``step: float = 0.005``), which every parameter must have, before any
+    work: see `pml_rank._checks.checked_constructor`. The keywords below are PML's."""
+
+    def __init__(
+        self,
+        distance: BaseDistance | None = None,
+        reducer: BaseReducer | None = None,
+        embedding_regularizer: BaseRegularizer | None = None,
+        embedding_reg_weight: float = 1,
+        collect_stats: bool | None = None,
+    ):
+        super().__init__(
+            distance=distance,
+            reducer=reducer,
+            embedding_regularizer=embedding_regularizer,
+            embedding_reg_weight=embedding_reg_weight,
+            collect_stats=collect_stats,
+        )
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            checked_constructor(cls)
 
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         check_embeddings(self, embeddings=embeddings, ref_emb=ref_emb)

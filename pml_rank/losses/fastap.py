@@ -8,8 +8,6 @@ pass applies the paper's analytic gradient through a custom autograd function. M
 stays a few N x M matrices whatever `num_bins` is.
 """
 
-import numbers
-
 import torch
 from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
@@ -36,10 +34,10 @@ class FastAPLoss(RankLossBase):
     returned, in float32; float64 stays float64.
     """
 
-    def __init__(self, num_bins=10, **kwargs):
+    def __init__(self, num_bins: int = 10, **kwargs):
         super().__init__(**kwargs)
         c_f.assert_distance_type(self, LpDistance, normalize_embeddings=True, p=2, power=2)
-        if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Integral) or num_bins < 1:
+        if num_bins < 1:
             raise ValueError(f"FastAPLoss: num_bins must be a positive integer, got {num_bins!r}")
         self.num_bins = int(num_bins)
         self.add_to_recordable_attributes(list_of_names=["num_bins"], is_stat=False)

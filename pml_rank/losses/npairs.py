@@ -38,7 +38,7 @@ class NPairsMCLoss(RankLossBase):
             (cosine similarity); pass ``DotProductSimilarity()`` to get that.
     """
 
-    def __init__(self, l2_reg_weight=0.002, **kwargs):
+    def __init__(self, l2_reg_weight: float = 0.002, **kwargs):
         if l2_reg_weight < 0:
             raise ValueError(f"{type(self).__name__}: l2_reg_weight must be >= 0, got {l2_reg_weight}")
         if l2_reg_weight > 0:

@@ -30,10 +30,10 @@ class ScoreMemory(torch.nn.Module):
 
     def __init__(self, size, owner):
         super().__init__()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if size < 0:
             raise ValueError(f"{owner}: memory_size must be an integer >= 0, got {size!r}")
-        self.size, self.owner = size, owner
-        self.batches = deque(maxlen=size)
+        self.size, self.owner = int(size), owner
+        self.batches = deque(maxlen=self.size)
 
     def __len__(self):
         return len(self.batches)
@@ -74,18 +74,18 @@ MEMORY_VARIANTS = ("extend", "rows")
 
 
 class _RaMBOLoss(RankLossBase):
-    def __init__(self, lambda_val, margin, memory_size, memory_variant, **kwargs):
+    def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
         _check_lambda(owner, lambda_val)
-        if not isinstance(margin, (int, float)) or not 0 <= margin < float("inf"):
+        if not 0 <= margin < float("inf"):
             raise ValueError(f"{owner}: margin must be a finite number >= 0, got {margin!r}")
         if memory_variant not in MEMORY_VARIANTS:
             raise ValueError(f"{owner}: memory_variant must be 'extend' or 'rows', got {memory_variant!r}")
         self.lambda_val = float(lambda_val)
         self.margin = float(margin)
         self.memory = ScoreMemory(memory_size, owner=owner)
-        self.memory_size = memory_size
+        self.memory_size = self.memory.size
         self.memory_variant = memory_variant
         self.add_to_recordable_attributes(list_of_names=["lambda_val", "margin", "memory_size"], is_stat=False)
         self.add_to_recordable_attributes(list_of_names=["num_pos_pairs"], is_stat=True)
@@ -200,7 +200,15 @@ class RaMBORecallLoss(_RaMBOLoss):
     the current batch.
     """
 
-    def __init__(self, lambda_val=0.2, margin=0.02, weighting="log", memory_size=3, memory_variant="extend", **kwargs):
+    def __init__(
+        self,
+        lambda_val: float = 0.2,
+        margin: float = 0.02,
+        weighting: str = "log",
+        memory_size: int = 3,
+        memory_variant: str = "extend",
+        **kwargs,
+    ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
         if weighting not in ("log", "loglog"):
             raise ValueError(f"RaMBORecallLoss: weighting must be 'log' or 'loglog', got {weighting!r}")
@@ -248,7 +256,14 @@ class RaMBOAPLoss(_RaMBOLoss):
     with ``memory_variant="rows"`` the loss is the mean itself ("already_reduced").
     """
 
-    def __init__(self, lambda_val=0.2, margin=0.02, memory_size=3, memory_variant="extend", **kwargs):
+    def __init__(
+        self,
+        lambda_val: float = 0.2,
+        margin: float = 0.02,
+        memory_size: int = 3,
+        memory_variant: str = "extend",
+        **kwargs,
+    ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
     def losses_per_query(self, scores, positives, exclude_self):

@@ -3,19 +3,21 @@ class mining")."""
 
 import copy
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.distances import BaseDistance, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
-from .._checks import check_embeddings
+from .._checks import check_embeddings, checked_constructor
 
 # Candidate classes drawn per batch, as a multiple of the classes in a batch, when the
 # caller does not say: the slides ask for "a large number" without giving it.
 DEFAULT_CANDIDATES_PER_CLASS = 4
 
 
+@checked_constructor
 class HardNegativeClassSampler(torch.utils.data.Sampler):
     """Yields dataset indices whose consecutive chunks of ``2 * classes_per_batch`` are
     N-pair batches: ``classes_per_batch`` (N) distinct classes, two distinct examples
@@ -69,17 +71,17 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
 
     def __init__(
         self,
-        labels,
-        classes_per_batch,
-        candidate_classes=None,
-        examples_per_class=1,
-        batches_per_epoch=None,
-        refresh_every=None,
-        distance=None,
-        embed_fn=None,
-        seed=0,
-        num_replicas=None,
-        rank=None,
+        labels: list | tuple | np.ndarray | torch.Tensor,
+        classes_per_batch: int,
+        candidate_classes: int | None = None,
+        examples_per_class: int = 1,
+        batches_per_epoch: int | None = None,
+        refresh_every: int | None = None,
+        distance: BaseDistance | None = None,
+        embed_fn: Callable | None = None,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ):
         labels = np.asarray(labels.cpu() if torch.is_tensor(labels) else labels)
         if labels.ndim != 1:
