@@ -82,28 +82,22 @@ class RecallAtKSurrogateLoss(RankLossBase):
 
     def __init__(
         self,
-        k_values=PAPER_K_VALUES,
-        rank_temperature=0.01,
-        recall_temperature=1.0,
-        similarity_mixup=False,
-        query_in_ranking=False,
+        k_values: tuple | list = PAPER_K_VALUES,
+        rank_temperature: float = 0.01,
+        recall_temperature: float = 1.0,
+        similarity_mixup: bool = False,
+        query_in_ranking: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        if (
-            isinstance(k_values, (str, bytes))
-            or not hasattr(k_values, "__len__")
-            or len(k_values) == 0
-            or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in k_values)
+        if not k_values or not all(
+            isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in k_values
         ):
             raise ValueError(f"{owner}: k_values must be a non-empty list of integers >= 1, got {k_values!r}")
         for name, value in (("rank_temperature", rank_temperature), ("recall_temperature", recall_temperature)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+            if not 0 < value < float("inf"):
                 raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
-        for name, value in (("similarity_mixup", similarity_mixup), ("query_in_ranking", query_in_ranking)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{owner}: {name} must be True or False, got {value!r}")
         if not self.distance.is_inverted:
             raise ValueError(
                 f"{owner}: the distance must be a similarity (higher = closer), got {type(self.distance).__name__}"
