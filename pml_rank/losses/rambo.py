@@ -105,18 +105,16 @@ class _RaMBOLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        if indices_tuple is not None:
-            raise ValueError(
-                f"{type(self).__name__}: ranks every pair itself and takes no indices_tuple (miners); "
-                "with DistributedLossWrapper use efficient=False"
-            )
-        exclude_self = reference_is_batch(labels, ref_labels)
+        exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        pairs = None if indices_tuple is None else (indices_tuple, len(ref_emb))
         if self.memory_variant == "extend":
             all_refs, all_ref_labels = self.references_with_memory(ref_emb, ref_labels)
             self.memory.append(ref_emb, ref_labels)
-            scores, positives = self.similarities(embeddings, labels, all_refs, all_ref_labels, exclude_self)
+            scores, positives, columns = self.similarities(
+                embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
+            )
         else:
-            scores, positives = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self)
+            scores, positives, columns = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
             stored = self.memory.stored() if len(self.memory) else None
             if stored is not None:
                 self.memory.check_width(scores, "score row length")
@@ -125,7 +123,7 @@ class _RaMBOLoss(RankLossBase):
         if self.num_pos_pairs == 0:
             return self.zero_losses()
         if self.memory_variant == "extend":
-            return self.losses_per_query(scores, positives, exclude_self)
+            return self.losses_per_query(scores, positives, exclude_self, columns)
         if stored is not None:
             scores = torch.cat([scores, stored[0].to(scores)])
             positives = torch.cat([positives, stored[1].to(positives.device)])
@@ -140,15 +138,35 @@ class _RaMBOLoss(RankLossBase):
         stored_emb, stored_labels = self.memory.stored()
         return torch.cat([ref_emb, stored_emb.to(ref_emb)]), torch.cat([ref_labels, stored_labels.to(ref_labels)])
 
-    def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self):
-        """Scores [queries, references] and the positive mask, the query itself left out
-        when the batch is its own reference set (see `without_self`)."""
+    def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
+        """Scores [queries, ranked references], the positive mask and, when `pairs` is
+        given, the reference index of each column (otherwise None). Without `pairs` every
+        reference is ranked, except the query itself when the batch is its own reference
+        set (see `without_self`). `pairs` = (indices_tuple, n): the tuple's pairs are the
+        positives and negatives among the first n references (the rest, the memory's,
+        count by label); references in no pair are left out of the query's ranking."""
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
-        positives, _ = pair_masks(labels, ref_labels)
-        if exclude_self:
-            scores, positives = without_self(scores), without_self(positives)
-        return scores, positives
+        if pairs is None:
+            positives, _ = pair_masks(labels, ref_labels)
+            if exclude_self:
+                scores, positives = without_self(scores), without_self(positives)
+            return scores, positives, None
+        indices_tuple, given = pairs
+        positives, negatives = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
+        positives[:, given:] = labels.unsqueeze(1) == ref_labels[given:].unsqueeze(0)
+        ranked = positives | negatives
+        ranked[:, given:] = True
+        per_query = ranked.sum(1)
+        if bool((per_query != per_query[0]).any()):
+            raise ValueError(
+                f"{type(self).__name__}: a ranking needs the same number of references for every query, "
+                f"but the indices_tuple leaves {int(per_query.min())} to {int(per_query.max())}; take a tuple "
+                "of every pair but some fixed number per query (PML's CrossBatchMemory leaves out each "
+                "query's own copy) or none"
+            )
+        columns = ranked.nonzero()[:, 1].view(len(scores), -1)
+        return scores.gather(1, columns), positives.gather(1, columns), columns
 
 
 def without_self(matrix):
@@ -229,9 +247,12 @@ class RaMBORecallLoss(_RaMBOLoss):
             losses = torch.log1p(losses)
         return losses, rows, columns
 
-    def losses_per_query(self, scores, positives, exclude_self):
+    def losses_per_query(self, scores, positives, exclude_self, references=None):
         losses, queries, columns = self.losses_of_pairs(scores, positives)
-        indices = (queries, reference_index(queries, columns, exclude_self))
+        if references is not None:  # columns of the pairs an indices_tuple gave
+            indices = (queries, references[queries, columns])
+        else:
+            indices = (queries, reference_index(queries, columns, exclude_self))
         return {"loss": {"losses": losses, "indices": indices, "reduction_type": "pos_pair"}}
 
     def mean_over_rows(self, scores, positives):
@@ -266,7 +287,7 @@ class RaMBOAPLoss(_RaMBOLoss):
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
-    def losses_per_query(self, scores, positives, exclude_self):
+    def losses_per_query(self, scores, positives, exclude_self, references=None):
         precision, has_positive = precision_at_positives(
             scores, positives, self.lambda_val, self.margin, self._loss_scale
         )
