@@ -1,6 +1,8 @@
-"""pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin component."""
+"""pml-rank's losses, one module per paper. Everything in __all__ is registered as a plugin
+component; `CrossBatchMemory`, a loss wrapper, is not."""
 
 from .auc import AUCLoss
+from .cross_batch_memory import CrossBatchMemory as CrossBatchMemory
 from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
