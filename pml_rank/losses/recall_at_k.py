@@ -140,7 +140,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
             scores = torch.cat([scores, own.unsqueeze(1)], dim=1)
             ranked = torch.cat([ranked, ranked.new_ones(len(ranked), 1)], dim=1)
             positive = torch.cat([positive, positive.new_zeros(len(positive), 1)], dim=1)
-        scores, ranked, positive = scores[keep], ranked[keep], positive[keep]
+        if not bool(keep.all()):
+            scores, ranked, positive = scores[keep], ranked[keep], positive[keep]
         k, normalizer = self.k_and_normalizer(ranked, positive, scores.dtype)
         pair_query, pair_positive = positive.nonzero(as_tuple=True)
         recall = _RelaxedRecallAtK.apply(
