@@ -16,6 +16,19 @@ averaged over the queries. k larger than the ranked list is replaced by its leng
 (exact recall@k no longer changes there). The clip at k (a relaxed count can exceed k,
 an exact one cannot) and the replacement of k are the authors' code's.
 
+Differs from the authors' code (yash0307/RecallatK_surrogate, checked against it in
+tests/losses/test_recall_at_k.py, not copied):
+
+- Their ranks count the query itself: its similarity to itself (1 for unit vectors) is
+  one of the references above each of its positives, so every rank is about one higher
+  and k is clipped at the batch size rather than at the list without the query.
+  ``query_in_ranking=True`` computes exactly that; the default follows the paper's text.
+- Their batch must be equal class blocks in order, at least 2 per class (1 divides by
+  zero), and their SiMix takes 3, 4 or 6 per class; here any labels, ``ref_emb`` and
+  ``indices_tuple``.
+- Their sigmoids clamp the exponent at ±50, these at ±30 (see SIGMOID_LIMIT): values
+  differ by less than e^-30 per term.
+
 Memory: every (query, positive) pair needs a sigmoid of its query's whole row of
 similarities, so the forward pass and the analytic backward pass (a custom autograd
 function that recomputes instead of storing) go over the pairs in chunks of at most
@@ -65,7 +78,9 @@ class RecallAtKSurrogateLoss(RankLossBase):
             Virtual samples are queries and references like the real ones; the loss is
             the mean over all queries, and a virtual query's loss carries the index of
             its first sample (for reducers). Needs the batch as its own reference set
-            (no ``ref_emb``, no ``indices_tuple``). False (default): the batch as it is.
+            (no ``ref_emb``, no ``indices_tuple``). Under ``DistributedLossWrapper`` each
+            process draws its own α: seed them alike for one function. False (default):
+            the batch as it is.
         query_in_ranking: False (the paper's text, default): a query ranks the other
             references only. True (the authors' code): the query's similarity to itself
             also counts in the rank of each of its positives, as a reference that is no
