@@ -20,7 +20,7 @@ from pytorch_metric_learning.utils.distributed import (
 )
 
 import pml_rank
-from pml_rank.harness.bench import PAPER_RECIPES
+from pml_rank.harness.recipes import PAPER_RECIPES
 
 
 def clustered_data(num_classes, per_class, dim, seed=0):

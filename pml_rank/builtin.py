@@ -58,12 +58,22 @@ def _recall_at_k_space(trial):
     }
 
 
+def _smooth_ap_space(trial):
+    # A decade either side of the paper's τ = 0.01 on cosine similarities: at 1e-3 only
+    # pairs within ~0.01 of each other get a useful gradient, at 0.1 the sigmoid spreads over a
+    # fifth of [-1, 1]. Whether the query counts as its own positive is tried both ways.
+    return {
+        "temperature": trial.suggest_float("temperature", 1e-3, 0.1, log=True),
+        "include_query": trial.suggest_categorical("include_query", [True, False]),
+    }
+
+
 @hookimpl
 def pml_rank_search_spaces():
     """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
     size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
     slope, FastAP's number of bins, N-pair's L2 weight, the Recall@k surrogate's two
-    temperatures and SiMix."""
+    temperatures and SiMix, Smooth-AP's temperature and query convention."""
     return {
         "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
         "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
@@ -72,4 +82,5 @@ def pml_rank_search_spaces():
         "NPairsMCLoss": _npairs_space,
         "NPairsOVOLoss": _npairs_space,
         "RecallAtKSurrogateLoss": _recall_at_k_space,
+        "SmoothAPLoss": _smooth_ap_space,
     }

@@ -6,11 +6,18 @@ import sys
 
 from . import __version__
 from .harness.budget import (
+    AUGMENTATIONS,
+    AUTO_PRESET,
     DATASET_NAMES,
+    DEFAULT_BASELINES,
     DEFAULTS,
+    GLYPHS,
     LR_SCHEDULES,
+    OPTIMIZERS,
+    PRESETS,
     SPEED_DEFAULT_SIZES,
     SPEED_DEFAULT_SIZES_PER_LOSS,
+    TRUNKS,
     minimum_classes,
 )
 
@@ -75,134 +82,145 @@ def _cmd_speed(args):
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
-        return _speed_runs(speed, names, args, out)
+        return speed.run_command(names, args, out)
     finally:
         torch.set_num_threads(threads)
 
 
-def _speed_runs(speed, names, args, out):
-    import datetime
-    import os
-    import shlex
+def _budget(args):
+    """The effective budget of a bench or tune command line: the preset's values with every
+    option given in their place."""
+    from .harness.budget import resolve
 
-    started = datetime.datetime.now(datetime.timezone.utc)
-    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    results, underflow = [], []
-    for name in names:
-        sizes = args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES
-        result = speed.measure(
-            name, sizes=sizes, dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs
-        )
-        results.append(result)
-        print(speed.format_table(result))
-        path = speed.write_json(result, out / f"speed-{name}.json")
-        print(f"written: {path}\n")
-    if args.underflow:
-        for name in names:
-            size = max(args.sizes or speed.case_for(name).default_sizes or speed.DEFAULT_BATCH_SIZES)
-            underflow.append(
-                speed.measure_underflow(
-                    name,
-                    size=size,
-                    dim=args.dim,
-                    repeats=args.repeats,
-                    device=args.device,
-                    seed=args.seed,
-                    runs=args.runs,
-                )
-            )
-        print(
-            "No slow path: each loss on underflow-provoking inputs / on its usual inputs "
-            f"(median of per-round ratios, min-max)\n{speed.format_underflow(underflow)}\n"
-        )
-    if args.report:
-        command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
-        for path in speed.write_report(results, underflow, args.report, command, started, load_start):
-            print(f"written: {path}")
-    return 0
+    return resolve(
+        args.dataset,
+        args.preset,
+        trunk=args.trunk,
+        random_init=True if args.random_init else None,
+        freeze_batchnorm=args.freeze_batchnorm,
+        embedding_size=args.embedding_size,
+        epochs=args.epochs,
+        iterations_per_epoch=args.iterations,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        momentum=args.momentum,
+        lr_schedule=args.lr_schedule,
+        patience=args.patience,
+        num_classes=args.classes,
+        image_size=args.image_size,
+        augmentation=args.augmentation,
+        amp=True if args.amp else None,
+    )
 
 
-def _bench_params(args):
-    """``(params, source)`` for the bench: --params FILE, the shipped tuned file, or none (--untuned)."""
-    from pathlib import Path
+def _place(args):
+    from .harness.runner import Place
 
-    from .harness.budget import SHIPPED_PARAMS
+    device = args.devices[0] if args.devices else args.device
+    return Place(data_root=args.data_root, cache_dir=args.cache_dir, device=device, loader_workers=args.loader_workers)
 
-    bench = _harness("bench")
-    if args.untuned:
-        return {}, None
-    path = Path(args.params) if args.params else SHIPPED_PARAMS
-    if not path.exists():
-        if args.params:
-            raise FileNotFoundError(f"--params: no such file: {path}")
-        return {}, None
-    return bench.load_params(path), f"tuned ({path.name})"
+
+def _refusals():
+    """The errors a bench or tune refuses with, before any work: exit 2, one message."""
+    from .harness.backbones import WeightsNotFoundError
+    from .harness.bench import ParamsError
+    from .harness.datasets import DataError
+    from .harness.jobs import MismatchError
+    from .harness.recipes import BudgetError
+    from .harness.storage import StorageError
+
+    return (WeightsNotFoundError, ParamsError, DataError, MismatchError, BudgetError, StorageError)
+
+
+def _refused(error):
+    from .harness.storage import StorageError
+
+    if isinstance(error, StorageError):
+        return UsageError(f"argument --storage: {error}")
+    return UsageError(str(error).strip())
 
 
 def _cmd_bench(args):
     import os
 
-    from .harness.budget import SHIPPED_PARAMS
-
     bench = _harness("bench")
+    from .harness import recipes, report, storage
 
+    if args.list:
+        from .harness.text_table import format_text_table
+
+        print(format_text_table(("row", "miner", "batches", "optimizer"), recipes.describe(), align="llll"))
+        return 0
+    budget = _budget(args)
     try:
-        contenders = bench.recipes(args.losses or None)
+        contenders = recipes.recipes(args.losses or None)
     except KeyError as error:
         raise UsageError(f"argument losses: {error.args[0]}") from None
+    refusals = _refusals()
     try:
-        params, source = _bench_params(args)
-    except FileNotFoundError as error:
-        raise UsageError(f"argument {error.args[0]}") from None
-    try:
-        bench.check_budget(contenders, args.batch_size, args.classes)
-    except bench.BudgetError as error:
-        raise UsageError(str(error)) from None
+        recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+        params, source, defaults_won, note = bench.choose_params(args.params, args.untuned, budget)
+    except refusals as error:
+        raise _refused(error) from None
     out = _prepare_out(args.out)
+    url = args.storage or storage.default_url(out, bench.STORE_FILE)
+    if args.status:
+        return _bench_status(url)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
     try:
         result = bench.run_bench(
             list(contenders),
-            dataset=args.dataset,
-            epochs=args.epochs,
-            iterations_per_epoch=args.iterations,
-            batch_size=args.batch_size,
+            budget,
+            url,
+            place=_place(args),
             seeds=args.seeds,
-            embedding_size=args.embedding_size,
-            lr=args.lr,
-            lr_schedule=args.lr_schedule,
-            device=args.device,
-            cache_dir=args.cache_dir,
-            num_classes=args.classes,
             params=params,
             params_source=source,
+            defaults_won=defaults_won,
+            workers=workers,
+            devices=args.devices,
             threads=args.threads,
-            workers=args.workers or os.cpu_count() or 1,
-            store=os.path.join(out, bench.STORE_FILE),
+            heartbeat=args.heartbeat,
         )
-    except bench.BudgetError as error:  # what needs the data: more classes than it has
-        raise UsageError(str(error)) from None
-    except bench.StoreMismatchError as error:
-        print(f"pml-rank bench: {error}", file=sys.stderr)
-        return 2
+    except refusals as error:
+        raise _refused(error) from None
     except KeyboardInterrupt:
         print(
-            f"\npml-rank bench: interrupted; finished runs are kept in {out}/{bench.STORE_FILE} "
+            f"\npml-rank bench: interrupted; finished jobs are kept in {storage.redact(url)} "
             "and the same command resumes",
             file=sys.stderr,
         )
         return 130
-    if source:
-        differences = bench.tuned_budget_differences(args.params or SHIPPED_PARAMS, result.config)
-        if differences:
-            print(
-                f"note: the parameters in {source} were tuned with another budget ({'; '.join(differences)})",
-                file=sys.stderr,
-            )
     if result.resumed:
-        print(f"resumed: {result.resumed} finished run(s) read from {out}/{bench.STORE_FILE}")
-    print(bench.format_table(result))
-    for path in bench.write_all(result, out):
+        print(f"resumed: {result.resumed} finished job(s) read from {storage.redact(url)}")
+    print(report.format_table(result))
+    for path in report.write_all(result, out):
         print(f"written: {path}")
+    return 0
+
+
+def _bench_status(url):
+    """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's bench."""
+    from .harness.jobs import JobStore
+    from .harness.storage import redact
+    from .harness.text_table import format_text_table
+
+    try:
+        store = JobStore(url)
+    except _refusals() as error:
+        raise _refused(error) from None
+    try:
+        status = store.status()
+    finally:
+        store.close()
+    rows = [(row, c["done"], c["running"], c["waiting"]) for row, c in status.items()]
+    rows.append(("all", *(sum(r[i] for r in rows) for i in (1, 2, 3))))
+    print(f"bench in {redact(url)}")
+    print(format_text_table(("row", "done", "running", "waiting"), rows, align="lrrr"))
     return 0
 
 
@@ -211,9 +229,10 @@ def _cmd_tune(args):
     import shlex
 
     tune = _harness("tune")
-    bench = _harness("bench")
+    from .harness import recipes, storage
+
     try:
-        contenders = bench.recipes(args.losses or None)
+        contenders = recipes.recipes(args.losses or None)
     except KeyError as error:
         raise UsageError(f"argument losses: {error.args[0]}") from None
     spaces = tune.search_spaces()
@@ -224,56 +243,43 @@ def _cmd_tune(args):
             "one with the pml_rank_search_spaces hook)"
         )
     contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
+    config = _budget(args)
+    config["seed"] = args.seed
+    refusals = _refusals()
     try:
-        bench.check_budget(contenders, args.batch_size, args.classes)
-    except bench.BudgetError as error:
-        raise UsageError(str(error)) from None
-    losses = list(contenders)
+        recipes.check_budget(contenders, config["batch_size"], config["num_classes"], config["num_folds"])
+        from .harness import runner
+
+        runner.check(config, list(contenders), _place(args))
+    except refusals as error:
+        raise _refused(error) from None
     args.out = str(_prepare_out(args.out))
-    config = tune.budget_config(
-        dataset=args.dataset,
-        epochs=args.epochs,
-        iterations_per_epoch=args.iterations,
-        batch_size=args.batch_size,
-        embedding_size=args.embedding_size,
-        lr=args.lr,
-        lr_schedule=args.lr_schedule,
-        num_classes=args.classes,
-        seed=args.seed,
-    )
-    storage = args.storage or tune.default_storage(args.out)
-    command = (
-        "pml-rank tune " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "tune")
-        if sys.argv[1:2] == ["tune"]
-        else None
-    )
-    if command and args.storage:
-        command = command.replace(args.storage, tune.redact(args.storage))
-    workers = args.workers or os.cpu_count() or 1
+    url = args.storage or storage.default_url(args.out, "tune.db")
+    words = [storage.redact(a) if a == args.storage else a for a in args.argv]
+    command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
+    workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
     try:
         result = tune.tune(
-            losses,
-            args.trials,
+            list(contenders),
+            args.trials or config["trials"],
             config,
-            storage,
+            url,
             args.out,
             workers=workers,
-            cache_dir=args.cache_dir,
+            place=_place(args),
+            devices=args.devices,
             threads=args.threads,
-            device=args.device,
             heartbeat=args.heartbeat,
             prune=not args.no_prune,
             command=command,
         )
-    except tune.StorageError as error:
+    except storage.StorageError as error:
         raise UsageError(f"argument --storage: {error}") from None
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
     print(tune.format_table(result.entries))
-    print(
-        f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); storage {tune.redact(storage)}"
-    )
+    print(f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); storage {storage.redact(url)}")
     if result.interrupted:
         print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
         return 130
@@ -284,87 +290,147 @@ OUT_HELP = "folder for the results, created if missing and checked writable befo
 
 
 def add_budget_arguments(parser):
-    """Adds the training budget options of `pml-rank bench` to `parser` (an argparse
-    parser): --dataset --epochs --iterations --batch-size --classes --embedding-size --lr --lr-schedule
-    --threads --cache-dir --device, with bench's defaults and types that reject a bad
-    value at parse time (one line naming the option, exit status 2). Checks that depend
-    on the chosen rows (the batch size against samples per class, the number of classes)
-    are `pml_rank.harness.bench.check_budget`'s, to call after parsing and before any
-    work. Imports no torch unless --device names something other than cpu."""
+    """Adds the options of `pml-rank bench` and `tune` that define a run to `parser`: the
+    data set, the preset and every budget value (each overriding the preset's), and where
+    and how it runs. Types reject a bad value at parse time (one line naming the option,
+    exit status 2). Checks that depend on the rows or the data (the batch size against
+    samples per class, the number of classes, the files, the weights) run after parsing
+    and before any work. Imports no torch unless --device names something other than cpu."""
     from .harness import arguments
 
+    g = GLYPHS
     parser.add_argument(
         "--dataset",
-        default=DEFAULTS["dataset"],
-        choices=DATASET_NAMES,
-        help="data set (default: %(default)s, generated locally, no download)",
+        type=arguments.dataset,
+        default="glyphs",
+        metavar="NAME",
+        help=f"{', '.join(DATASET_NAMES)} (under --data-root) or folder:PATH (one subfolder of images per "
+        "class) (default: %(default)s, generated locally, no download)",
+    )
+    parser.add_argument("--data-root", metavar="DIR", help="folder holding cub200, cars196, sop, inshop (README)")
+    parser.add_argument(
+        "--preset",
+        choices=(AUTO_PRESET, *PRESETS),
+        default=AUTO_PRESET,
+        help="the budget every other option overrides: glyphs (the default on the glyphs) or reality-check "
+        "(the paper's protocol; the default on image data sets) (default: %(default)s)",
+    )
+    parser.add_argument("--trunk", choices=TRUNKS, help=f"trunk (glyphs: {g['trunk']}; reality-check: bn-inception)")
+    parser.add_argument(
+        "--random-init", action="store_true", help="train an ImageNet trunk from scratch (no weights file needed)"
     )
     parser.add_argument(
-        "--epochs",
-        type=arguments.positive_int,
-        default=DEFAULTS["epochs"],
-        help="epochs per fold model, >= 1 (default %(default)s)",
+        "--freeze-batchnorm",
+        type=arguments.boolean,
+        metavar="yes|no",
+        help="keep the trunk's BatchNorm statistics fixed (reality-check: yes)",
+    )
+    parser.add_argument(
+        "--epochs", type=arguments.positive_int, help=f"epochs per fold model, >= 1 (glyphs: {g['epochs']})"
     )
     parser.add_argument(
         "--iterations",
         type=arguments.positive_int,
-        default=DEFAULTS["iterations_per_epoch"],
-        help="iterations per epoch, >= 1 (default %(default)s)",
+        help=f"iterations per epoch, >= 1 (glyphs: {g['iterations_per_epoch']}; reality-check: 100)",
+    )
+    parser.add_argument(
+        "--patience",
+        type=arguments.positive_int,
+        help="stop a fold model after this many epochs without a better validation MAP@R (reality-check: 9, 39 on sop)",
     )
     parser.add_argument(
         "--batch-size",
         type=arguments.positive_int,
-        default=DEFAULTS["batch_size"],
-        help="batch size (default %(default)s); a multiple of 4 and >= 8 for the m=4 rows, "
+        help=f"batch size (both presets: {g['batch_size']}); a multiple of 4 and >= 8 for the m=4 rows, "
         "even and >= 4 for the N-pair rows",
     )
     parser.add_argument(
         "--classes",
         type=arguments.class_count,
-        default=DEFAULTS["num_classes"],
         metavar="N",
-        help="use the first N classes of the data set, or 'all' (default %(default)s). Half are for "
-        f"training, split over {DEFAULTS['num_folds']} folds: at batch size "
-        f"{DEFAULTS['batch_size']} the m=4 rows need N >= "
-        f"{minimum_classes(4, DEFAULTS['batch_size'])} and the N-pair rows N >= "
-        f"{minimum_classes(2, DEFAULTS['batch_size'])}",
+        help=f"use the first N classes of the data set, or 'all' (glyphs: {g['num_classes']}; reality-check: all). "
+        f"Half are for training, split over 4 folds: at batch size {g['batch_size']} the m=4 rows need N >= "
+        f"{minimum_classes(4, g['batch_size'])} and the N-pair rows N >= {minimum_classes(2, g['batch_size'])}",
     )
     parser.add_argument(
         "--embedding-size",
         type=arguments.positive_int,
-        default=DEFAULTS["embedding_size"],
-        help="embedding dimension, >= 1 (default %(default)s)",
+        help=f"embedding dimension, >= 1 (glyphs: {g['embedding_size']}; reality-check: 128)",
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="glyphs: adam; reality-check: rmsprop")
+    parser.add_argument(
+        "--lr", type=arguments.positive_float, help=f"learning rate, > 0 (glyphs: {g['lr']:g}; reality-check: 1e-06)"
     )
     parser.add_argument(
-        "--lr",
-        type=arguments.positive_float,
-        default=DEFAULTS["lr"],
-        help="Adam learning rate, a finite number > 0 (default %(default)s)",
+        "--weight-decay", type=arguments.non_negative_float, help="weight decay, >= 0 (glyphs: 0; reality-check: 1e-4)"
+    )
+    parser.add_argument(
+        "--momentum", type=arguments.non_negative_float, help="rmsprop/sgd momentum, >= 0 (reality-check: 0.9)"
     )
     parser.add_argument(
         "--lr-schedule",
         choices=LR_SCHEDULES,
-        default=DEFAULTS["lr_schedule"],
-        help="cosine: anneal the learning rate to zero over the epochs; constant: keep it (default %(default)s)",
+        help="cosine: anneal the learning rate to zero over the epochs; constant: keep it "
+        "(glyphs: cosine; reality-check: constant)",
     )
+    parser.add_argument(
+        "--image-size",
+        type=arguments.at_least(16),
+        help="training crop and evaluation centre crop in pixels, >= 16 (reality-check: 227, resize 256)",
+    )
+    parser.add_argument(
+        "--augmentation",
+        choices=AUGMENTATIONS,
+        help="none: the images as they are (glyphs); random-resized-crop (reality-check); crop-flip",
+    )
+    parser.add_argument("--amp", action="store_true", help="automatic mixed precision (float16 on CUDA)")
     parser.add_argument(
         "--threads",
         type=arguments.positive_int,
         default=DEFAULTS["threads"],
-        help="torch CPU threads, >= 1 (default %(default)s: the small CNN's steps are too "
-        "short to gain from more, and lose much when other processes compete for "
-        "the cores)",
+        help="torch CPU threads per worker process, >= 1 (default %(default)s: the small CNN's steps are too "
+        "short to gain from more, and lose much when other processes compete for the cores)",
     )
     parser.add_argument(
         "--cache-dir",
         metavar="DIR",
-        help="where the generated data set is cached (default: $PML_RANK_CACHE when set, else ~/.cache/pml-rank)",
+        help="where the generated glyphs are cached (default: $PML_RANK_CACHE when set, else ~/.cache/pml-rank)",
     )
     parser.add_argument(
         "--device",
         type=arguments.device,
         default=DEFAULTS["device"],
         help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=arguments.device_list,
+        metavar="D1,D2,...",
+        help="one device per local worker, e.g. cuda:0,cuda:1 (--workers defaults to their number)",
+    )
+    parser.add_argument(
+        "--loader-workers",
+        type=arguments.non_negative_int,
+        default=0,
+        help="data-loading processes per worker for image decoding, >= 0 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--storage",
+        metavar="URL",
+        help="SQLAlchemy URL of the shared storage, e.g. postgresql+psycopg://user:pw@host/db: every process "
+        "and machine on it works on the same jobs (default: a SQLite file in --out)",
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=arguments.positive_float,
+        default=20.0,
+        help="seconds between a running job's heartbeats; a job silent for twice this is "
+        "taken up again by another process (default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=arguments.positive_int,
+        help="local worker processes on the storage (default: the number of --devices, else of cores)",
     )
     return parser
 
@@ -376,7 +442,6 @@ def build_parser():
         at_least,
         device,
         non_negative_int,
-        positive_float,
         positive_int,
     )
 
@@ -448,15 +513,16 @@ def build_parser():
 
     p = commands.add_parser(
         "bench",
-        help="every registered loss and PML's baselines under the Reality Check protocol "
-        "on the embedded glyph data set",
+        help="every registered loss and PML's baselines under the Reality Check protocol, on the embedded "
+        "glyphs, the papers' data sets or your own images",
     )
     p.add_argument(
         "losses",
         nargs="*",
-        help="registered loss names and pml:<name> baselines (default: all registered "
-        "losses and pml:ContrastiveLoss pml:TripletMarginLoss pml:FastAPLoss pml:NPairsLoss)",
+        help="registered loss names and pml:<name> baselines (default: all registered losses and "
+        f"{' '.join(DEFAULT_BASELINES)}; --list shows every row)",
     )
+    p.add_argument("--list", action="store_true", help="show every row with its miner, batches and optimizer")
     add_budget_arguments(p)
     p.add_argument(
         "--seeds",
@@ -468,8 +534,8 @@ def build_parser():
     p.add_argument(
         "--out",
         default="pml-rank-results",
-        help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench-runs.jsonl, the store "
-        "of finished runs (rerunning the same command resumes)",
+        help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench.db, the storage of the jobs "
+        "(rerunning the same command resumes)",
     )
     p.add_argument(
         "--params",
@@ -478,47 +544,27 @@ def build_parser():
     )
     p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
     p.add_argument(
-        "--workers",
-        type=positive_int,
-        help="processes running (row, seed) jobs in parallel, results identical to a serial run "
-        "(default: the number of cores)",
+        "--status", action="store_true", help="show the jobs done, running and waiting per row of the storage's bench"
     )
     p.set_defaults(run=_cmd_bench)
 
     p = commands.add_parser(
         "tune",
         help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
-        description="Searches each loss's declared space with a seeded TPE sampler; the objective is the mean "
-        "over the folds of each fold model's best-epoch validation MAP@R on the training half of the "
-        "classes. One study per (loss, data set, budget); rerunning resumes.",
+        description="Searches each loss's declared space with a seeded TPE sampler, the paper's defaults "
+        "first; the objective is the mean over the folds of each fold model's best-epoch validation MAP@R "
+        "on the training half of the classes. One study per (loss, data set, budget); rerunning resumes.",
     )
     p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
     p.add_argument(
         "--trials",
         type=positive_int,
-        default=20,
-        help="finished trials each study should hold, >= 1 (default %(default)s); a rerun resumes to N",
-    )
-    p.add_argument(
-        "--workers", type=positive_int, help="local worker processes on the storage (default: the number of cores)"
-    )
-    p.add_argument(
-        "--storage",
-        metavar="URL",
-        help="SQLAlchemy URL of the Optuna storage, e.g. postgresql+psycopg://user:pw@host/db "
-        "(default: sqlite:///OUT/tune.db)",
+        help="finished trials each study should hold, >= 1 (glyphs: 20; reality-check: 50); a rerun resumes to N",
     )
     p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
     add_budget_arguments(p)
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="seed of the sampler and of the fold models (default 0)"
-    )
-    p.add_argument(
-        "--heartbeat",
-        type=positive_float,
-        default=20.0,
-        help="seconds between a running trial's heartbeats; a trial silent for twice this is "
-        "failed and retried (default %(default)s)",
     )
     p.add_argument(
         "--no-prune", action="store_true", help="no median pruning between folds (default: prune after the second fold)"

@@ -110,7 +110,8 @@ class PluginWarning(UserWarning):
 
 
 class NameClashWarning(UserWarning):
-    """install() left a name alone because PML already defines it."""
+    """install() left a name alone because PML already defines it (and installed the
+    component under its alias instead, see `install`)."""
 
 
 class PluginConflictError(RuntimeError):
@@ -282,17 +283,23 @@ def _qualname(cls):
 
 registry = Registry()
 
+# install() puts a component whose name PML already uses under this prefix + its name.
+ALIAS_PREFIX = "PMLRank"
+
 
 def install():
     """Make every registered component reachable from PML's own namespaces.
 
     After ``pml_rank.install()``, ``pytorch_metric_learning.losses.AUCLoss`` is
     pml-rank's ``AUCLoss``, so pipelines that look classes up by name in PML's modules
-    find it. A name PML (or anything else) already defines is never replaced: a
-    `NameClashWarning` reports it and the component stays reachable through
-    ``pml_rank.registry``. Calling it again is harmless.
+    find it. A name PML (or anything else) already defines is never replaced: the
+    component is installed under its alias, ``"PMLRank" + name`` (pml-rank's FastAP is
+    ``pytorch_metric_learning.losses.PMLRankFastAPLoss``), and a `NameClashWarning` says
+    so. Every component also stays reachable through ``pml_rank.registry``. Calling it
+    again is harmless.
 
-    Returns ``{"installed": [...], "clashes": [...]}`` with dotted names.
+    Returns ``{"installed": [...], "clashes": [...]}`` with dotted names; an alias
+    installed for a clash is among the installed names.
     """
     report = {"installed": [], "clashes": []}
     for component in registry.components():
@@ -302,16 +309,25 @@ def install():
         existing = getattr(module, component.name, None)
         if existing is component.cls:
             continue
-        if existing is not None:
-            report["clashes"].append(dotted)
-            warnings.warn(
-                f"pml-rank: {dotted} already exists ({_qualname(existing)}); "
-                f"{_qualname(component.cls)} from {component.source} is not installed "
-                f"there. Use pml_rank.registry.{component.kind}()[{component.name!r}].",
-                NameClashWarning,
-                stacklevel=2,
-            )
+        if existing is None:
+            setattr(module, component.name, component.cls)
+            report["installed"].append(dotted)
             continue
-        setattr(module, component.name, component.cls)
-        report["installed"].append(dotted)
+        report["clashes"].append(dotted)
+        alias = ALIAS_PREFIX + component.name
+        taken = getattr(module, alias, None)
+        if taken is None:
+            setattr(module, alias, component.cls)
+            report["installed"].append(f"{namespace}.{alias}")
+        where = (
+            f"installed as {namespace}.{alias} instead"
+            if taken in (None, component.cls)
+            else f"not installed ({namespace}.{alias} is {_qualname(taken)} too)"
+        )
+        warnings.warn(
+            f"pml-rank: {dotted} already exists ({_qualname(existing)}); {_qualname(component.cls)} "
+            f"from {component.source} is {where}. Also: pml_rank.registry.{component.kind}()[{component.name!r}].",
+            NameClashWarning,
+            stacklevel=2,
+        )
     return report

@@ -10,6 +10,16 @@ import torch
 import pml_rank
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: training on tiny tensors only waits for a second

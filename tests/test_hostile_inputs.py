@@ -1,6 +1,7 @@
 """Property-based tests: every loss, fed batches no unit test anticipated, returns a
 finite loss with finite gradients (zero where there is nothing to learn), or raises a
-ValueError/TypeError that names the loss. Never a NaN, never a warning."""
+ValueError/TypeError that names the loss. Never a NaN, never a warning but RaMBO's
+`ZeroRankGradientWarning`, and that one only with an exactly zero gradient."""
 
 import warnings
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pml_rank
+from pml_rank.losses.rambo import ZeroRankGradientWarning
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 CASES_PER_LOSS = 200
@@ -61,8 +63,9 @@ def test_hostile_batches_give_finite_results_or_a_clear_error(name, batch):
     embeddings.requires_grad_()
     loss_func = pml_rank.registry.losses()[name]()
     finite_input = bool(torch.isfinite(embeddings).all())
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("error")
+        warnings.simplefilter("always", ZeroRankGradientWarning)
         if not finite_input:
             with pytest.raises(ValueError, match=name):
                 loss_func(embeddings, labels)
@@ -78,3 +81,5 @@ def test_hostile_batches_give_finite_results_or_a_clear_error(name, batch):
         if loss.requires_grad:
             loss.backward()
             assert embeddings.grad is None or bool(torch.isfinite(embeddings.grad).all())
+            if caught:  # duplicated rows of different classes: collapsed embeddings
+                assert not embeddings.grad.any()

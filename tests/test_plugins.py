@@ -107,6 +107,39 @@ def test_install_never_replaces_a_name_pml_defines(fake_distribution, uninstall)
     assert pml_rank.registry.losses()["TripletMarginLoss"] is acme_clash.TripletMarginLoss
 
 
+def test_a_clashing_name_is_installed_under_its_alias(uninstall):
+    from pytorch_metric_learning.losses.fast_ap_loss import FastAPLoss as PMLFastAPLoss
+
+    with pytest.warns(NameClashWarning, match=r"installed as pytorch_metric_learning\.losses\.PMLRankFastAPLoss"):
+        report = pml_rank.install()
+    uninstall.extend(report["installed"])
+    assert "pytorch_metric_learning.losses.FastAPLoss" in report["clashes"]
+    assert "pytorch_metric_learning.losses.PMLRankFastAPLoss" in report["installed"]
+    assert pml_losses.FastAPLoss is PMLFastAPLoss
+    assert pml_losses.PMLRankFastAPLoss is pml_rank.losses.FastAPLoss
+
+
+def test_a_config_pipeline_builds_our_fastap_by_name(uninstall):
+    """As powerful-benchmarker does: easy-module-attribute-getter's getter over PML's
+    losses module, classes named in YAML; after install() the alias reaches ours."""
+    from easy_module_attribute_getter import PytorchGetter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NameClashWarning)
+        uninstall.extend(pml_rank.install()["installed"])
+    getter = PytorchGetter()
+    getter.register("loss", pml_losses)
+    ours = getter.get("loss", yaml_dict={"PMLRankFastAPLoss": {"num_bins": 5}})
+    assert type(ours) is pml_rank.losses.FastAPLoss and ours.num_bins == 5
+    assert type(getter.get("loss", yaml_dict={"FastAPLoss": {}})) is not pml_rank.losses.FastAPLoss
+    assert type(getter.get("loss", yaml_dict={"AUCLoss": {"step": 0.01}})) is pml_rank.losses.AUCLoss
+    with pytest.raises(TypeError, match="AUCLoss: step must be a number, got the string '1e-2'"):
+        getter.get("loss", yaml_dict={"AUCLoss": {"step": "1e-2"}})
+    # The getter's own registration: pml-rank's module first, so FastAPLoss is ours.
+    getter.register("loss", pml_rank.losses)
+    assert type(getter.get("loss", yaml_dict={"FastAPLoss": {}})) is pml_rank.losses.FastAPLoss
+
+
 def test_third_party_miner_and_sampler_are_registered_and_installed(fake_distribution, uninstall):
     fake_distribution(
         "acme-mining",

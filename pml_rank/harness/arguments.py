@@ -8,7 +8,6 @@ and exits with status 2 before any work. Importing this module imports no torch;
 
 import argparse
 import math
-import sys
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -69,6 +68,37 @@ def positive_float(text):
     return value
 
 
+def non_negative_float(text):
+    """Type: a finite number >= 0 (weight decay, momentum)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def boolean(text):
+    """Type: yes/no (also true/false, 1/0)."""
+    value = str(text).strip().lower()
+    if value in ("yes", "true", "1"):
+        return True
+    if value in ("no", "false", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be yes or no, got {text!r}")
+
+
+def dataset(text):
+    """Type: a data set name or folder:PATH (the folder must exist); see `harness.datasets`."""
+    from .datasets import DataError, parse_dataset
+
+    try:
+        return parse_dataset(text)
+    except DataError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 DEVICE_HELP = "cpu, cuda, cuda:N (when torch sees a CUDA device) or mps (when torch sees one)"
 
 
@@ -105,15 +135,16 @@ def device(text):
     raise argparse.ArgumentTypeError(f"unsupported device {text!r}; expected {DEVICE_HELP}")
 
 
+def device_list(text):
+    """Type: comma-separated devices (``cuda:0,cuda:1``), each checked by `device`."""
+    names = [name.strip() for name in str(text).split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one device or more, e.g. cuda:0,cuda:1")
+    return [device(name) for name in names]
+
+
 def default_device():
     """``"cuda"`` when torch sees a CUDA device, else ``"cpu"`` (imports torch)."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def fail(prog, message):
-    """Prints ``prog: error: message`` to stderr and returns status 2: for checks that
-    need what parsing gave (the rows of a bench, the data), still before any work."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return 2

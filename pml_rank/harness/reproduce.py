@@ -22,12 +22,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torchvision import transforms
 from tqdm import tqdm
 
-from . import arguments, outputs
+from . import arguments, datasets, outputs
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
-from .bench import hard_negative_classes, m_per_class
 from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .data.tiny_layouts import make_all
@@ -36,16 +34,12 @@ from .evaluation import (
     SHORT_NAMES,
     Recipe,
     accuracy,
-    class_disjoint_split,
     compute_embeddings,
-    run_protocol,
     summarize,
     train_model,
 )
+from .recipes import hard_negative_classes, m_per_class
 from .text_table import format_text_table
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
 
 # --------------------------------------------------------------------------- declarations
 
@@ -291,44 +285,8 @@ def make_recipe(run, setup):
 
 
 def image_transforms(setup):
-    """``(train, eval)`` transforms. crop-flip (RaMBO, AUC, FastAP, N-pair): resize to
-    ``resize``², random ``image_size`` crop and horizontal flip; test: centre crop.
-    random-resized-crop (Reality Check): shorter side to ``resize``, a random crop of
-    16-100% of the area with aspect 3/4-4/3 resized to ``image_size``, flip; test: shorter
-    side ``resize``, centre crop."""
-    normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    if setup.augmentation == "random-resized-crop":
-        train = [
-            transforms.Resize(setup.resize),
-            transforms.RandomResizedCrop(setup.image_size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3)),
-        ]
-        test = [transforms.Resize(setup.resize), transforms.CenterCrop(setup.image_size)]
-    else:
-        train = [transforms.Resize((setup.resize, setup.resize)), transforms.RandomCrop(setup.image_size)]
-        test = [transforms.Resize((setup.resize, setup.resize)), transforms.CenterCrop(setup.image_size)]
-    return (
-        transforms.Compose(train + [transforms.RandomHorizontalFlip()] + normalize),
-        transforms.Compose(test + normalize),
-    )
-
-
-class TransformByClass(torch.utils.data.Dataset):
-    """One data set whose items of ``eval_classes`` get the evaluation transform and the
-    others the training one. The Reality Check protocol splits a single data set into
-    training and test classes itself; this keeps augmentation off the test images."""
-
-    def __init__(self, dataset, train_transform, eval_transform, eval_classes):
-        self.dataset, self.labels = dataset, dataset.labels
-        self.train_transform, self.eval_transform = train_transform, eval_transform
-        self.eval_classes = set(int(c) for c in eval_classes)
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        image, label = self.dataset[index]
-        transform = self.eval_transform if int(label) in self.eval_classes else self.train_transform
-        return transform(image), label
+    """``(train, eval)`` transforms of a setup (`datasets.image_transforms`)."""
+    return datasets.image_transforms(dataclasses.asdict(setup), channels=3)
 
 
 def _optimizer_factory(setup, embedder=None):
@@ -512,55 +470,53 @@ def _run_standard(variant, setup, runs, args, pretrained):
 
 
 def _run_reality_check(variant, setup, runs, args, pretrained):
+    """The Reality Check rows through the experiment runner (`runner.run`, what `pml-rank
+    bench` runs), with the setup as the budget."""
+    from . import runner
+    from .budget import resolve
 
-    spec = DATASETS[variant.dataset]
-    train_transform, eval_transform = image_transforms(setup)
-    whole = spec.load(args.data_root, "train+test")
-    _, test_indices = class_disjoint_split(whole.labels)
-    dataset = TransformByClass(
-        whole, train_transform, eval_transform, eval_classes={whole.labels[i] for i in test_indices}
+    budget = resolve(
+        variant.dataset,
+        "reality-check",
+        trunk="small-cnn" if setup.backbone == "tiny" else setup.backbone,
+        random_init=not pretrained,
+        embedding_size=setup.embedding_size,
+        epochs=setup.epochs,
+        batch_size=setup.batch_size,
+        lr=setup.lr,
+        patience=setup.patience,
+        image_size=setup.image_size,
+        resize=setup.resize,
+        freeze_batchnorm=setup.freeze_batchnorm,
     )
-    train_items = len(whole) - len(test_indices)
-    iterations = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4 partitions
-
-    def make_model():
-        # trunk and embedder as one module: the paper trains all of it with one learning rate
-        models = build_models(setup.backbone, setup.embedding_size, pretrained)
-        return torch.nn.Sequential(models["trunk"], models["embedder"])
-
+    place = runner.Place(data_root=args.data_root, device=args.device)
+    data = runner.check(budget, [r.loss for r in runs if not r.untrained], place)
+    train_items = len(data) // 2
+    budget["iterations_per_epoch"] = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4
     results = {}
     trained_runs = sum(not r.untrained for r in runs)
     with tqdm(
-        total=iterations * setup.epochs * 4 * setup.repeats * trained_runs,
+        total=budget["iterations_per_epoch"] * setup.epochs * 4 * setup.repeats * trained_runs,
         desc=f"{variant.dataset} 4-fold training",
         unit="it",
     ) as bar:
         for run in runs:
-            recipe = make_recipe(run, setup)
-            protocol_results = [
-                run_protocol(
-                    dataset,
-                    recipe,
-                    make_model,
-                    seed=args.seed + repeat,
-                    epochs=0 if run.untrained else setup.epochs,
-                    batch_size=setup.batch_size,
-                    iterations_per_epoch=iterations,
-                    make_optimizer=_optimizer_factory(setup),
-                    lr=setup.lr,
-                    device=args.device,
-                    patience=setup.patience,
+            outcomes = [
+                runner.run(
+                    budget,
+                    runner.UNTRAINED if run.untrained else run.loss,
+                    run.loss_kwargs,
+                    args.seed + repeat,
+                    place,
                     on_iteration=lambda trainer: bar.update(1),
-                    make_lr_scheduler=_lr_scheduler_factory(setup),
-                    freeze_trunk_batchnorm=setup.freeze_batchnorm,
                     # PML's hooks save each fold's models there while training
                     folder=None
                     if run.untrained
                     else str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"),
-                )
+                )["run"]
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
-            summary = summarize(protocol_results)
+            summary = summarize(outcomes)
             results[run.label] = {
                 kind: {
                     short: tuple(100 * v for v in summary[kind][metric])

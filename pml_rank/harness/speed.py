@@ -128,8 +128,10 @@ class SpeedCase:
     reference: Callable | None = None
     floor: Callable | None = similarity_floor
     inputs: Callable = labelled_batch(per_class=4)
-    # The reference is skipped above this size (loop references can take minutes).
+    # The reference is skipped above this size (loop references can take minutes), and
+    # PML's loss above its own (B^3 tensors would exhaust the memory).
     reference_max_size: int | None = None
+    pml_max_size: int | None = None
     # What the sizes on the command line mean, for the table header, and the sizes
     # used when the command line names none (None: DEFAULT_BATCH_SIZES).
     size_name: str = "batch"
@@ -148,6 +150,8 @@ class SpeedCase:
         named = {"ours": self.ours, "pml": self.pml, "reference": self.reference, "floor": self.floor}
         if self.reference_max_size is not None and size > self.reference_max_size:
             named["reference"] = None
+        if self.pml_max_size is not None and size > self.pml_max_size:
+            named["pml"] = None
         return {name: factory for name, factory in named.items() if factory is not None}
 
     def underflow(self):
@@ -234,6 +238,14 @@ CASES = {
         reference=function("harness.references.recall_at_k.recall_at_k_loss"),
         reference_max_size=1024,
         underflow_loss=registered("RecallAtKSurrogateLoss", rank_temperature=0.001),
+    ),
+    # PML's SmoothAPLoss peaks at 5.3 B^3 float32 values (measured): 2.7 GB at batch 512,
+    # 9.7 GB at 768, 21 GB at 1024. Underflow case: τ ten times smaller (σ arguments to ±2000).
+    "SmoothAPLoss": SpeedCase(
+        ours=registered("SmoothAPLoss"),
+        pml=pml_loss("SmoothAPLoss"),
+        pml_max_size=768,
+        underflow_loss=registered("SmoothAPLoss", temperature=1e-3),
     ),
 }
 
@@ -609,3 +621,46 @@ def write_json(result, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return outputs.write_text(path, json.dumps(result, indent=2))
+
+
+def run_command(names, args, out):
+    """`pml-rank speed`: measures `names` as the parsed `args` say, prints each table and
+    writes speed-<loss>.json into `out` (and the --report files); returns the exit status."""
+    import datetime
+    import shlex
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results, underflow = [], []
+    for name in names:
+        sizes = args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES
+        result = measure(
+            name, sizes=sizes, dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs
+        )
+        results.append(result)
+        print(format_table(result))
+        path = write_json(result, out / f"speed-{name}.json")
+        print(f"written: {path}\n")
+    if args.underflow:
+        for name in names:
+            size = max(args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES)
+            underflow.append(
+                measure_underflow(
+                    name,
+                    size=size,
+                    dim=args.dim,
+                    repeats=args.repeats,
+                    device=args.device,
+                    seed=args.seed,
+                    runs=args.runs,
+                )
+            )
+        print(
+            "No slow path: each loss on underflow-provoking inputs / on its usual inputs "
+            f"(median of per-round ratios, min-max)\n{format_underflow(underflow)}\n"
+        )
+    if args.report:
+        command = "pml-rank " + " ".join(shlex.quote(a) for a in args.argv)
+        for path in write_report(results, underflow, args.report, command, started, load_start):
+            print(f"written: {path}")
+    return 0

@@ -6,8 +6,10 @@ and take the mean over the folds of each fold model's best-epoch validation MAP@
 classes are never loaded into a model while tuning.
 
 Search spaces come from the plugins' ``pml_rank_search_spaces()`` hook (pml-rank's own
-losses, third-party ones) and from `PML_SEARCH_SPACES` for PML's baselines (ranges of the
-Reality Check's Bayesian optimisation, read from powerful-benchmarker's plots and configs).
+losses, third-party ones) and from `baselines.BASELINES` for PML's baselines (ranges of the
+Reality Check's Bayesian optimisation, from powerful-benchmarker's configs). The first trial
+of every study is the loss's paper defaults (`paper_defaults`), so tuning never returns
+parameters that measured worse than the defaults; tuned.json says when the defaults won.
 
 One Optuna study per (loss, data set, budget), named by `study_name`, so a changed budget
 never mixes with old trials. `--trials N` is the number of finished (complete or pruned)
@@ -25,82 +27,46 @@ trial counts as finished; `--no-prune` turns this off.
 """
 
 import dataclasses
-import functools
-import hashlib
+import inspect
 import json
-import multiprocessing
 import os
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
 
-from ..plugins import registry
-from .bench import DATASETS, class_count, load_dataset, recipes
-from .budget import TRAINING_KEYS, with_defaults
-from .evaluation import lr_scheduler_factory, test_set_and_folds, train_fold_model
+from . import recipes, runner
+from .budget import AUTO_PRESET, TRAINING_KEYS, resolve
+from .jobs import _quiet_optuna, digest
 from .outputs import write_bytes, write_text
+from .storage import DEFAULT_HEARTBEAT, StorageError, close_storage, open_storage, redact
 from .text_table import format_text_table
+from .workers import run_processes
 
 TUNED_FILE = "tuned.json"
 PRUNER_STARTUP_TRIALS = 6
 SAMPLER_STARTUP_TRIALS = 8
-DEFAULT_HEARTBEAT = 20.0
 OBJECTIVE_METRIC = "mean_average_precision_at_r"
 
 
 # ----------------------------------------------------------------------------- spaces
 
 
-def _contrastive_space(trial):
-    # Reality Check: pos_margin and neg_margin both searched on [-0.2, 2] (its best CUB
-    # pos_margin sits on the lower bound).
-    return {
-        "pos_margin": trial.suggest_float("pos_margin", -0.2, 2.0),
-        "neg_margin": trial.suggest_float("neg_margin", -0.2, 2.0),
-    }
-
-
-def _triplet_space(trial):
-    return {"margin": trial.suggest_float("margin", -0.2, 2.0)}
-
-
-def _pml_fastap_space(trial):
-    # Reality Check: num_bins on [2, 250] (best 16-86); a batch of 32 needs fewer.
-    return {"num_bins": trial.suggest_int("num_bins", 2, 100, log=True)}
-
-
-def _nothing_to_tune(trial):
-    return {}
-
-
-# PML's baselines (the bench's ``pml:<Name>`` rows). PML's NPairsLoss has no
-# hyperparameter besides its distance: nothing to search, one trial measures it.
-PML_SEARCH_SPACES = {
-    "pml:ContrastiveLoss": _contrastive_space,
-    "pml:TripletMarginLoss": _triplet_space,
-    "pml:FastAPLoss": _pml_fastap_space,
-    "pml:NPairsLoss": _nothing_to_tune,
-}
-
-
 def search_spaces():
-    """``{bench row name: space(trial) -> constructor keywords}``: the plugins' spaces and
-    `PML_SEARCH_SPACES`."""
-
-    return {**registry.search_spaces(), **PML_SEARCH_SPACES}
+    """``{row name: space(trial) -> params}``: the plugins' spaces and PML's baselines'."""
+    return recipes.search_spaces()
 
 
 class _FirstChoiceTrial:
-    """Stands in for an Optuna trial to find out whether a space suggests anything."""
+    """Stands in for an Optuna trial to find out what a space suggests: answers `values`
+    where it has one, the lowest or first choice elsewhere."""
 
-    def __init__(self):
-        self.suggested = []
+    def __init__(self, values=None):
+        self.values, self.suggested = values or {}, []
 
     def _take(self, name, value):
         self.suggested.append(name)
-        return value
+        return self.values.get(name, value)
 
     def suggest_float(self, name, low, high, **_):
         return self._take(name, low)
@@ -120,77 +86,20 @@ def is_empty(space):
 
 # ----------------------------------------------------------------------------- studies
 
-BUDGET_KEYS = (*TRAINING_KEYS, "seed")
 
-
-def budget_config(seed=0, **given):
-    """The budget that defines a study: `given` keywords among `TRAINING_KEYS` (the bench's
-    `DEFAULTS` for those missing or None) and the sampler's `seed`."""
-    unknown = sorted(set(given) - set(TRAINING_KEYS))
-    if unknown:
-        raise TypeError(f"budget_config() got unexpected keyword arguments {', '.join(unknown)}")
-    config = with_defaults(**{key: given.get(key) for key in TRAINING_KEYS})
+def budget_config(seed=0, dataset="glyphs", preset=AUTO_PRESET, **given):
+    """The budget that defines a study: `budget.resolve`'s for `dataset`, `preset` and the
+    `given` values, and the sampler's and fold models' `seed`."""
+    config = resolve(dataset, preset, **given)
     config.update(seed=seed)
     return config
 
 
 def study_name(loss, config):
-    """``<loss> <data set> e<epochs>x<iterations> b<batch> d<dim> lr<lr>-<schedule> f<folds>
-    c<classes> s<seed>``: one study per loss, data set and budget."""
-    c = config
-    classes = "-all" if class_count(c["num_classes"]) is None else c["num_classes"]
-    return (
-        f"{loss} {c['dataset']} e{c['epochs']}x{c['iterations_per_epoch']} b{c['batch_size']} "
-        f"d{c['embedding_size']} lr{c['lr']:g}-{c['lr_schedule']} f{c['num_folds']} c{classes} s{c['seed']}"
-    )
-
-
-def default_storage(out):
-    return f"sqlite:///{Path(out).resolve() / 'tune.db'}"
-
-
-def redact(url):
-    """The storage URL without its password."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<storage URL>"
-
-
-class StorageError(RuntimeError):
-    """The Optuna storage cannot be opened (bad URL, missing driver, no server)."""
-
-
-def make_storage(url, heartbeat=DEFAULT_HEARTBEAT):
-    import optuna
-    from optuna.storages import RDBStorage
-
-    try:  # Optuna >= 4.9 renamed the callback and its keyword
-        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
-
-        retry_keyword = "heartbeat_stale_trial_callback"
-    except ImportError:
-        from optuna.storages import RetryFailedTrialCallback as Retry
-
-        retry_keyword = "failed_trial_callback"
-
-    engine_kwargs = {}
-    if url.startswith("sqlite"):
-        # Several processes on one file: wait for the lock rather than fail at once.
-        engine_kwargs = {"connect_args": {"timeout": 120}}
-    else:
-        engine_kwargs = {"pool_pre_ping": True}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RDBStorage(
-            url,
-            engine_kwargs=engine_kwargs,
-            heartbeat_interval=max(1, int(heartbeat)),
-            grace_period=max(2, int(2 * heartbeat)),
-            **{retry_keyword: Retry(max_retry=3)},
-        )
+    """``<loss> <data set> <preset> <digest of the budget> s<seed>``: one study per loss,
+    data set and budget (every key of `budget.TRAINING_KEYS`)."""
+    key = digest({k: config.get(k) for k in TRAINING_KEYS})
+    return f"{loss} {config['dataset']} {config['preset']} {key[:10]} s{config['seed']}"
 
 
 def _sampler(seed, trials_so_far):
@@ -227,6 +136,9 @@ def open_study(loss, config, storage, prune=True):
     if "budget" not in study.user_attrs:
         study.set_user_attr("budget", config)
         study.set_user_attr("loss", loss)
+        defaults = paper_defaults(loss, search_spaces()[loss])
+        if defaults:  # the paper's defaults are the first trial
+            study.enqueue_trial(defaults, user_attrs={"paper_defaults": True})
     return study
 
 
@@ -250,53 +162,41 @@ def target_trials(loss, trials):
 # ----------------------------------------------------------------------------- objective
 
 
-def cross_validation_score(
-    data,
-    recipe,
-    make_trunk,
-    *,
-    seed=0,
-    epochs,
-    batch_size,
-    iterations_per_epoch,
-    lr,
-    lr_schedule,
-    num_folds=4,
-    device="cpu",
-    on_fold=None,
-    on_iteration=None,
-):
-    """The protocol's tuning objective: mean over the folds of each fold model's best-epoch
-    validation MAP@R, on the training half of the classes only. ``on_fold(k, running_mean)``
-    is called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`). Returns
-    ``(mean, fold values, fold histories)``."""
-    folds, _ = test_set_and_folds(data, num_folds)  # the test half is never touched
-    values, histories = [], []
-    for k, (train_set, val_set) in enumerate(folds):
-        result = train_fold_model(
-            recipe,
-            make_trunk,
-            train_set,
-            val_set,
-            seed * 1000 + k,
-            epochs=epochs,
-            batch_size=batch_size,
-            iterations_per_epoch=iterations_per_epoch,
-            lr=lr,
-            make_lr_scheduler=lr_scheduler_factory(lr_schedule, epochs),
-            device=device,
-            on_iteration=on_iteration,
-        )
-        values.append(max(entry[OBJECTIVE_METRIC] for entry in result.history))
-        histories.append(result.history)
-        if on_fold is not None:
-            on_fold(k, sum(values) / len(values))
-    return sum(values) / len(values), values, histories
-
-
-def with_params(recipe, params):
-    """`recipe` whose loss is built with the keyword arguments `params`."""
-    return dataclasses.replace(recipe, make_loss=functools.partial(recipe.make_loss, **params))
+def paper_defaults(row, space):
+    """The values the paper's defaults give the parameters `space` suggests (by name): the
+    baseline's stated defaults, else the attributes of the loss built without arguments
+    (AUCLoss resolves its slope from its table), else its constructor's defaults. What the
+    first trial of a study tries, so a search never ends below the defaults it measured.
+    The space is asked with those values, so parameters it suggests only for some values
+    (RaMBO's memory variant, with a memory) are found."""
+    known = recipes.default_params(row)
+    recipe = recipes.recipes([row])[row]
+    cls = getattr(recipe.make_loss, "func", recipe.make_loss)
+    if inspect.isclass(cls):
+        signature = {
+            k: p.default
+            for k, p in inspect.signature(cls).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+        built = None
+        if not recipe.loss_needs:
+            try:
+                built = cls()
+            except Exception:
+                built = None
+        for name in signature:
+            value = getattr(built, name, None) if built is not None else None
+            value = value.item() if hasattr(value, "item") else value
+            if name not in known and (value if value is not None else signature[name]) is not None:
+                known[name] = value if value is not None else signature[name]
+    values = {}
+    while True:  # until the suggested names stop changing
+        probe = _FirstChoiceTrial(known)
+        space(probe)
+        found = {name: known[name] for name in probe.suggested if name in known}
+        if found == values:
+            return values
+        values = found
 
 
 class SurplusTrial(Exception):
@@ -318,7 +218,7 @@ def _check_surplus(trial, target):
         raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
 
 
-def _objective(loss, recipe, space, data, make_trunk, config, device, target=None):
+def _objective(loss, space, config, place, target=None):
     import optuna
 
     def objective(trial):
@@ -328,27 +228,16 @@ def _objective(loss, recipe, space, data, make_trunk, config, device, target=Non
         params = space(trial)
         trial.set_user_attr("params", params)
 
-        def on_fold(k, running_mean):
+        def on_fold(k, best_validation):
+            running_mean = sum(v[OBJECTIVE_METRIC] for v in best_validation) / len(best_validation)
             trial.report(running_mean, k)
             if k + 1 < config["num_folds"] and trial.should_prune():
                 raise optuna.TrialPruned(f"running mean {running_mean:.4f} after fold {k}")
 
-        value, folds, _ = cross_validation_score(
-            data,
-            with_params(recipe, params),
-            make_trunk,
-            seed=config["seed"],
-            epochs=config["epochs"],
-            batch_size=config["batch_size"],
-            iterations_per_epoch=config["iterations_per_epoch"],
-            lr=config["lr"],
-            lr_schedule=config["lr_schedule"],
-            num_folds=config["num_folds"],
-            device=device,
-            on_fold=on_fold,
-        )
+        outcome = runner.run(config, loss, params, config["seed"], place, validation_only=True, on_fold=on_fold)
+        folds = [v[OBJECTIVE_METRIC] for v in outcome["validation"]]
         trial.set_user_attr("folds", folds)
-        return value
+        return sum(folds) / len(folds)
 
     return objective
 
@@ -362,36 +251,14 @@ class TuneJob:
     trials: int
     config: dict
     storage: str
-    cache_dir: str = None
+    place: runner.Place = runner.Place()
     threads: int = 1
-    device: str = "cpu"
     heartbeat: float = DEFAULT_HEARTBEAT
     prune: bool = True
     poll: float = 1.0
 
 
-class _NoInterruptRecords:
-    """Drops Optuna's report of a trial failed by Ctrl-C (a traceback for a clean stop)."""
-
-    @staticmethod
-    def filter(record):
-        message = record.getMessage()
-        return "KeyboardInterrupt" not in message and "SurplusTrial" not in message
-
-
-def _quiet_optuna():
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    import logging
-
-    for handler in logging.getLogger("optuna").handlers:  # child loggers' records pass these
-        if not any(isinstance(f, _NoInterruptRecords) for f in handler.filters):
-            handler.addFilter(_NoInterruptRecords())
-    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-
-
-def run_worker(job, ready=None):
+def run_worker(job):
     """One worker: for each loss in turn, runs trials until its study holds `job.trials`
     finished ones (counting those other workers are running). Returns the number of
     trials this worker finished."""
@@ -400,52 +267,39 @@ def run_worker(job, ready=None):
 
     _quiet_optuna()
     torch.set_num_threads(job.threads)
-    storage = make_storage(job.storage, job.heartbeat)
-    data = load_dataset(job.config["dataset"], job.cache_dir, job.config["num_classes"])
-    make_trunk = DATASETS[job.config["dataset"]][1](job.config["embedding_size"])
+    storage = open_storage(job.storage, job.heartbeat)
     spaces = search_spaces()
-    if ready is not None:  # the local workers start trials together, none runs ahead while another still loads
-        try:
-            ready.wait(timeout=300)
-        except Exception:  # a sibling died or is very slow: go on alone
-            pass
     done = 0
-    for loss in job.losses:
-        recipe = recipes([loss])[loss]
-        target = target_trials(loss, job.trials)
-        study = open_study(loss, job.config, storage, job.prune)
-        objective = _objective(loss, recipe, spaces[loss], data, make_trunk, job.config, job.device, target)
-        while True:
-            optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
-            finished, running, waiting = counts(study)
-            if finished >= target:
-                break
-            if finished + running >= target:
-                time.sleep(job.poll)  # the rest are running; wait in case one of them dies
-                continue
-            asked = len(study.get_trials(deepcopy=False))
-            runner = optuna.load_study(
-                study_name=study.study_name,
-                storage=storage,
-                sampler=_sampler(job.config["seed"], asked),
-                pruner=_pruner(job.prune),
-            )
-            try:
-                runner.optimize(objective, n_trials=1, catch=())
-            except SurplusTrial:
-                continue
-            done += 1
-    return done
-
-
-def _worker_main(job, ready=None):
     try:
-        run_worker(job, ready)
-    except KeyboardInterrupt:
-        sys.exit(130)
-
-
-# ----------------------------------------------------------------------------- command
+        for loss in job.losses:
+            target = target_trials(loss, job.trials)
+            study = open_study(loss, job.config, storage, job.prune)
+            objective = _objective(loss, spaces[loss], job.config, job.place, target)
+            while True:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
+                finished, running, waiting = counts(study)
+                if finished >= target:
+                    break
+                if finished + running >= target and not waiting:
+                    time.sleep(job.poll)  # the rest are running; wait in case one of them dies
+                    continue
+                asked = len(study.get_trials(deepcopy=False))
+                trial_runner = optuna.load_study(
+                    study_name=study.study_name,
+                    storage=storage,
+                    sampler=_sampler(job.config["seed"], asked),
+                    pruner=_pruner(job.prune),
+                )
+                try:
+                    trial_runner.optimize(objective, n_trials=1, catch=())
+                except SurplusTrial:
+                    continue
+                done += 1
+    finally:
+        close_storage(storage)
+    return done
 
 
 @dataclasses.dataclass
@@ -473,6 +327,7 @@ def summarize_study(study, command=None, seconds=None, storage=None):
         "complete": len(complete),
         "pruned": len(finished) - len(complete),
         "budget": study.user_attrs.get("budget"),
+        "defaults_won": bool(best.user_attrs.get("paper_defaults")),
     }
     starts = [t.datetime_start for t in finished if t.datetime_start is not None]
     ends = [t.datetime_complete for t in finished if t.datetime_complete is not None]
@@ -519,10 +374,12 @@ def write_png(study, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    import optuna
     import optuna.visualization.matplotlib as ovm
     from PIL import Image
 
     _quiet_optuna()
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", module="optuna")
     warnings.filterwarnings("ignore", message=".*tight_layout")
     warnings.filterwarnings("ignore", message=".*identical low and high xlims")
@@ -571,72 +428,72 @@ def tune(
     storage,
     out,
     workers=1,
-    cache_dir=None,
+    place=runner.Place(),
+    devices=None,
     threads=1,
-    device="cpu",
     heartbeat=DEFAULT_HEARTBEAT,
     prune=True,
     command=None,
     progress=True,
 ):
     """Runs `workers` processes until every loss's study holds `trials` finished trials,
-    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Ctrl-C stops the
-    workers (their running trials are lost, finished ones kept) and still writes the outputs."""
+    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Worker i runs on
+    ``devices[i % len(devices)]`` when `devices` are given. Ctrl-C stops the
+    workers (their running trials are lost, finished ones kept) and still writes the outputs.
+    Raises `StorageError` when the storage cannot be opened, before any work."""
     from tqdm import tqdm
 
     _quiet_optuna()
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    job = TuneJob(list(losses), trials, config, storage, cache_dir, threads, device, heartbeat, prune)
+    job = TuneJob(list(losses), trials, config, storage, place, threads, heartbeat, prune)
+    rdb = open_storage(storage, heartbeat)
     try:
-        rdb = make_storage(storage, heartbeat)
         studies = {loss: open_study(loss, config, rdb, prune) for loss in losses}  # created once, before the workers
-    except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise StorageError(f"cannot open {redact(storage)}: {reason}") from error
+    except Exception as error:
+        close_storage(rdb)
+        raise StorageError(f"cannot open {redact(storage)}: {error}") from error
     targets = {loss: target_trials(loss, trials) for loss in losses}
 
     def finished():
         return {loss: min(counts(study)[0], targets[loss]) for loss, study in studies.items()}
 
-    context = multiprocessing.get_context("spawn")
-    ready = context.Barrier(workers)
-    processes = [context.Process(target=_worker_main, args=(job, ready), daemon=False) for _ in range(workers)]
     interrupted = False
     bar = tqdm(
         total=sum(targets.values()), desc="pml-rank tune", unit="trial", disable=not progress, dynamic_ncols=True
     )
-    try:
-        for p in processes:
-            p.start()
-        while any(p.is_alive() for p in processes):
-            state = finished()
-            bar.n = sum(state.values())
-            current = next((loss for loss in losses if state[loss] < targets[loss]), losses[-1])
-            bar.set_postfix_str(f"{current} {state[current]}/{targets[current]}")
-            bar.refresh()
-            time.sleep(1.0)
-        bar.n = sum(finished().values())
+
+    def show():
+        state = finished()
+        bar.n = sum(state.values())
+        current = next((loss for loss in losses if state[loss] < targets[loss]), losses[-1])
+        bar.set_postfix_str(f"{current} {state[current]}/{targets[current]}")
         bar.refresh()
+
+    failed = []
+    try:
+        jobs = [
+            (dataclasses.replace(job, place=dataclasses.replace(place, device=devices[i % len(devices)])),)
+            if devices
+            else (job,)
+            for i in range(workers)
+        ]
+        failed = run_processes(run_worker, jobs, show)
     except KeyboardInterrupt:
         interrupted = True
-        for p in processes:
-            p.join(timeout=30)
     finally:
-        for p in processes:
-            if p.is_alive():
-                p.terminate()
-                p.join()
         bar.close()
-    failed = [p.exitcode for p in processes if p.exitcode not in (0, 130, -2)]
     seconds = time.perf_counter() - started
     entries = {}
-    for loss, study in studies.items():
-        entry = summarize_study(study, command=command, seconds=seconds, storage=storage)
-        if entry is not None:
-            entries[loss] = entry
-            write_png(study, out / f"tune-{_file_name(loss)}.png")
+    try:
+        for loss, study in studies.items():
+            entry = summarize_study(study, command=command, seconds=seconds, storage=storage)
+            if entry is not None:
+                entries[loss] = entry
+                write_png(study, out / f"tune-{_file_name(loss)}.png")
+    finally:
+        close_storage(rdb)
     if entries:
         write_tuned(out, entries)
     if failed and not interrupted:
@@ -646,7 +503,3 @@ def tune(
 
 def _file_name(loss):
     return loss.replace(":", "-")
-
-
-def storage_digest(url):
-    return hashlib.sha256(redact(url).encode()).hexdigest()[:8]

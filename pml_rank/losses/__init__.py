@@ -7,6 +7,7 @@ from .fastap import FastAPLoss
 from .npairs import NPairsMCLoss, NPairsOVOLoss
 from .rambo import RaMBOAPLoss, RaMBORecallLoss
 from .recall_at_k import RecallAtKSurrogateLoss
+from .smooth_ap import SmoothAPLoss
 
 __all__ = [
     "AUCLoss",
@@ -16,4 +17,5 @@ __all__ = [
     "RaMBOAPLoss",
     "RaMBORecallLoss",
     "RecallAtKSurrogateLoss",
+    "SmoothAPLoss",
 ]

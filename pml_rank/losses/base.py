@@ -96,3 +96,32 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
     positive[a1, p] = True
     negative[a2, n] = True
     return positive, negative
+
+
+def normalized_with_distance_stats(distance, embeddings, ref_emb):
+    """`embeddings` and `ref_emb` normalised as `distance` normalises them (one tensor
+    when `ref_emb is embeddings`), recording the distance's statistics as its own forward
+    does: for kernels that compute the matrix themselves."""
+    distance.reset_stats()
+    queries = distance.maybe_normalize(embeddings, dim=1)
+    references = queries if ref_emb is embeddings else distance.maybe_normalize(ref_emb, dim=1)
+    distance.set_default_stats(embeddings, ref_emb, queries, references)
+    return queries, references
+
+
+def symmetrize_(matrix, block=256):
+    """``matrix + matrix.T`` of a square matrix, in place, block by block: no second
+    N x N buffer, and cache-sized reads of the transposed side (adding a whole
+    transposed view reads it strided, 3 times slower). The sums are those of
+    ``matrix + matrix.T``."""
+    n = len(matrix)
+    for i in range(0, n, block):
+        rows = slice(i, i + block)
+        for j in range(i, n, block):
+            columns = slice(j, j + block)
+            upper, lower = matrix[rows, columns], matrix[columns, rows]
+            total = upper + lower.T
+            upper.copy_(total)
+            if j != i:
+                lower.copy_(total.T)
+    return matrix

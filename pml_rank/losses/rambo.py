@@ -8,18 +8,23 @@ takes part in one of two ways (`memory_variant`, see `RaMBORecallLoss`). Ranks c
 from `pml_rank.ranking` and are differentiated by Algorithm 1.
 
 Defaults are the paper's CUB-200 values: λ = 0.2 and margin 0.02 (Table 9), a memory of
-3 batches (appendix A). λ means the same whatever multiplies the loss (world size in
-`DistributedLossWrapper`, trainers' loss weights): see `pml_rank.ranking`.
+3 batches (appendix A), kept as the authors' code keeps it ("rows"). λ means the same
+whatever multiplies the loss (world size in `DistributedLossWrapper`, trainers' loss
+weights): see `pml_rank.ranking`.
 """
 
+import math
+import warnings
 from collections import deque
 
 import torch
-from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
+from torch.autograd.function import once_differentiable
 
-from ..ranking import LossScale, _check_lambda, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
-from .base import RankLossBase, pair_masks, reference_is_batch
+from .._checks import check_lambda
+from ..ranking import LossScale, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
+from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
 
 class ScoreMemory(torch.nn.Module):
@@ -38,12 +43,12 @@ class ScoreMemory(torch.nn.Module):
     def __len__(self):
         return len(self.batches)
 
-    def check_width(self, tensor, what):
-        """Raise ValueError when `tensor`'s second dimension differs from the stored batches'."""
-        if self.batches and self.batches[0][0].shape[1] != tensor.shape[1]:
+    def check_width(self, what, width, stored_width):
+        """Raise ValueError when the current batch's `width` differs from the stored batches'."""
+        if self.batches and width != stored_width:
             raise ValueError(
-                f"{self.owner}: {what} {tensor.shape[1]} differs from the {self.batches[0][0].shape[1]} "
-                "stored in the memory; call reset_memory() first"
+                f"{self.owner}: {what} {width} differs from the {stored_width} stored in the memory; "
+                "call reset_memory() first"
             )
 
     def append(self, *tensors):
@@ -73,11 +78,15 @@ class ScoreMemory(torch.nn.Module):
 MEMORY_VARIANTS = ("extend", "rows")
 
 
+class ZeroRankGradientWarning(UserWarning):
+    """A RaMBO loss had something to learn, but Algorithm 1 gave an exactly zero gradient."""
+
+
 class _RaMBOLoss(RankLossBase):
     def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        _check_lambda(owner, lambda_val)
+        check_lambda(owner, lambda_val)
         if not 0 <= margin < float("inf"):
             raise ValueError(f"{owner}: margin must be a finite number >= 0, got {margin!r}")
         if memory_variant not in MEMORY_VARIANTS:
@@ -90,6 +99,8 @@ class _RaMBOLoss(RankLossBase):
         self.add_to_recordable_attributes(list_of_names=["lambda_val", "margin", "memory_size"], is_stat=False)
         self.add_to_recordable_attributes(list_of_names=["num_pos_pairs"], is_stat=True)
         self._loss_scale = None
+        self._watched = None
+        self._warned_zero_gradient = False
 
     def get_default_distance(self):
         return CosineSimilarity()
@@ -100,59 +111,110 @@ class _RaMBOLoss(RankLossBase):
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         # The scale probe sits on the final loss, after the reducer and any regularizer.
         self._loss_scale = LossScale()
+        self._watched = None
         loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        if self._watched is not None:
+            scores, something_to_learn = self._watched
+            self._watched = None
+            scores.register_hook(self._zero_gradient_check(self._loss_scale, something_to_learn))
         return self._loss_scale.attach(loss) if torch.is_tensor(loss) else loss
+
+    def watch_gradient(self, scores, something_to_learn):
+        """Have the backward pass warn (once per loss object) when the current batch has
+        `something_to_learn` (a bool tensor: a negative ranks above a positive) but
+        Algorithm 1, which ranks `scores`, moves no rank: an exactly zero gradient."""
+        if scores.requires_grad and not self._warned_zero_gradient:
+            self._watched = (scores, something_to_learn)
+
+    def _zero_gradient_check(self, loss_scale, something_to_learn):
+        # A hook on the ranked scores runs after the ranker's backward, which set ranks_moved.
+        def check(_grad):
+            if loss_scale.ranks_moved is False and not self._warned_zero_gradient and bool(something_to_learn):
+                self._warned_zero_gradient = True
+                warnings.warn(
+                    f"{type(self).__name__}: the loss is positive but its gradient is exactly zero: "
+                    f"Algorithm 1's perturbation (lambda_val={self.lambda_val} times the loss's gradient) "
+                    "moves no rank, because the positives lie further below the negatives than it reaches. "
+                    f"Typically all similarities lie within the margin ({self.margin}) of one another, which "
+                    "puts every positive below every negative: collapsed embeddings, as from an untrained "
+                    "network (cosine similarities 0.996-0.9996). Raise lambda_val (the paper's Online "
+                    "Products value is 4; more with a score memory, which shares the gradient among more "
+                    "pairs) or lower margin. Warned once per loss object.",
+                    ZeroRankGradientWarning,
+                    stacklevel=2,
+                )
+
+        return check
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
         pairs = None if indices_tuple is None else (indices_tuple, len(ref_emb))
-        if self.memory_variant == "extend":
-            all_refs, all_ref_labels = self.references_with_memory(ref_emb, ref_labels)
-            self.memory.append(ref_emb, ref_labels)
-            scores, positives, columns = self.similarities(
-                embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
-            )
-        else:
-            scores, positives, columns = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
-            stored = self.memory.stored() if len(self.memory) else None
-            if stored is not None:
-                self.memory.check_width(scores, "score row length")
-            self.memory.append(scores, positives)
+        if self.memory_variant == "rows" and self.memory.size > 0:
+            return self.loss_with_stored_rows(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
+        # "extend", or no memory (then both variants are the paper's loss, through the reducer).
+        all_refs, all_ref_labels = self.references_with_memory(ref_emb, ref_labels)
+        self.memory.append(ref_emb, ref_labels)
+        scores, positives, columns = self.similarities(
+            embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
+        )
         self.num_pos_pairs = int(torch.count_nonzero(positives))  # sum() copies bool to int64 first
         if self.num_pos_pairs == 0:
             return self.zero_losses()
-        if self.memory_variant == "extend":
-            return self.losses_per_query(scores, positives, exclude_self, columns)
-        if stored is not None:
-            scores = torch.cat([scores, stored[0].to(scores)])
-            positives = torch.cat([positives, stored[1].to(positives.device)])
-        loss = self.mean_over_rows(scores, positives)
+        return self.losses_per_query(scores, positives, exclude_self, columns)
+
+    def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
+        """The "rows" memory: the current score rows and the stored ones, each ranked on its
+        own. A stored row's scores are constants, and so are its ranks: the memory keeps
+        only what the loss reads from them (`mean_over_rows`), not the rows."""
+        scores, positives, _ = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
+        rows, width = scores.shape
+        stored_values, stored_rows = scores.new_zeros(0), 0
+        if len(self.memory):
+            self.memory.check_width("score row length", width, int(self.memory.batches[0][1][1]))
+            stored_values, shapes = self.memory.stored()
+            stored_values, stored_rows = stored_values.to(scores), int(shapes.view(-1, 2)[:, 0].sum())
+        shape = torch.tensor([rows, width])
+        self.num_pos_pairs = int(torch.count_nonzero(positives))
+        if self.num_pos_pairs == 0:
+            self.memory.append(scores.new_zeros(0), shape)
+            return self.zero_losses()
+        loss, values = self.mean_over_rows(scores, positives, stored_values, rows + stored_rows)
+        self.memory.append(values, shape)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
     def references_with_memory(self, ref_emb, ref_labels):
         """The references followed by the stored ones (detached); reads the memory only."""
         if not len(self.memory):
             return ref_emb, ref_labels
-        self.memory.check_width(ref_emb, "embedding size")
+        self.memory.check_width("embedding size", ref_emb.shape[1], self.memory.batches[0][0].shape[1])
         stored_emb, stored_labels = self.memory.stored()
         return torch.cat([ref_emb, stored_emb.to(ref_emb)]), torch.cat([ref_labels, stored_labels.to(ref_labels)])
 
     def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
-        """Scores [queries, ranked references], the positive mask and, when `pairs` is
-        given, the reference index of each column (otherwise None). Without `pairs` every
-        reference is ranked, except the query itself when the batch is its own reference
-        set (see `without_self`). `pairs` = (indices_tuple, n): the tuple's pairs are the
-        positives and negatives among the first n references (the rest, the memory's,
-        count by label); references in no pair are left out of the query's ranking."""
+        """Scores [queries, ranked references], the positive mask and, with `pairs`, the
+        reference index of each column (otherwise None). Without `pairs` every reference
+        is ranked, except the query itself when the batch is its own reference set (see
+        `without_self`); with them, see `similarities_of_pairs`."""
+        if pairs is not None:
+            return self.similarities_of_pairs(embeddings, labels, ref_emb, ref_labels, *pairs)
+        positives, _ = pair_masks(labels, ref_labels)
+        if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
+            queries, _ = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
+            return _SimilaritiesWithoutSelf.apply(queries), without_self(positives), None
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
-        if pairs is None:
-            positives, _ = pair_masks(labels, ref_labels)
-            if exclude_self:
-                scores, positives = without_self(scores), without_self(positives)
-            return scores, positives, None
-        indices_tuple, given = pairs
+        if exclude_self:
+            scores, positives = without_self(scores), without_self(positives)
+        return scores, positives, None
+
+    def similarities_of_pairs(self, embeddings, labels, ref_emb, ref_labels, indices_tuple, given):
+        """`similarities` with an `indices_tuple`: its pairs are the positives and negatives
+        among the first `given` references (the rest, the memory's, count by label), and
+        references in no pair are left out of the query's ranking. A ranking is normalised
+        by its length, so every query must keep the same number of references."""
+        matrix = self.distance(embeddings, ref_emb)
+        scores = matrix if self.distance.is_inverted else -matrix
         positives, negatives = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
         positives[:, given:] = labels.unsqueeze(1) == ref_labels[given:].unsqueeze(0)
         ranked = positives | negatives
@@ -169,6 +231,11 @@ class _RaMBOLoss(RankLossBase):
         return scores.gather(1, columns), positives.gather(1, columns), columns
 
 
+def is_inner_product(distance):
+    """Whether `distance(x, y)` is the inner products of the (normalised) rows."""
+    return type(distance) in (CosineSimilarity, DotProductSimilarity) and distance.power == 1
+
+
 def without_self(matrix):
     """Drops entry (i, i) of every row of a [queries, references] matrix whose first
     columns are the queries themselves. Strided views instead of a boolean mask: in
@@ -176,8 +243,35 @@ def without_self(matrix):
     view row."""
     queries = len(matrix)
     square, rest = matrix[:, :queries], matrix[:, queries:]
-    off_diagonal = square.flatten()[1:].view(queries - 1, queries + 1)[:, :-1].reshape(queries, queries - 1)
+    off_diagonal = _off_diagonal(square.flatten()).reshape(queries, queries - 1)
     return torch.cat([off_diagonal, rest], dim=1) if rest.shape[1] else off_diagonal
+
+
+def _off_diagonal(flat_square):
+    """The off-diagonal entries of a flattened n x n matrix, as an (n - 1) x n view."""
+    n = math.isqrt(len(flat_square))
+    return flat_square[1:].view(n - 1, n + 1)[:, :-1]
+
+
+class _SimilaritiesWithoutSelf(torch.autograd.Function):
+    """``without_self(queries @ queries.T)``. The backward pass is one matrix product,
+    (G + Gᵀ) @ queries, where autograd takes two, and writes G (zero diagonal) once,
+    where autograd's slicing backward fills and copies twice."""
+
+    @staticmethod
+    def forward(ctx, queries):
+        ctx.save_for_backward(queries)
+        return without_self(queries @ queries.T)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (queries,) = ctx.saved_tensors
+        n = len(queries)
+        full = grad.new_empty(n, n)
+        _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
+        full.diagonal().zero_()
+        return symmetrize_(full) @ queries
 
 
 def reference_index(queries, columns, exclude_self):
@@ -198,24 +292,28 @@ class RaMBORecallLoss(_RaMBOLoss):
         weighting: "log" (w_K ≈ 1/K) or "loglog" (w_K ≈ 1/(K log K)).
         memory_size: τ, the number of previous batches kept in the score memory
             (appendix A: 3; 0 disables it). Nothing stored receives a gradient.
-        memory_variant: how the memory takes part (sec. 4.3 leaves it open):
+        memory_variant: how the memory takes part (sec. 4.3 leaves it open; no part
+            when memory_size is 0):
 
+            - "rows" (the default; the authors' code, ``BatchMemoryRecallLoss``): the
+              previous batches' score rows (each previous query against its own
+              batch) are appended below the current rows as extra queries, every row
+              is ranked on its own, and the loss is the mean of ℓ over the positive
+              pairs of all rows, with r taken as (r / n) times the number of rows (n:
+              the row length), as the authors denormalise it (also before the memory
+              has filled). A stored row's r values are constants, so the memory keeps
+              those, not the rows. Every batch must give rows of the same length (a
+              changed length needs ``reset_memory()``; PML's trainers drop the last,
+              shorter batch).
             - "extend" (the paper's text): the memory holds the previous batches'
               embeddings and labels; each current query ranks its references followed
-              by the stored ones. Batches may change size.
-            - "rows" (the authors' code, ``BatchMemoryRecallLoss``): the memory holds
-              the previous batches' score rows (each previous query against its own
-              batch) and positive masks; they are appended below the current rows as
-              extra queries, every row is ranked on its own, and the loss is the mean
-              of ℓ over the positive pairs of all rows, with r taken as (r / n) times
-              the number of rows (n: the row length), as the authors denormalise it
-              (also with an empty memory). Every batch must give rows of the same
-              length (a changed length needs ``reset_memory()``).
+              by the stored ones. Batches may change size. Slower (each query ranks
+              (τ + 1) times as many references) and, on glyphs, less accurate.
 
     Per-pair losses go through PML's reducer (MeanReducer by default, the paper's mean
-    over positive pairs), with indices (query, reference). With ``memory_variant="rows"``
-    the loss is that mean itself ("already_reduced"): stored rows have no indices in
-    the current batch.
+    over positive pairs), with indices (query, reference). With a "rows" memory the
+    loss is that mean itself ("already_reduced"): stored rows have no indices in the
+    current batch.
     """
 
     def __init__(
@@ -224,7 +322,7 @@ class RaMBORecallLoss(_RaMBOLoss):
         margin: float = 0.02,
         weighting: str = "log",
         memory_size: int = 3,
-        memory_variant: str = "extend",
+        memory_variant: str = "rows",
         **kwargs,
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
@@ -233,30 +331,40 @@ class RaMBORecallLoss(_RaMBOLoss):
         self.weighting = weighting
         self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
 
-    def losses_of_pairs(self, scores, positives, r_scale=1.0):
-        """ℓ per positive pair, with its (row, column) index; r is multiplied by `r_scale`."""
+    def negatives_above(self, scores, positives):
+        """r per positive pair (eq. 17, after the margin shift; differentiable by Algorithm
+        1), with its (row, column) index."""
         shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
             shifted, positives, self.lambda_val, self._loss_scale
         )
-        # r = rank among all − rank among positives (eq. 17), as counts.
-        negatives_above = (ranks * scores.shape[-1] - among_positives.to(scores.dtype)) * r_scale
-        self.mean_negatives_above = float(negatives_above.detach().mean())
+        # r = rank among all − rank among positives, as counts.
+        negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
+        self.watch_gradient(scores, (negatives_above.detach() > 0.5).any())
+        return negatives_above, rows, columns
+
+    def weighted(self, negatives_above):
+        """ℓ(r) or ℓ(ℓ(r)) (eq. 20)."""
+        self.mean_negatives_above = float(negatives_above.detach().mean()) if len(negatives_above) else 0.0
         losses = torch.log1p(negatives_above)
-        if self.weighting == "loglog":
-            losses = torch.log1p(losses)
-        return losses, rows, columns
+        return torch.log1p(losses) if self.weighting == "loglog" else losses
 
     def losses_per_query(self, scores, positives, exclude_self, references=None):
-        losses, queries, columns = self.losses_of_pairs(scores, positives)
-        if references is not None:  # columns of the pairs an indices_tuple gave
+        negatives_above, queries, columns = self.negatives_above(scores, positives)
+        if references is not None:  # the columns of an indices_tuple's pairs
             indices = (queries, references[queries, columns])
         else:
             indices = (queries, reference_index(queries, columns, exclude_self))
-        return {"loss": {"losses": losses, "indices": indices, "reduction_type": "pos_pair"}}
+        return {"loss": {"losses": self.weighted(negatives_above), "indices": indices, "reduction_type": "pos_pair"}}
 
-    def mean_over_rows(self, scores, positives):
-        return self.losses_of_pairs(scores, positives, r_scale=len(scores) / scores.shape[-1])[0].mean()
+    def mean_over_rows(self, scores, positives, stored_negatives_above, total_rows):
+        """The mean of ℓ over the positive pairs of the current and the stored rows, r
+        denormalised as the authors do: r / n times the number of rows. Returns it and
+        this batch's r (to store)."""
+        negatives_above = self.negatives_above(scores, positives)[0]
+        scale = total_rows / scores.shape[-1]
+        loss = self.weighted(torch.cat([negatives_above, stored_negatives_above]) * scale).mean()
+        return loss, negatives_above.detach()
 
 
 class RaMBOAPLoss(_RaMBOLoss):
@@ -268,13 +376,14 @@ class RaMBOAPLoss(_RaMBOLoss):
             retrieval values (Table 9, CUB-200, and appendix A); the paper used the AP
             loss for detection with λ = 0.5, margin 0.15 and τ = 7 on classifier scores
             (see `pml_rank.ranking.map_loss`), not on cosine similarities.
-        memory_variant: "extend" or "rows", as for `RaMBORecallLoss`. With "rows" the
-            loss is 1 − AP averaged over all rows with a positive, current and stored
-            (precision is a ratio of ranks, so no denormalisation enters). The authors'
-            code has this memory for the recall loss; this applies the same construction.
+        memory_variant: "rows" (default) or "extend", as for `RaMBORecallLoss`. With
+            "rows" the loss is 1 − AP averaged over all rows with a positive, current
+            and stored (precision is a ratio of ranks, so no denormalisation enters).
+            The authors' code has this memory for the recall loss; this applies the
+            same construction.
 
     Per-query losses go through PML's reducer ("element" reduction, indices = queries);
-    with ``memory_variant="rows"`` the loss is the mean itself ("already_reduced").
+    with a "rows" memory the loss is the mean itself ("already_reduced").
     """
 
     def __init__(
@@ -282,20 +391,28 @@ class RaMBOAPLoss(_RaMBOLoss):
         lambda_val: float = 0.2,
         margin: float = 0.02,
         memory_size: int = 3,
-        memory_variant: str = "extend",
+        memory_variant: str = "rows",
         **kwargs,
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
     def losses_per_query(self, scores, positives, exclude_self, references=None):
-        precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale
-        )
+        precision, has_positive = self.precision(scores, positives)
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
-    def mean_over_rows(self, scores, positives):
+    def mean_over_rows(self, scores, positives, stored_precisions, total_rows):
+        """1 − the mean precision over the current and the stored rows with a positive;
+        returns it and this batch's precisions (to store)."""
+        precision, has_positive = self.precision(scores, positives)
+        precision = precision[has_positive]
+        return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
+
+    def precision(self, scores, positives):
+        """Per row: the mean precision at its positives (eq. 21) and whether it has one."""
         precision, has_positive = precision_at_positives(
             scores, positives, self.lambda_val, self.margin, self._loss_scale
         )
-        return 1 - precision[has_positive].mean()
+        # Precisions are ratios of counts up to n: below 1, they are at most 1 - 1/n.
+        self.watch_gradient(scores, (precision.detach()[has_positive] < 1 - 0.5 / scores.shape[-1]).any())
+        return precision, has_positive

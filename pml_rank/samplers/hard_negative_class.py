@@ -3,6 +3,7 @@ class mining")."""
 
 import copy
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +16,10 @@ from .._checks import check_embeddings, checked_constructor
 # Candidate classes drawn per batch, as a multiple of the classes in a batch, when the
 # caller does not say: the slides ask for "a large number" without giving it.
 DEFAULT_CANDIDATES_PER_CLASS = 4
+
+
+class NoModelAttachedWarning(UserWarning):
+    """A HardNegativeClassSampler finished an epoch without a model: its batches were random."""
 
 
 @checked_constructor
@@ -45,7 +50,8 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
     batch, the slides' letter). ``mining_seconds`` (time spent building batches,
     embedding included), ``mined_batches`` and ``embedded_examples`` count the cost.
 
-    Until a model is attached, batches hold N classes drawn at random. Attach one with
+    Until a model is attached, batches hold N classes drawn at random (the first epoch
+    that ends so warns, once, `NoModelAttachedWarning`). Attach one with
     :meth:`attach` (a model and the dataset), :meth:`attach_trainer` (a PML trainer;
     its trunk and embedder) or as a PML hook, ``end_of_iteration_hook=sampler.
     end_of_iteration_hook``; or pass ``embed_fn``, a callable mapping a LongTensor of
@@ -143,6 +149,7 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         self._embed_fn = embed_fn
         self._eval_modules = []
         self._attached_trainer = None
+        self._warned_no_model = False
         self._class_embeddings = None
         # Batch count at which each class was last embedded (never: far in the past).
         self._embedded_at = np.full(num_classes, -(2**62), dtype=np.int64)
@@ -177,6 +184,16 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
             self.mined_batches += 1
             shard = len(batch) // self.num_replicas
             yield from batch[self.rank * shard : (self.rank + 1) * shard].tolist()
+        if self._embed_fn is None and not self._warned_no_model:
+            self._warned_no_model = True
+            warnings.warn(
+                f"{self._name}: an epoch ended without a model attached, so its batches held classes "
+                "drawn at random, not mined. In PML's trainers, attach the model being trained before "
+                "trainer.train(): sampler.attach(model, dataset, device=...) or sampler.attach_trainer(trainer) "
+                "(or pass end_of_iteration_hook=sampler.end_of_iteration_hook). Warned once per sampler.",
+                NoModelAttachedWarning,
+                stacklevel=2,
+            )
 
     # --- attaching a model -------------------------------------------------------------
 

@@ -36,6 +36,17 @@ def test_finite_input_passes_through():
     assert _Toy()(torch.ones(2, 3), torch.arange(2)).item() == 6
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_finite_values_whose_sum_overflows_pass_the_check(dtype):
+    # The check first sums the tensor; an overflowing sum falls back to the element-wise check.
+    large = torch.full((4, 3), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not torch.isfinite(large.sum())
+    check_embeddings("Named", embeddings=large)
+    large[3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"Named: embeddings contains 1 NaN/Inf value\(s\), first at index \(3, 2\)"):
+        check_embeddings("Named", embeddings=large)
+
+
 def test_half_precision_is_computed_in_float32_and_the_gradient_keeps_the_input_dtype():
     seen = []
 

@@ -56,6 +56,8 @@ def value_and_grad(loss_of, embeddings):
     return loss.detach(), grad
 
 
+# RaMBO warns when Algorithm 1 moves no rank on these random batches: a zero gradient both ways.
+@pytest.mark.filterwarnings("ignore::pml_rank.losses.rambo.ZeroRankGradientWarning")
 @pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
 def test_inside_cross_batch_memory_equals_the_loss_against_batch_and_memory(name):
     wrapped = CrossBatchMemory(make(name), embedding_size=DIM, memory_size=MEMORY)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from pml_rank import ranking
 from pml_rank.harness.references import auc as auc_reference
@@ -240,7 +241,100 @@ def test_fastap_antipodal_pairs_put_their_weight_on_the_last_centre():
 
 @pytest.mark.parametrize("n", [1, 5, 256, 300, 600])
 def test_symmetrize_in_place_equals_matrix_plus_transpose(n):
-    from pml_rank.losses.fastap import _symmetrize_
+    from pml_rank.losses.base import symmetrize_
 
     matrix = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
-    assert torch.equal(_symmetrize_(matrix.clone()), matrix + matrix.T)
+    assert torch.equal(symmetrize_(matrix.clone()), matrix + matrix.T)
+
+
+def fastap_inputs(case, dtype):
+    generator = torch.Generator().manual_seed(7)
+    embeddings = torch.randn(50, 6, generator=generator, dtype=dtype)
+    labels = torch.randint(0, 6, (50,), generator=generator)
+    if case == "antipodal":  # distances exactly 4 in the last rows: the last-centre fix, chunk by chunk
+        embeddings[40:] = -embeddings[:10]
+    kwargs = {}
+    if case == "mined":
+        a1, p, a2, n = lmu.get_all_pairs_indices(labels)
+        kwargs["indices_tuple"] = (a1[::2], p[::2], a2[::3], n[::3])
+    if case == "ref_emb":
+        kwargs["ref_emb"] = torch.randn(30, 6, generator=generator, dtype=dtype).requires_grad_()
+        kwargs["ref_labels"] = torch.randint(0, 6, (30,), generator=generator)
+    return embeddings, labels, kwargs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["batch", "antipodal", "mined", "ref_emb"])
+def test_fastap_histograms_scattered_a_few_rows_at_a_time_are_the_same(case, dtype, monkeypatch):
+    """The forward pass scatters its histograms one chunk of rows at a time. Chunks of
+    3 rows (16 full chunks and a partial one) give exactly the one-chunk value and
+    gradients, which equal the reference's."""
+    from pml_rank.harness.references.fastap import fast_ap_loss
+    from pml_rank.losses import FastAPLoss, fastap
+
+    embeddings, labels, kwargs = fastap_inputs(case, dtype)
+
+    def run():
+        x = embeddings.clone().requires_grad_()
+        loss = FastAPLoss()(x, labels, **kwargs)
+        refs = kwargs.get("ref_emb")
+        grads = torch.autograd.grad(loss, [x] + ([refs] if refs is not None else []))
+        return (loss.detach(), *grads)
+
+    one_chunk = run()
+    chunks = fastap._row_chunks
+    monkeypatch.setattr(fastap, "_row_chunks", lambda n, m: chunks(n, m, budget=3 * m))
+    assert len(fastap._row_chunks(50, 50)) == 17
+    for got, expected in zip(run(), one_chunk, strict=True):
+        assert torch.equal(got, expected)
+    if dtype == torch.float64 and case != "mined":  # the reference takes labels, not pairs
+        x = embeddings.clone().requires_grad_()
+        refs = {k: v for k, v in kwargs.items() if k.startswith("ref")}
+        expected = fast_ap_loss(x, labels, **refs)
+        torch.testing.assert_close(one_chunk[0], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(one_chunk[1], torch.autograd.grad(expected, x)[0], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 300])
+def test_similarities_without_self_have_autograds_gradient(n):
+    # 300 rows: more than one block of symmetrize_.
+    from pml_rank.losses.rambo import _SimilaritiesWithoutSelf, without_self
+
+    generator = torch.Generator().manual_seed(n)
+    queries = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    incoming = torch.randn(n, n - 1, generator=generator, dtype=torch.float64)
+    ours = value_and_grad(lambda x: (_SimilaritiesWithoutSelf.apply(x) * incoming).sum(), queries)
+    expected = value_and_grad(lambda x: (without_self(x @ x.T) * incoming).sum(), queries)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    if n <= 5:
+        assert torch.autograd.gradcheck(_SimilaritiesWithoutSelf.apply, queries.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "distance", [None, DotProductSimilarity(), DotProductSimilarity(normalize_embeddings=False)], ids=str
+)
+def test_rambo_inner_products_equal_pmls_distance_and_autograd(distance, dtype, monkeypatch):
+    """RaMBO computes a batch's inner products (cosine by default) with its own backward
+    pass; PML's distance object and autograd give the same loss, gradient and stats."""
+    from pml_rank.losses import RaMBORecallLoss, rambo
+
+    generator = torch.Generator().manual_seed(11)
+    embeddings = torch.randn(64, 8, generator=generator, dtype=dtype)
+    labels = torch.arange(64) // 4
+    kwargs = {} if distance is None else {"distance": distance}
+
+    def run():
+        loss = RaMBORecallLoss(memory_size=0, lambda_val=1.0, **kwargs)
+        loss.distance.collect_stats = True
+        value, grad = value_and_grad(lambda e: loss(e, labels), embeddings)
+        return value, grad, loss.distance.initial_avg_query_norm
+
+    ours = run()
+    monkeypatch.setattr(rambo, "is_inner_product", lambda distance: False)
+    expected = run()
+    assert ours[1].abs().sum() > 0
+    if dtype == torch.float64:
+        torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(ours, expected)

@@ -3,6 +3,7 @@ reference, score memory, state_dict, PML integration, DistributedLossWrapper, er
 
 import importlib.util
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pml_rank import ranking
 from pml_rank.harness import speed
 from pml_rank.harness.references import rambo as reference
 from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
+from pml_rank.losses.rambo import ZeroRankGradientWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,9 +100,9 @@ def test_recall_is_the_log_of_negatives_above_each_positive():
 
 
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
-def test_defaults_are_the_papers_cub200_values(loss_class):
+def test_defaults_are_the_papers_cub200_values_with_the_authors_memory(loss_class):
     loss = loss_class()
-    assert (loss.lambda_val, loss.margin, loss.memory_size) == (0.2, 0.02, 3)
+    assert (loss.lambda_val, loss.margin, loss.memory_size, loss.memory_variant) == (0.2, 0.02, 3, "rows")
 
 
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
@@ -119,7 +121,7 @@ def test_ref_emb_is_ranked_without_leaving_anything_out(loss_class):
 @pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
 def test_memory_equals_one_call_on_the_concatenated_references(loss_class):
     tau = 2
-    loss = loss_class(memory_size=tau)
+    loss = loss_class(memory_size=tau, memory_variant="extend")
     batches = [batch(size, seed=10 + i) for i, size in enumerate([16, 24, 8, 20])]  # sizes change
     for step, (embeddings, labels) in enumerate(batches):
         embeddings = embeddings.clone().requires_grad_()
@@ -195,6 +197,14 @@ def test_rows_memory_differs_from_extend_and_needs_equal_row_lengths():
     rows(*batch(24))
 
 
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_without_memory_the_variant_plays_no_part(loss_class):
+    embeddings, labels = batch(seed=3)
+    rows = value_and_grad(lambda e: loss_class(memory_size=0, memory_variant="rows")(e, labels), embeddings)
+    extend = value_and_grad(lambda e: loss_class(memory_size=0, memory_variant="extend")(e, labels), embeddings)
+    assert torch.equal(rows[0], extend[0]) and torch.equal(rows[1], extend[1])
+
+
 def test_rows_memory_round_trips_through_state_dict():
     loss = RaMBOAPLoss(memory_size=2, memory_variant="rows")
     for seed in range(3):
@@ -241,7 +251,7 @@ def test_reset_memory_and_memory_size_zero():
 
 
 def test_changing_embedding_size_needs_a_reset():
-    loss = RaMBORecallLoss(memory_size=2)
+    loss = RaMBORecallLoss(memory_size=2, memory_variant="extend")
     loss(*batch(dim=8))
     with pytest.raises(ValueError, match="RaMBORecallLoss: embedding size 6 differs from the 8 stored"):
         loss(*batch(dim=6))
@@ -493,3 +503,81 @@ def test_memory_is_invisible_to_pml_logging_hooks_but_saved_by_state_dict(tmp_pa
         recorded = str(dict(keeper.record_writer.records))
         assert "lambda_val" in recorded and "embeddings" not in recorded
         assert "memory._extra_state" in loss.state_dict()
+
+
+def test_memory_variants_example_runs_in_smoke_mode(capsys):
+    spec = importlib.util.spec_from_file_location(
+        "rambo_memory_variants", ROOT / "examples" / "rambo_memory_variants.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        assert example.main(["--smoke"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert all(f"| {label} |" in out for label in ["floor", "no-memory", "rows", "extend"])
+
+
+# An exactly zero gradient on a batch with something to learn is reported, once.
+
+
+def collapsed_batch(seed, size=32, dim=64, spread=0.06):
+    """Embeddings around one direction, as from an untrained pooled-ReLU trunk: cosine
+    similarities 0.99-0.998, all within the default margin (0.02) of one another."""
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=torch.Generator().manual_seed(0)), dim=0)
+    embeddings = direction + spread * torch.randn(size, dim, generator=gen) / dim**0.5
+    return embeddings.requires_grad_(), torch.arange(size) // 4
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_collapsed_embeddings_warn_once_that_the_gradient_is_zero(loss_class):
+    loss = loss_class()
+    similarities = torch.nn.functional.normalize(collapsed_batch(0)[0].detach(), dim=1)
+    similarities = (similarities @ similarities.T)[~torch.eye(32, dtype=torch.bool)]
+    assert similarities.max() - similarities.min() < loss.margin
+    with pytest.warns(ZeroRankGradientWarning) as caught:
+        for seed in range(4):
+            embeddings, labels = collapsed_batch(seed)
+            value = loss(embeddings, labels)
+            value.backward()
+            assert value.item() > 0
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"{loss_class.__name__}: ") and "gradient is exactly zero" in message
+    assert "lambda_val=0.2" in message and "margin (0.02)" in message and "Raise lambda_val" in message
+    assert not embeddings.grad.any()  # the last batch: still zero, no second warning
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_a_larger_lambda_moves_collapsed_embeddings(loss_class):
+    embeddings, labels = collapsed_batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_class(lambda_val=4.0)(embeddings, labels).backward()
+    assert embeddings.grad.abs().sum() > 0
+
+
+def clustered_batch(seed, size=64, dim=16, per_class=4):
+    """Classes around their own centres, as a network in training embeds them."""
+    labels = torch.arange(size) // per_class
+    centres = torch.randn(size // per_class, dim, generator=torch.Generator().manual_seed(100), dtype=torch.float64)
+    noise = torch.randn(size, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (centres[labels] + noise).requires_grad_(), labels
+
+
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_no_warning_on_ordinary_batches_or_with_nothing_to_learn(loss_class):
+    loss = loss_class()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(6):
+            embeddings, labels = clustered_batch(seed)
+            loss(embeddings, labels).backward()
+            assert embeddings.grad.abs().sum() > 0
+        # One class: no negative, a zero gradient and nothing to warn about.
+        one_class = collapsed_batch(9, size=64)[0]
+        loss(one_class, torch.zeros(64, dtype=torch.long)).backward()
+        assert not one_class.grad.any()

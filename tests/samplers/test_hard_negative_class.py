@@ -1,6 +1,7 @@
 """HardNegativeClassSampler: N-pair batches by hard negative class mining."""
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ import pml_rank
 from pml_rank.harness.references.npairs import greedy_hard_negative_classes as reference_greedy
 from pml_rank.losses import NPairsMCLoss
 from pml_rank.samplers import HardNegativeClassSampler
-from pml_rank.samplers.hard_negative_class import greedy_hard_negative_classes
+from pml_rank.samplers.hard_negative_class import NoModelAttachedWarning, greedy_hard_negative_classes
+
+# Random batches (no model) are what several tests want; the warning has its own tests.
+pytestmark = pytest.mark.filterwarnings("ignore::pml_rank.samplers.hard_negative_class.NoModelAttachedWarning")
 
 
 def batches(sampler, epochs=1):
@@ -43,6 +47,31 @@ def identity_dataset(vectors):
 def attached(sampler, vectors):
     sampler.attach(torch.nn.Identity(), identity_dataset(vectors))
     return sampler
+
+
+def test_an_epoch_without_a_model_warns_once_how_to_attach_one():
+    sampler = HardNegativeClassSampler(uneven_labels(), classes_per_batch=4, batches_per_epoch=3)
+    iterator = iter(sampler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        [next(iterator) for _ in range(len(sampler))]  # the last batch, not yet the epoch's end
+    with pytest.warns(NoModelAttachedWarning) as caught:
+        assert list(iterator) == []
+        batches(sampler, epochs=3)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith("HardNegativeClassSampler: an epoch ended without a model attached")
+    assert "sampler.attach(model, dataset, device=...)" in message and "before trainer.train()" in message
+
+
+def test_no_warning_with_a_model_attached():
+    labels = uneven_labels(2)
+    vectors = torch.randn(len(labels), 5, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batches(attached(HardNegativeClassSampler(labels, 3, batches_per_epoch=4), vectors), epochs=2)
+        sampler = HardNegativeClassSampler(labels, 3, batches_per_epoch=4, embed_fn=lambda indices: vectors[indices])
+        batches(sampler, epochs=2)
 
 
 def test_random_batches_before_a_model_is_attached():
@@ -300,6 +329,34 @@ def test_trains_inside_pml_metric_loss_only_attached_by_the_hook(caplog):
         assert len(batch_labels) == 2 * n and len(set(batch_labels)) == n
     assert sampler._attached_trainer is trainer and sampler.embedded_examples > 0
     assert trunk.training
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+@pytest.mark.parametrize("attach", [False, True])
+def test_in_a_pml_trainer_attach_before_train_or_be_warned(attach):
+    """The sampler built by name, as a config pipeline builds it: without attach() the
+    trainer's epochs end with a warning, once; sampler.attach(...) before train() mines."""
+    torch.manual_seed(0)
+    labels = torch.arange(8).repeat_interleave(4)
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 6)[labels] + 0.3 * torch.randn(len(labels), 6), labels)
+    trunk = torch.nn.Linear(6, 4)
+    sampler = pml_rank.registry.samplers()["HardNegativeClassSampler"](labels, classes_per_batch=4)
+    trainer = trainers.MetricLossOnly(
+        models={"trunk": trunk},
+        optimizers={"trunk_optimizer": torch.optim.SGD(trunk.parameters(), lr=0.01)},
+        batch_size=8,
+        loss_funcs={"metric_loss": NPairsMCLoss()},
+        dataset=dataset,
+        sampler=sampler,
+        dataloader_num_workers=0,
+    )
+    if attach:
+        sampler.attach(trunk, dataset, device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(num_epochs=3)
+    assert len([w for w in caught if w.category is NoModelAttachedWarning]) == (0 if attach else 1)
+    assert (sampler.embedded_examples > 0) == attach
 
 
 @pytest.mark.parametrize("with_model", [False, True])

@@ -295,7 +295,7 @@ class InShop(_RGBItems, BaseDataset):
         _check_images(self.layout, root, self.paths)
 
     def get_available_splits(self):
-        return ["train", "query", "gallery"]
+        return ["train", "query", "gallery", "all"]
 
     def generate_split(self):
         self.paths, self.labels = [], []
@@ -305,7 +305,7 @@ class InShop(_RGBItems, BaseDataset):
             if not line.strip():
                 continue
             path, item_id, status = line.split()
-            if status == self.split:
+            if status == self.split or self.split == "all":
                 self.paths.append(os.path.join(self.root, path))
                 self.labels.append(int(item_id.removeprefix("id_")))
 

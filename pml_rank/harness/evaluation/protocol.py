@@ -7,8 +7,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from ..budget import DEFAULTS
+from ..datasets import Transformed
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
 from .splits import LabelledSubset, class_disjoint_split, cross_validation_folds
 from .training import compute_embeddings, seed_everything, train_model
@@ -31,6 +34,11 @@ class Recipe:
         per_class: samples of each class in a batch when the sampler fixes it (4 for
             PML's `MPerClassSampler` with m=4, 2 for N-pair batches), so a batch size
             and a number of classes can be checked before any training; None: unknown.
+        loss_needs: keywords `make_loss` takes from the data and the model:
+            "num_classes" (1 + the largest training label: proxies, class weights) and
+            "embedding_size".
+        loss_lr: learning rate of the loss's own parameters; None: the trunk's.
+        loss_weight_decay: their weight decay; None: the trunk optimizer's.
     """
 
     make_loss: Callable
@@ -39,6 +47,9 @@ class Recipe:
     name: str = ""
     batches: str = ""
     per_class: int | None = None
+    loss_needs: tuple = ()
+    loss_lr: float | None = None
+    loss_weight_decay: float | None = None
 
 
 @dataclasses.dataclass
@@ -55,17 +66,25 @@ class ProtocolResult:
     seconds: float
 
 
-def test_set_and_folds(dataset, num_folds=4):
+def test_set_and_folds(dataset, num_folds=4, transforms=None):
     """``(folds, test_set)`` of the protocol for a dataset with a ``labels`` attribute:
     `folds` is a list of ``(train_set, val_set)`` pairs over the first half of the
-    classes, `test_set` holds the second half. All are `LabelledSubset`s of `dataset`."""
+    classes, `test_set` holds the second half. All are `LabelledSubset`s of `dataset`, or,
+    with ``transforms=(train, eval)``, subsets applying the training transform to the
+    training sets and the evaluation one to the validation and test sets."""
     train_idx, test_idx = class_disjoint_split(dataset.labels)
     training = LabelledSubset(dataset, train_idx)
+    train_transform, eval_transform = transforms or (None, None)
+
+    def subset(indices, transform):
+        part = LabelledSubset(dataset, indices)
+        return part if transform is None else Transformed(part, transform)
+
     folds = [
-        (LabelledSubset(dataset, train_idx[tr]), LabelledSubset(dataset, train_idx[va]))
+        (subset(train_idx[tr], train_transform), subset(train_idx[va], eval_transform))
         for tr, va in cross_validation_folds(training.labels, num_folds)
     ]
-    return folds, LabelledSubset(dataset, test_idx)
+    return folds, subset(test_idx, eval_transform)
 
 
 test_set_and_folds.__test__ = False  # not a test, though pytest would collect it by its name
@@ -83,13 +102,16 @@ def train_fold_model(
     batch_size,
     iterations_per_epoch=None,
     device="cpu",
+    num_classes=None,
+    embedding_size=None,
     **training,
 ):
     """One fold's model: seeds everything with `fold_seed`, builds ``make_trunk()`` (and
-    ``make_embedder()``, default the identity), the recipe's sampler (given the network, for
-    samplers that mine with it) and trains with `training.train_model`, validating on
-    `val_set` every epoch; `training` holds `train_model`'s other keywords. Returns its
-    `TrainResult`."""
+    ``make_embedder()``, default the identity), the recipe's loss (with the
+    ``recipe.loss_needs`` of `num_classes` and `embedding_size`), its sampler (given the
+    network, for samplers that mine with it) and trains with `training.train_model`,
+    validating on `val_set` every epoch; `training` holds `train_model`'s other keywords.
+    Returns its `TrainResult`."""
     seed_everything(fold_seed)
     trunk = make_trunk()
     embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
@@ -103,8 +125,12 @@ def train_fold_model(
             iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
             seed=fold_seed,
         )
+    given = {"num_classes": num_classes, "embedding_size": embedding_size}
+    missing = [k for k in recipe.loss_needs if given.get(k) is None]
+    if missing:
+        raise ValueError(f"{recipe.name}: its loss needs {', '.join(missing)}")
     return train_model(
-        recipe.make_loss(),
+        recipe.make_loss(**{k: given[k] for k in recipe.loss_needs}),
         train_set,
         trunk=trunk,
         embedder=embedder,
@@ -115,6 +141,8 @@ def train_fold_model(
         batch_size=batch_size,
         iterations_per_epoch=iterations_per_epoch,
         device=device,
+        loss_lr=recipe.loss_lr,
+        loss_weight_decay=recipe.loss_weight_decay,
         **training,
     )
 
@@ -125,19 +153,25 @@ def run_protocol(
     make_trunk,
     *,
     make_embedder=None,
-    num_folds=4,
+    num_folds=DEFAULTS["num_folds"],
     seed=0,
-    epochs=8,
-    batch_size=64,
+    epochs=DEFAULTS["epochs"],
+    batch_size=DEFAULTS["batch_size"],
     iterations_per_epoch=None,
     make_optimizer=None,
-    lr=1e-3,
+    lr=DEFAULTS["lr"],
     device="cpu",
     patience=None,
     folder=None,
     on_iteration=None,
     make_lr_scheduler=None,
     freeze_trunk_batchnorm=False,
+    amp=False,
+    loader_workers=0,
+    transforms=None,
+    embedding_size=None,
+    validation_only=False,
+    on_fold=None,
     quiet=True,
 ):
     """One run of the protocol with one `Recipe`; returns a `ProtocolResult`.
@@ -148,10 +182,19 @@ def run_protocol(
     `make_lr_scheduler`, `freeze_trunk_batchnorm`: see `train_model`), then measures
     the test classes. ``epochs=0`` gives the untrained networks' accuracy. `folder`, when
     given, keeps each fold's record-keeper logs and models in ``<folder>/fold<k>``.
+    `transforms`: ``(train, eval)`` image transforms (see `test_set_and_folds`).
+    `embedding_size`: for losses that need it (`Recipe.loss_needs`). `loader_workers`:
+    data-loading processes (image decoding) of the trainer and the tester.
+
+    ``validation_only=True`` is the tuning objective: the test classes are never embedded;
+    ``concatenated`` and ``separated`` are then empty and ``per_model`` holds each fold
+    model's best validation accuracy. ``on_fold(k, best validation accuracies so far)`` is
+    called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`).
     """
     started = time.perf_counter()
-    folds, test_set = test_set_and_folds(dataset, num_folds)
-    test_embeddings, histories, best_epochs = [], [], []
+    folds, test_set = test_set_and_folds(dataset, num_folds, transforms)
+    num_classes = int(np.max(np.concatenate([np.asarray(t.labels) for t, _ in folds[:2]]))) + 1
+    test_embeddings, histories, best_epochs, best_validation = [], [], [], []
     labels = None
     for k, (train_set, val_set) in enumerate(folds):
         result = train_fold_model(
@@ -172,13 +215,26 @@ def run_protocol(
             on_iteration=on_iteration,
             make_lr_scheduler=make_lr_scheduler,
             freeze_trunk_batchnorm=freeze_trunk_batchnorm,
+            amp=amp,
+            loader_workers=loader_workers,
+            num_classes=num_classes,
+            embedding_size=embedding_size,
             quiet=quiet,
         )
-        embeddings, labels = compute_embeddings(result.trunk, test_set, result.embedder, device)
-        test_embeddings.append(embeddings)
         histories.append(result.history)
         best_epochs.append(result.best_epoch)
-    scores = concatenated_and_separated(test_embeddings, labels)
+        best = next((e for e in result.history if e["epoch"] == result.best_epoch), {})
+        best_validation.append({m: best[m] for m in METRICS if m in best})
+        if on_fold is not None:
+            on_fold(k, best_validation)
+        if not validation_only:
+            embeddings, labels = compute_embeddings(
+                result.trunk, test_set, result.embedder, device, loader_workers=loader_workers
+            )
+            test_embeddings.append(embeddings)
+    if validation_only:
+        return ProtocolResult({}, {}, best_validation, histories, best_epochs, time.perf_counter() - started)
+    scores = concatenated_and_separated(test_embeddings, labels, device=device)
     return ProtocolResult(
         scores["concatenated"],
         scores["separated"],
@@ -189,10 +245,11 @@ def run_protocol(
     )
 
 
-def raw_input_accuracy(dataset):
+def raw_input_accuracy(dataset, transform=None):
     """Accuracy on the protocol's test classes of the flattened, L2-normalised inputs
-    (the "raw input" row: what retrieval gives without any network)."""
-    _, test_set = test_set_and_folds(dataset, num_folds=2)
+    (the "raw input" row: what retrieval gives without any network); `transform` turns a
+    data set's images into tensors (its evaluation transform)."""
+    _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
     inputs = torch.stack([test_set[i][0].reshape(-1).float() for i in range(len(test_set))])
     return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
 

@@ -9,6 +9,7 @@ epoch by MAP@R. The rest of the package only adds seeding, a quiet mode and a su
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import tempfile
@@ -27,6 +28,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
+from ..budget import DEFAULTS
 from .metrics import METRICS
 
 VALIDATION_SPLIT = "val"
@@ -112,24 +114,24 @@ def quiet_pml(quiet=True):
         c_f.LOGGER.setLevel(saved_level)
 
 
-def make_tester(device="cpu", batch_size=256, end_of_testing_hook=None, normalize_embeddings=True):
+def make_tester(device="cpu", batch_size=256, end_of_testing_hook=None, normalize_embeddings=True, loader_workers=0):
     """PML's `GlobalEmbeddingSpaceTester` computing `METRICS` with k = "max_bin_count"."""
     return testers.GlobalEmbeddingSpaceTester(
         normalize_embeddings=normalize_embeddings,
         batch_size=batch_size,
-        dataloader_num_workers=0,
+        dataloader_num_workers=loader_workers,
         data_device=torch.device(device),
         end_of_testing_hook=end_of_testing_hook,
         accuracy_calculator=AccuracyCalculator(include=METRICS, k="max_bin_count"),
     )
 
 
-def compute_embeddings(trunk, dataset, embedder=None, device="cpu", batch_size=256, normalize=False):
+def compute_embeddings(trunk, dataset, embedder=None, device="cpu", batch_size=256, normalize=False, loader_workers=0):
     """``(embeddings, labels)`` of every item of `dataset` (in order) through
     ``embedder(trunk(x))``, computed by PML's tester in eval mode. Returns float tensors
     of shape (N, dim) and an int64 numpy array of shape (N,)."""
     with quiet_pml():
-        tester = make_tester(device, batch_size, normalize_embeddings=normalize)
+        tester = make_tester(device, batch_size, normalize_embeddings=normalize, loader_workers=loader_workers)
         embeddings, labels = tester.get_all_embeddings(dataset, trunk.to(device), embedder)
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
@@ -143,6 +145,46 @@ def lr_scheduler_factory(name, epochs):
     if name == "cosine":
         return lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     raise ValueError(f"unknown learning-rate schedule {name!r}; available: cosine, constant")
+
+
+def optimizer_factory(name="adam", weight_decay=0.0, momentum=0.0):
+    """`train_model`'s ``make_optimizer(parameters, lr)`` for an optimizer of
+    `budget.OPTIMIZERS`: Adam, RMSprop (the Reality Check's) or SGD, with `weight_decay` and
+    (RMSprop, SGD) `momentum`."""
+    if name == "adam":
+        return lambda params, lr: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "rmsprop":
+        return lambda params, lr: torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    if name == "sgd":
+        return lambda params, lr: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
+    raise ValueError(f"unknown optimizer {name!r}; available: adam, rmsprop, sgd")
+
+
+class MixedPrecisionTrainer(trainers.MetricLossOnly):
+    """PML's `MetricLossOnly` with automatic mixed precision: the forward pass and the loss
+    under `torch.autocast` (float16 on CUDA, bfloat16 on the CPU), the backward pass
+    through a `torch.amp.GradScaler` (CUDA; the CPU's bfloat16 needs none)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        device_type = self.data_device.type
+        self.autocast = functools.partial(
+            torch.autocast, device_type, dtype=torch.float16 if device_type == "cuda" else torch.bfloat16
+        )
+        self.scaler = torch.amp.GradScaler(device_type, enabled=device_type == "cuda")
+
+    def calculate_loss(self, curr_batch):
+        with self.autocast():
+            super().calculate_loss(curr_batch)
+
+    def backward(self):
+        self.scaler.scale(self.losses["total_loss"]).backward()
+
+    def step_optimizers(self):
+        for k, v in self.optimizers.items():
+            if c_f.regex_replace("_optimizer$", "", k) not in self.freeze_these:
+                self.scaler.step(v)
+        self.scaler.update()
 
 
 def default_sampler(labels, batch_size, m_per_class=4):
@@ -163,11 +205,13 @@ def train_model(
     miner=None,
     sampler=None,
     val_set=None,
-    epochs=8,
-    batch_size=64,
+    epochs=DEFAULTS["epochs"],
+    batch_size=DEFAULTS["batch_size"],
     iterations_per_epoch=None,
     make_optimizer: Callable | None = None,
-    lr=1e-3,
+    lr=DEFAULTS["lr"],
+    loss_lr=None,
+    loss_weight_decay=None,
     device="cpu",
     folder=None,
     patience=None,
@@ -176,6 +220,8 @@ def train_model(
     on_iteration: Callable | None = None,
     make_lr_scheduler: Callable | None = None,
     freeze_trunk_batchnorm=False,
+    amp=False,
+    loader_workers=0,
     quiet=True,
 ):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer and returns a
@@ -192,7 +238,9 @@ def train_model(
         epochs: number of epochs; 0 returns the models untouched (the untrained row).
         iterations_per_epoch: default ``len(train_set) // batch_size``.
         make_optimizer: ``f(parameters, lr) -> torch.optim.Optimizer``; default Adam.
-            Losses with parameters of their own get an optimizer too.
+            Losses with parameters of their own get an optimizer too (PML's
+            ``metric_loss_optimizer``), at `loss_lr` (default `lr`) with `loss_weight_decay`
+            (default: `make_optimizer`'s).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
         patience: stop after this many epochs without a better validation MAP@R.
@@ -203,13 +251,15 @@ def train_model(
             by PML's trainer at the end of every epoch, one for each model's optimizer.
         freeze_trunk_batchnorm: PML's trainer option: the trunk's BatchNorm layers stay in
             eval mode (fixed statistics), the Reality Check setting.
+        amp: automatic mixed precision (`MixedPrecisionTrainer`).
+        loader_workers: data-loading processes of the trainer and the validation tester.
         quiet: silence PML's own progress bars and INFO logs.
     """
     if seed is not None:
         seed_everything(seed)
     embedder = torch.nn.Identity() if embedder is None else embedder
     trunk, embedder = trunk.to(device), embedder.to(device)
-    make_optimizer = make_optimizer or (lambda params, lr: torch.optim.Adam(params, lr=lr))
+    make_optimizer = make_optimizer or optimizer_factory()
     if epochs == 0:
         return TrainResult(trunk.eval(), embedder.eval(), 0, [], 0.0, folder)
     labels = np.asarray(train_set.labels)
@@ -223,11 +273,15 @@ def train_model(
         models["embedder"] = embedder
         optimizers["embedder_optimizer"] = make_optimizer(embedder.parameters(), lr)
     if any(True for _ in loss_func.parameters()):
-        optimizers["metric_loss_optimizer"] = make_optimizer(loss_func.to(device).parameters(), lr)
+        group = {"params": list(loss_func.to(device).parameters())}
+        if loss_weight_decay is not None:
+            group["weight_decay"] = loss_weight_decay
+        optimizers["metric_loss_optimizer"] = make_optimizer([group], loss_lr or lr)
     lr_schedulers = {}
     if make_lr_scheduler is not None:
         lr_schedulers = {
-            f"{name}_scheduler_by_epoch": make_lr_scheduler(optimizers[f"{name}_optimizer"]) for name in models
+            f"{name[: -len('_optimizer')]}_scheduler_by_epoch": make_lr_scheduler(optimizer)
+            for name, optimizer in optimizers.items()
         }
 
     started = time.perf_counter()
@@ -254,7 +308,7 @@ def train_model(
 
         history = []
         if val_set is not None:
-            tester = make_tester(device, end_of_testing_hook=hooks.end_of_testing_hook)
+            tester = make_tester(device, end_of_testing_hook=hooks.end_of_testing_hook, loader_workers=loader_workers)
             validate = hooks.end_of_epoch_hook(tester, {VALIDATION_SPLIT: val_set}, model_folder, patience=patience)
         else:
             tester, validate = None, None
@@ -270,7 +324,7 @@ def train_model(
             history.append(entry)
             return keep_going
 
-        trainer = trainers.MetricLossOnly(
+        trainer = (MixedPrecisionTrainer if amp else trainers.MetricLossOnly)(
             models=models,
             optimizers=optimizers,
             lr_schedulers=lr_schedulers,
@@ -282,7 +336,7 @@ def train_model(
             sampler=sampler,
             iterations_per_epoch=iterations_per_epoch,
             data_device=torch.device(device),
-            dataloader_num_workers=0,
+            dataloader_num_workers=loader_workers,
             end_of_iteration_hook=end_of_iteration,
             end_of_epoch_hook=end_of_epoch,
         )

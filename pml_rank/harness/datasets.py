@@ -1,0 +1,209 @@
+"""The data sets `pml-rank bench` and `tune` run on, by their command-line name:
+
+    glyphs        embedded, generated from fonts already on disk (the default)
+    cub200, cars196, sop, inshop
+                  the papers' data sets, read from --data-root (`data.real`; never downloaded)
+    folder:PATH   a user's own images: one subfolder per class, any image Pillow reads;
+                  classes in sorted folder-name order, images in sorted file-name order
+
+Every data set goes through the same protocol: the whole set (train and test splits of the
+papers' data sets together) is split class-disjointly by `evaluation.splits`. Problems (a
+missing file, a class with fewer than 2 images, an unreadable image) raise `DataError`
+when the data set is loaded, before any training. A process loads each data set once.
+Importing this module imports no torch (the command line checks --dataset with it); its
+data sets are map-style, as torch's `DataLoader` and PML's trainers take them.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .budget import DATASET_NAMES, FOLDER_PREFIX, class_count
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# File names Pillow is asked to open in a folder: anything else (README, .DS_Store) is skipped.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+
+
+class DataError(ValueError):
+    """A data set cannot be used as it is; the message names the file and what to do."""
+
+
+def parse_dataset(text):
+    """A `--dataset` value as the harness writes it (``folder:`` with an absolute path);
+    raises `DataError` for an unknown name or a folder that does not exist."""
+    if text.startswith(FOLDER_PREFIX):
+        path = Path(text[len(FOLDER_PREFIX) :]).expanduser()
+        if not path.is_dir():
+            raise DataError(f"{text!r}: no such folder (folder:PATH names a folder with one subfolder per class)")
+        return FOLDER_PREFIX + str(path.resolve())
+    if text not in DATASET_NAMES:
+        raise DataError(f"unknown data set {text!r}; available: {', '.join(DATASET_NAMES)}, folder:PATH")
+    return text
+
+
+def needs_data_root(name):
+    return name in DATASET_NAMES and name != "glyphs"
+
+
+class ImageFolder:
+    """A folder with one subfolder per class. Items are ``(PIL image, label)``; ``labels``
+    is an int64 array, ``classes`` the folder names (label k is ``classes[k]``), ``paths``
+    the files. A set whose images are all grayscale stays single-channel (``channels``)."""
+
+    def __init__(self, root, transform=None):
+        root = Path(root)
+        folders = sorted(p for p in root.iterdir() if p.is_dir())
+        if len(folders) < 2:
+            raise DataError(
+                f"folder:{root}: needs one subfolder per class and at least 2 classes, found {len(folders)}"
+            )
+        self.root, self.classes, self.paths, labels = root, [], [], []
+        for folder in folders:
+            files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if len(files) < 2:
+                raise DataError(
+                    f"folder:{root}: class folder {folder} has {len(files)} image(s); every class needs 2 or more "
+                    "(a retrieval query needs another image of its class): add images or remove the folder"
+                )
+            self.paths += files
+            labels += [len(self.classes)] * len(files)
+            self.classes.append(folder.name)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.channels = 1 if all(mode in ("1", "L", "I", "I;16", "F") for mode in self._modes()) else 3
+        self.transform = transform
+
+    def _modes(self):
+        from PIL import Image
+
+        from .data.real import _image_problem
+
+        for path in self.paths:
+            problem = _image_problem(path)
+            if problem is None:
+                try:
+                    with Image.open(path) as image:
+                        yield image.mode
+                    continue
+                except (OSError, SyntaxError, ValueError) as error:
+                    problem = f"cannot read image {path}: {error}"
+            raise DataError(f"{problem}: replace or delete the file")
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        from PIL import Image
+
+        with Image.open(self.paths[index]) as image:
+            image = image.convert("L" if self.channels == 1 else "RGB")
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+class FirstClasses:
+    """The items of `dataset` whose class is among its first `num_classes` (in label order),
+    relabelled 0..num_classes-1 in that order."""
+
+    def __init__(self, dataset, num_classes):
+        labels = np.asarray(dataset.labels)
+        classes = np.unique(labels)
+        if not 2 <= num_classes <= len(classes):
+            raise ValueError(f"--classes must be between 2 and {len(classes)} for this data set, got {num_classes}")
+        self.indices = np.flatnonzero(np.isin(labels, classes[:num_classes]))
+        self.labels = np.searchsorted(classes, labels[self.indices]).astype(np.int64)
+        self.dataset, self.channels = dataset, getattr(dataset, "channels", 3)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, index):
+        return self.dataset[int(self.indices[index])][0], int(self.labels[index])
+
+
+def _load(name, data_root, cache_dir, num_classes):
+    if name == "glyphs":
+        from .data import load_glyphs
+
+        dataset = load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
+        dataset.channels = 1
+        return dataset
+    if name.startswith(FOLDER_PREFIX):
+        dataset = ImageFolder(name[len(FOLDER_PREFIX) :])
+    else:
+        from .data import real
+
+        if data_root is None:
+            raise DataError(
+                f"--dataset {name} reads its images from --data-root; {real.DATASETS[name].layout.download}"
+            )
+        whole = "all" if name == "inshop" else "train+test"
+        try:
+            dataset = real.load(name, data_root, whole)
+        except (real.DataSetNotFoundError, real.ImageReadError) as error:
+            raise DataError(str(error)) from None
+        dataset.labels = np.asarray(dataset.labels, dtype=np.int64)
+        dataset.channels = 3
+        counts = np.unique(dataset.labels, return_counts=True)
+        single = counts[0][counts[1] < 2]
+        if len(single):
+            raise DataError(f"{name}: class {single[0]} has fewer than 2 images: re-extract the archive")
+    return dataset if num_classes is None else FirstClasses(dataset, num_classes)
+
+
+_LOADED = {}
+
+
+def load_dataset(name, data_root=None, cache_dir=None, num_classes=None):
+    """The data set `name` (a `parse_dataset` value), its first `num_classes` classes (a
+    count, "all" or None for all), loaded once per process. Items are ``(image, label)``
+    with a PIL image (or, for the glyphs, a tensor); ``labels`` and ``channels`` are set."""
+    key = (name, None if data_root is None else os.fspath(data_root), cache_dir, class_count(num_classes))
+    if key not in _LOADED:
+        _LOADED[key] = _load(*key)
+    return _LOADED[key]
+
+
+def image_transforms(budget, channels):
+    """``(train, eval)`` transforms for a budget's ``augmentation``: "none" (the image as
+    it is, as a tensor in [0, 1]: the glyphs' own form), "random-resized-crop" (Reality
+    Check: shorter side to ``resize``, a random crop of 16-100% of the area with aspect
+    3/4-4/3 to ``image_size``, flip; eval: shorter side ``resize``, centre crop) or
+    "crop-flip" (resize to ``resize`` square, random ``image_size`` crop, flip; eval: centre
+    crop). Both but "none" normalise with ImageNet's statistics (their mean for one channel)."""
+    from torchvision import transforms
+
+    if budget["augmentation"] == "none":
+        return transforms.ToTensor(), transforms.ToTensor()
+    mean, std = (
+        (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((np.mean(IMAGENET_MEAN),), (np.mean(IMAGENET_STD),))
+    )
+    tail = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    size, resize = budget["image_size"], budget["resize"]
+    if budget["augmentation"] == "random-resized-crop":
+        train = [transforms.Resize(resize), transforms.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3))]
+        test = [transforms.Resize(resize), transforms.CenterCrop(size)]
+    else:
+        train = [transforms.Resize((resize, resize)), transforms.RandomCrop(size)]
+        test = [transforms.Resize((resize, resize)), transforms.CenterCrop(size)]
+    return (
+        transforms.Compose(train + [transforms.RandomHorizontalFlip()] + tail),
+        transforms.Compose(test + tail),
+    )
+
+
+class Transformed:
+    """`subset` (a `LabelledSubset`) with `transform` applied to each item's image; None
+    leaves tensors (the glyphs) as they are."""
+
+    def __init__(self, subset, transform):
+        self.subset, self.transform, self.labels = subset, transform, subset.labels
+
+    def __len__(self):
+        return len(self.subset)
+
+    def __getitem__(self, index):
+        image, label = self.subset[index]
+        return (image if self.transform is None or not hasattr(image, "mode") else self.transform(image)), label

@@ -1,0 +1,147 @@
+"""The experiment runner: data set x trunk x budget x recipe (row and parameters) x seed ->
+the Reality Check's fold models -> metrics. `pml-rank bench` runs many experiments as jobs,
+`pml-rank tune` scores parameters with the same fold loop on the validation classes only,
+and the example scripts call it with the papers' setups.
+
+`check` does every check that can fail before any training (the data set's files, the
+trunk's weights, the batch size against the rows and the classes); `run` runs one
+experiment in the calling process.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from . import backbones, recipes
+from .budget import class_count
+from .datasets import image_transforms, load_dataset, needs_data_root
+from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol
+from .evaluation.training import optimizer_factory
+
+RAW_INPUT = "raw input"
+UNTRAINED = "untrained"
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where an experiment's data come from and where it runs: not part of its result, so
+    several machines with other paths share one bench."""
+
+    data_root: str | None = None
+    cache_dir: str | None = None
+    device: str = "cpu"
+    loader_workers: int = 0
+
+
+class ChannelsToRGB(torch.nn.Module):
+    """Repeats a single-channel image three times, for ImageNet trunks on grayscale sets."""
+
+    def forward(self, images):
+        return images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
+
+
+def model_factories(budget, channels):
+    """``(make_trunk, make_embedder)`` for the budget's trunk on images of `channels`
+    channels; `make_embedder` is None for the small CNN, which embeds by itself."""
+    name, size = budget["trunk"], budget["embedding_size"]
+    if name == "small-cnn":
+        from .data import SmallCNN
+
+        return (lambda: SmallCNN(embedding_size=size, in_channels=channels)), None
+    features = backbones.BACKBONES[name].features
+
+    def make_trunk():
+        trunk = backbones.build_trunk(name, pretrained=not budget["random_init"])
+        return trunk if channels == 3 else torch.nn.Sequential(ChannelsToRGB(), trunk)
+
+    return make_trunk, (lambda: torch.nn.Linear(features, size))
+
+
+def dataset_of(budget, place):
+    """The budget's data set (its first ``num_classes`` classes), loaded once per process."""
+    return load_dataset(budget["dataset"], place.data_root, place.cache_dir, class_count(budget["num_classes"]))
+
+
+def check(budget, rows, place):
+    """Everything that can refuse an experiment, before any training: the data set (files,
+    images, classes with fewer than 2 images: `datasets.DataError`), the trunk's weights
+    (`backbones.WeightsNotFoundError`) and the batch size and classes for the rows
+    (`recipes.BudgetError`). Returns the loaded data set."""
+    contenders = recipes.recipes([r for r in rows if r not in (RAW_INPUT, UNTRAINED)])
+    recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+    if budget["trunk"] != "small-cnn" and not budget["random_init"]:
+        backbones.require_weights(budget["trunk"])
+    if needs_data_root(budget["dataset"]) and place.data_root is None:
+        from .datasets import DataError
+
+        raise DataError(f"--dataset {budget['dataset']} reads its images from --data-root DIR (README: Real data sets)")
+    try:
+        data = dataset_of(budget, place)
+    except ValueError as error:
+        if class_count(budget["num_classes"]) is None or "--classes" not in str(error):
+            raise
+        raise recipes.BudgetError("--classes", str(error).removeprefix("--classes ")) from None
+    recipes.check_budget(contenders, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
+    return data
+
+
+def rows_without_training(budget):
+    """The reference rows of a bench: the raw pixels (only where the images are used as
+    they are, "none" augmentation: cropped photographs' pixels would not fit in memory)
+    and the untrained networks."""
+    return [RAW_INPUT, UNTRAINED] if budget["augmentation"] == "none" else [UNTRAINED]
+
+
+def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None, folder=None):
+    """One experiment; returns ``{"run": {"concatenated": {metric: value}, "separated":
+    {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
+    ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
+    in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
+    `seed` (and the device's arithmetic). `folder`: keep each fold's logs and models there."""
+    started = time.perf_counter()
+    data = dataset_of(budget, place)
+    # The glyphs are tensors already; any image set goes through the budget's transforms.
+    transforms = None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
+    if row == RAW_INPUT:
+        raw = raw_input_accuracy(data, transforms[1] if transforms else None)
+        seconds = time.perf_counter() - started
+        return {"run": {"concatenated": raw, "separated": raw}, "histories": [], "best_epochs": [], "seconds": seconds}
+    if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
+        recipe, epochs = recipes.Recipe(make_loss=lambda: None, name=UNTRAINED), 0
+    else:
+        recipe, epochs = recipes.with_params(recipes.recipes([row])[row], params), budget["epochs"]
+    make_trunk, make_embedder = model_factories(budget, data.channels)
+    result = run_protocol(
+        data,
+        recipe,
+        make_trunk,
+        make_embedder=make_embedder,
+        seed=seed,
+        epochs=epochs,
+        num_folds=budget["num_folds"],
+        batch_size=budget["batch_size"],
+        iterations_per_epoch=budget["iterations_per_epoch"],
+        make_optimizer=optimizer_factory(budget["optimizer"], budget["weight_decay"], budget["momentum"]),
+        lr=budget["lr"],
+        make_lr_scheduler=lr_scheduler_factory(budget["lr_schedule"], epochs),
+        patience=budget["patience"],
+        freeze_trunk_batchnorm=budget["freeze_batchnorm"],
+        amp=budget["amp"],
+        transforms=transforms,
+        embedding_size=budget["embedding_size"],
+        device=place.device,
+        loader_workers=place.loader_workers,
+        on_iteration=on_iteration,
+        validation_only=validation_only,
+        on_fold=on_fold,
+        folder=folder,
+    )
+    outcome = {"histories": result.histories, "best_epochs": result.best_epochs}
+    if validation_only:
+        outcome["validation"] = result.per_model
+    else:
+        outcome["run"] = {"concatenated": result.concatenated, "separated": result.separated}
+    outcome["seconds"] = time.perf_counter() - started
+    return outcome

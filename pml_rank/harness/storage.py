@@ -1,0 +1,71 @@
+"""The Optuna storage that holds `pml-rank tune`'s studies and `pml-rank bench`'s jobs: any
+SQLAlchemy URL Optuna's `RDBStorage` takes (a SQLite file by default, PostgreSQL for
+several machines). Running trials send heartbeats; a trial whose process died (SIGKILL,
+power loss) is failed once its heartbeat is older than the grace period and queued again
+with the same parameters (Optuna's retry callback). Imports Optuna lazily."""
+
+import warnings
+from pathlib import Path
+
+DEFAULT_HEARTBEAT = 20.0
+
+
+class StorageError(RuntimeError):
+    """The storage cannot be opened (bad URL, missing driver, no server); the message names
+    it with its password hidden."""
+
+
+def default_url(out, file_name):
+    return f"sqlite:///{Path(out).resolve() / file_name}"
+
+
+def redact(url):
+    """The storage URL without its password."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<storage URL>"
+
+
+def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
+    """An `optuna.storages.RDBStorage` on `url` with heartbeats every `heartbeat` seconds and
+    a grace period of twice that; a stale trial is retried up to `max_retry` times (None:
+    always). Raises `StorageError` when the storage cannot be opened."""
+    import optuna
+    from optuna.storages import RDBStorage
+
+    try:  # Optuna >= 4.9 renamed the callback and its keyword
+        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
+
+        retry_keyword = "heartbeat_stale_trial_callback"
+    except ImportError:
+        from optuna.storages import RetryFailedTrialCallback as Retry
+
+        retry_keyword = "failed_trial_callback"
+    if url.startswith("sqlite"):
+        # Several processes on one file: wait for the lock rather than fail at once.
+        engine_kwargs = {"connect_args": {"timeout": 120}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=max(1, int(heartbeat)),
+                grace_period=max(2, int(2 * heartbeat)),
+                **{retry_keyword: Retry(max_retry=max_retry)},
+            )
+    except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StorageError(f"cannot open {redact(url)}: {reason}") from error
+
+
+def close_storage(storage):
+    """Releases the storage's connections (its SQLAlchemy engine's pool)."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()

@@ -1,0 +1,40 @@
+"""Local worker processes for `pml-rank bench` and `pml-rank tune`: each runs the same claim
+loop on a shared storage (`jobs.JobStore.work`, tune's trials), so a worker on this
+machine and one on another are alike. The calling process only shows progress."""
+
+import multiprocessing
+import sys
+import time
+
+
+def _main(target, args):
+    try:
+        target(*args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def run_processes(target, args_per_worker, progress, poll=1.0):
+    """Starts one spawned process per ``args`` in `args_per_worker`, each calling
+    ``target(*args)``, and calls ``progress()`` every `poll` seconds until all have ended.
+    Ctrl-C lets them end (what finished is in the storage) and re-raises. Returns the
+    exit codes of the workers that failed."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_main, args=(target, args), daemon=False) for args in args_per_worker]
+    try:
+        for process in processes:
+            process.start()
+        while any(p.is_alive() for p in processes):
+            progress()
+            time.sleep(poll)
+        progress()
+    except KeyboardInterrupt:
+        for process in processes:
+            process.join(timeout=30)
+        raise
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    return [p.exitcode for p in processes if p.exitcode not in (0, 130, -2)]

@@ -1,0 +1,159 @@
+"""The experiment runner on every kind of data set: a folder of images (the glyphs written
+to disk give the glyphs' table), the papers' layouts under the Reality Check preset (bench
+and tune end to end on the tiny generated copies), trunks' weights from the torch cache,
+and the data problems refused before any training."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pml_rank.cli import main
+from pml_rank.harness import backbones, runner
+from pml_rank.harness.budget import resolve
+from pml_rank.harness.data import load_glyphs, tiny_layouts
+from pml_rank.harness.datasets import ImageFolder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GLYPH_BUDGET = ["--classes", "24", "--epochs", "1", "--iterations", "3", "--batch-size", "16", "--seeds", "2"]
+
+
+def write_glyph_folder(root, num_classes=24):
+    """The first glyph classes as PNG files, one folder per class, in the data set's order."""
+    glyphs = load_glyphs(num_classes=num_classes)
+    for index, (image, label) in enumerate(zip(glyphs.images, glyphs.labels)):
+        folder = root / f"class-{label:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{index:05d}.png")
+    return root
+
+
+def bench_rows(out):
+    return {row["row"]: row["runs"] for row in json.loads((out / "bench.json").read_text())["rows"]}
+
+
+def test_a_folder_of_the_glyphs_gives_the_glyphs_table(tmp_path, glyph_cache, monkeypatch):
+    monkeypatch.setenv("PML_RANK_CACHE", str(glyph_cache))
+    folder = write_glyph_folder(tmp_path / "glyphs")
+    rows = ["AUCLoss", "NPairsMCLoss"]
+    common = [*rows, *GLYPH_BUDGET, "--untuned", "--workers", "1", "--cache-dir", str(glyph_cache)]
+    assert main(["bench", *common, "--out", str(tmp_path / "a")]) == 0
+    assert (
+        main(["bench", *common, "--dataset", f"folder:{folder}", "--preset", "glyphs", "--out", str(tmp_path / "b")])
+        == 0
+    )
+    a, b = bench_rows(tmp_path / "a"), bench_rows(tmp_path / "b")
+    assert list(a) == list(b) == ["raw input", "untrained", *rows]
+    assert a == b  # every seed's accuracies, exactly
+
+
+def test_a_grayscale_folder_stays_single_channel(tmp_path):
+    folder = write_glyph_folder(tmp_path / "glyphs", num_classes=3)
+    data = ImageFolder(folder)
+    assert data.channels == 1 and data.classes == ["class-000", "class-001", "class-002"]
+    assert list(data.labels) == sorted(data.labels)
+    image, label = data[0]
+    assert image.mode == "L" and label == 0
+
+
+@pytest.mark.parametrize(
+    "problem, expected",
+    [("single", "has 1 image(s); every class needs 2 or more"), ("broken", "cannot read image"), ("empty", "is empty")],
+)
+def test_folder_problems_are_refused_before_any_training(tmp_path, problem, expected, capsys):
+    folder = write_glyph_folder(tmp_path / "glyphs", num_classes=10)
+    target = sorted((folder / "class-004").iterdir())
+    if problem == "single":
+        for path in target[1:]:
+            path.unlink()
+        named = folder / "class-004"
+    else:
+        target[0].write_bytes(b"" if problem == "empty" else b"\x89PNG\r\n\x1a\n broken")
+        named = target[0]
+    status = main(
+        [
+            "bench",
+            "pml:TripletMarginLoss",
+            "--dataset",
+            f"folder:{folder}",
+            "--trunk",
+            "small-cnn",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and expected in err and str(named) in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "bench.db").exists()
+
+
+@pytest.mark.parametrize("dataset", ["cub200", "cars196", "sop", "inshop"])
+def test_the_reality_check_preset_runs_bench_end_to_end_on_each_layout(dataset, tmp_path, capsys):
+    root = tiny_layouts.make_all(tmp_path / "data", size=24, only=[dataset])
+    tiny = ["--trunk", "small-cnn", "--image-size", "16", "--epochs", "1", "--iterations", "1", "--batch-size", "8"]
+    args = ["bench", "pml:TripletMarginLoss", "--dataset", dataset, "--data-root", str(root), "--preset",
+            "reality-check", *tiny, "--seeds", "1", "--workers", "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"on {dataset} (preset reality-check)" in printed and "rmsprop lr 1e-06" in printed
+    config = json.loads((tmp_path / "out" / "bench.json").read_text())["config"]
+    # The preset's values, but where a flag overrode them.
+    assert config["optimizer"] == "rmsprop" and config["lr"] == 1e-6 and config["momentum"] == 0.9
+    assert (
+        config["freeze_batchnorm"]
+        and config["embedding_size"] == 128
+        and config["augmentation"] == "random-resized-crop"
+    )
+    assert config["patience"] == (39 if dataset == "sop" else 9) and config["num_classes"] == "all"
+    assert config["trunk"] == "small-cnn" and config["image_size"] == 16 and config["epochs"] == 1
+    rows = bench_rows(tmp_path / "out")
+    assert list(rows) == ["untrained", "pml:TripletMarginLoss"]  # no raw-pixel row for photographs
+
+
+def test_the_reality_check_preset_runs_tune_end_to_end(tmp_path, capsys):
+    root = tiny_layouts.make_all(tmp_path / "data", size=24, only=["cub200"])
+    args = ["tune", "pml:TripletMarginLoss", "--dataset", "cub200", "--data-root", str(root), "--preset",
+            "reality-check", "--trunk", "small-cnn", "--image-size", "16", "--epochs", "1", "--iterations", "1",
+            "--batch-size", "8", "--trials", "2", "--workers", "1", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    entry = json.loads((tmp_path / "out" / "tuned.json").read_text())["pml:TripletMarginLoss"]
+    assert entry["trials"] == 2 and entry["budget"]["preset"] == "reality-check"
+    assert entry["budget"]["dataset"] == "cub200" and "--data-root" in entry["command"]
+
+
+def test_a_trunk_reads_its_weights_from_the_torch_cache_and_a_missing_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    root = tiny_layouts.make_all(tmp_path / "data", size=24, only=["cub200"])
+    args = ["bench", "pml:TripletMarginLoss", "--dataset", "cub200", "--data-root", str(root), "--trunk", "resnet50",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "resnet50-0676ba61.pth" in err and "--random-init" in err and "Traceback" not in err
+    import torchvision
+
+    torch.manual_seed(3)
+    saved = torchvision.models.resnet50(weights=None).state_dict()
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(saved, backbones.BACKBONES["resnet50"].weights_file())
+    budget = resolve("cub200", trunk="resnet50")
+    make_trunk, make_embedder = runner.model_factories(budget, channels=3)
+    trunk = make_trunk()
+    torch.testing.assert_close(trunk.conv1.weight, saved["conv1.weight"])
+    assert make_embedder().in_features == 2048 and make_embedder().out_features == 128
+
+
+def test_mixed_precision_trains_a_fold_model(glyph_cache):
+    budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16, amp=True)
+    outcome = runner.run(budget, "pml:TripletMarginLoss", {}, 0, runner.Place(cache_dir=str(glyph_cache)))
+    assert np.isfinite([fold[0]["loss"] for fold in outcome["histories"]]).all()
+
+
+@pytest.mark.cuda
+def test_one_fold_model_trains_on_cuda(glyph_cache):
+    budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16, num_folds=2)
+    place = runner.Place(cache_dir=str(glyph_cache), device="cuda")
+    outcome = runner.run(budget, "AUCLoss", {}, 0, place)
+    assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
