@@ -49,6 +49,15 @@ def _npairs_space(trial):
     return {"l2_reg_weight": trial.suggest_float("l2_reg_weight", 1e-5, 0.1, log=True)}
 
 
+def _recall_at_k_space(trial):
+    # A decade either side of the paper's τ1 = 0.01 and τ2 = 1; SiMix on or off.
+    return {
+        "rank_temperature": trial.suggest_float("rank_temperature", 1e-3, 0.1, log=True),
+        "recall_temperature": trial.suggest_float("recall_temperature", 0.1, 10.0, log=True),
+        "similarity_mixup": trial.suggest_categorical("similarity_mixup", [False, True]),
+    }
+
+
 def _smooth_ap_space(trial):
     # A decade either side of the paper's τ = 0.01 on cosine similarities: at 1e-3 only
     # pairs within ~0.01 of each other get a useful gradient, at 0.1 the sigmoid spreads over a
@@ -63,8 +72,8 @@ def _smooth_ap_space(trial):
 def pml_rank_search_spaces():
     """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
     size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
-    slope, FastAP's number of bins, N-pair's L2 weight, Smooth-AP's temperature and
-    query convention."""
+    slope, FastAP's number of bins, N-pair's L2 weight, the Recall@k surrogate's two
+    temperatures and SiMix, Smooth-AP's temperature and query convention."""
     return {
         "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
         "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
@@ -72,5 +81,6 @@ def pml_rank_search_spaces():
         "FastAPLoss": _fastap_space,
         "NPairsMCLoss": _npairs_space,
         "NPairsOVOLoss": _npairs_space,
+        "RecallAtKSurrogateLoss": _recall_at_k_space,
         "SmoothAPLoss": _smooth_ap_space,
     }

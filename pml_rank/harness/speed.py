@@ -230,6 +230,15 @@ CASES = {
     ),
     # The same with its default score memory (3 batches), full before the timed rounds.
     "RaMBORecallLoss-memory3": SpeedCase(ours=registered("RaMBORecallLoss"), prime=3),
+    # No PML counterpart. The reference loops over the queries (about 2 s per call at
+    # batch 1024): skipped above. Cosine similarities do not grow with the embeddings'
+    # scale; a 10 times colder rank sigmoid (τ1 = 0.001) pushes its arguments to ±2000.
+    "RecallAtKSurrogateLoss": SpeedCase(
+        ours=registered("RecallAtKSurrogateLoss"),
+        reference=function("harness.references.recall_at_k.recall_at_k_loss"),
+        reference_max_size=1024,
+        underflow_loss=registered("RecallAtKSurrogateLoss", rank_temperature=0.001),
+    ),
     # PML's SmoothAPLoss peaks at 5.3 B^3 float32 values (measured): 2.7 GB at batch 512,
     # 9.7 GB at 768, 21 GB at 1024. Underflow case: τ ten times smaller (σ arguments to ±2000).
     "SmoothAPLoss": SpeedCase(

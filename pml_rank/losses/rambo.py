@@ -162,28 +162,26 @@ class _RaMBOLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        if indices_tuple is not None:
-            raise ValueError(
-                f"{type(self).__name__}: ranks every pair itself and takes no indices_tuple (miners); "
-                "with DistributedLossWrapper use efficient=False"
-            )
-        exclude_self = reference_is_batch(labels, ref_labels)
+        exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        pairs = None if indices_tuple is None else (indices_tuple, len(ref_emb))
         if self.memory_variant == "rows" and self.memory.size > 0:
-            return self.loss_with_stored_rows(embeddings, labels, ref_emb, ref_labels, exclude_self)
+            return self.loss_with_stored_rows(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
         # "extend", or no memory (then both variants are the paper's loss, through the reducer).
         all_refs, all_ref_labels = self.references_with_memory(ref_emb, ref_labels)
         self.memory.append(ref_emb, ref_labels)
-        scores, positives = self.similarities(embeddings, labels, all_refs, all_ref_labels, exclude_self)
+        scores, positives, columns = self.similarities(
+            embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
+        )
         self.num_pos_pairs = int(torch.count_nonzero(positives))  # sum() copies bool to int64 first
         if self.num_pos_pairs == 0:
             return self.zero_losses()
-        return self.losses_per_query(scores, positives, exclude_self)
+        return self.losses_per_query(scores, positives, exclude_self, columns)
 
-    def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self):
+    def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
         """The "rows" memory: the current score rows and the stored ones, each ranked on its
         own. A stored row's scores are constants, and so are its ranks: the memory keeps
         only what the loss reads from them (`mean_over_rows`), not the rows."""
-        scores, positives = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self)
+        scores, positives, _ = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
         rows, width = scores.shape
         stored_values, stored_rows = scores.new_zeros(0), 0
         if len(self.memory):
@@ -207,18 +205,44 @@ class _RaMBOLoss(RankLossBase):
         stored_emb, stored_labels = self.memory.stored()
         return torch.cat([ref_emb, stored_emb.to(ref_emb)]), torch.cat([ref_labels, stored_labels.to(ref_labels)])
 
-    def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self):
-        """Scores [queries, references] and the positive mask, the query itself left out
-        when the batch is its own reference set (see `without_self`)."""
+    def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
+        """Scores [queries, ranked references], the positive mask and, with `pairs`, the
+        reference index of each column (otherwise None). Without `pairs` every reference
+        is ranked, except the query itself when the batch is its own reference set (see
+        `without_self`); with them, see `similarities_of_pairs`."""
+        if pairs is not None:
+            return self.similarities_of_pairs(embeddings, labels, ref_emb, ref_labels, *pairs)
         positives, _ = pair_masks(labels, ref_labels)
         if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
             queries, _ = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
-            return _SimilaritiesWithoutSelf.apply(queries), without_self(positives)
+            return _SimilaritiesWithoutSelf.apply(queries), without_self(positives), None
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         if exclude_self:
             scores, positives = without_self(scores), without_self(positives)
-        return scores, positives
+        return scores, positives, None
+
+    def similarities_of_pairs(self, embeddings, labels, ref_emb, ref_labels, indices_tuple, given):
+        """`similarities` with an `indices_tuple`: its pairs are the positives and negatives
+        among the first `given` references (the rest, the memory's, count by label), and
+        references in no pair are left out of the query's ranking. A ranking is normalised
+        by its length, so every query must keep the same number of references."""
+        matrix = self.distance(embeddings, ref_emb)
+        scores = matrix if self.distance.is_inverted else -matrix
+        positives, negatives = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
+        positives[:, given:] = labels.unsqueeze(1) == ref_labels[given:].unsqueeze(0)
+        ranked = positives | negatives
+        ranked[:, given:] = True
+        per_query = ranked.sum(1)
+        if bool((per_query != per_query[0]).any()):
+            raise ValueError(
+                f"{type(self).__name__}: a ranking needs the same number of references for every query, "
+                f"but the indices_tuple leaves {int(per_query.min())} to {int(per_query.max())}; take a tuple "
+                "of every pair but some fixed number per query (PML's CrossBatchMemory leaves out each "
+                "query's own copy) or none"
+            )
+        columns = ranked.nonzero()[:, 1].view(len(scores), -1)
+        return scores.gather(1, columns), positives.gather(1, columns), columns
 
 
 def is_inner_product(distance):
@@ -339,9 +363,12 @@ class RaMBORecallLoss(_RaMBOLoss):
         losses = torch.log1p(negatives_above)
         return torch.log1p(losses) if self.weighting == "loglog" else losses
 
-    def losses_per_query(self, scores, positives, exclude_self):
+    def losses_per_query(self, scores, positives, exclude_self, references=None):
         negatives_above, queries, columns = self.negatives_above(scores, positives)
-        indices = (queries, reference_index(queries, columns, exclude_self))
+        if references is not None:  # the columns of an indices_tuple's pairs
+            indices = (queries, references[queries, columns])
+        else:
+            indices = (queries, reference_index(queries, columns, exclude_self))
         return {"loss": {"losses": self.weighted(negatives_above), "indices": indices, "reduction_type": "pos_pair"}}
 
     def mean_over_rows(self, scores, positives, stored_negatives_above, total_rows):
@@ -383,7 +410,7 @@ class RaMBOAPLoss(_RaMBOLoss):
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
-    def losses_per_query(self, scores, positives, exclude_self):
+    def losses_per_query(self, scores, positives, exclude_self, references=None):
         precision, has_positive = self.precision(scores, positives)
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}

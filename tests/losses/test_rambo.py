@@ -292,10 +292,40 @@ def test_bad_parameters_are_rejected(kwargs, message):
         RaMBORecallLoss(**kwargs)
 
 
-def test_miner_indices_are_rejected():
+def test_a_tuple_leaving_queries_different_numbers_of_references_is_rejected():
     embeddings, labels = batch()
-    with pytest.raises(ValueError, match="RaMBOAPLoss: ranks every pair itself and takes no indices_tuple"):
+    with pytest.raises(ValueError, match="RaMBOAPLoss: a ranking needs the same number of references for every query"):
         RaMBOAPLoss()(embeddings, labels, indices_tuple=(torch.tensor([0]), torch.tensor([1]), torch.tensor([2])))
+
+
+def every_pair_but_self(labels):
+    same = labels[:, None] == labels[None, :]
+    return (*torch.where(same & ~torch.eye(len(labels), dtype=torch.bool)), *torch.where(~same))
+
+
+@pytest.mark.parametrize("memory_variant", ["extend", "rows"])
+@pytest.mark.parametrize("loss_class", [RaMBORecallLoss, RaMBOAPLoss])
+def test_a_tuple_of_every_pair_but_self_ranks_as_the_batch_does(loss_class, memory_variant):
+    """What PML's CrossBatchMemory passes: against the batch given as ref_emb with other
+    labels (so not recognised as the batch), the tuple leaves out each query's own entry.
+    Two steps with a memory of one batch, so stored references take part."""
+    in_batch, with_tuple = (loss_class(memory_size=1, memory_variant=memory_variant) for _ in range(2))
+    for step in range(2):
+        embeddings, labels = batch(seed=step)
+        expected = value_and_grad(lambda e: in_batch(e, labels), embeddings)
+        tuple_ = every_pair_but_self(labels)
+        got = value_and_grad(lambda e: with_tuple(e, labels, tuple_, e, labels.clone()), embeddings)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_a_tuple_gives_the_per_pair_losses_their_reference_indices():
+    embeddings, labels = batch()
+    loss = RaMBORecallLoss(memory_size=0, reducer=reducers.DoNothingReducer())
+    expected = loss(embeddings, labels)["loss"]
+    got = loss(embeddings, labels, every_pair_but_self(labels), embeddings, labels.clone())["loss"]
+    for a, b in zip(got["indices"], expected["indices"]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got["losses"], expected["losses"])
 
 
 def test_pml_reducer_sees_per_pair_losses():

@@ -1,0 +1,264 @@
+"""Recall@k surrogate (RS@k): Patel, Tolias, Matas, "Recall@k Surrogate Loss with Large
+Batches and Similarity Mixup", CVPR 2022.
+
+For a query q with positives P_q among the references Ω_q it ranks (the batch without q,
+or ``ref_emb``), the rank of a positive x is relaxed with a sigmoid of temperature τ1,
+
+    r(q, x) = 1 + Σ_{z ∈ Ω_q, z ≠ x} σ((s(q, z) − s(q, x)) / τ1),
+
+the count of positives within the top k with a sigmoid of temperature τ2, and recall@k
+is that count over the most it can be:
+
+    R̃@k(q) = min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / min(k, |P_q|),
+    loss(q) = 1 − (1 / |K|) Σ_{k ∈ K} R̃@k(q),
+
+averaged over the queries. k larger than the ranked list is replaced by its length
+(exact recall@k no longer changes there). The clip at k (a relaxed count can exceed k,
+an exact one cannot) and the replacement of k are the authors' code's.
+
+Differs from the authors' code (yash0307/RecallatK_surrogate, checked against it in
+tests/losses/test_recall_at_k.py, not copied):
+
+- Their ranks count the query itself: its similarity to itself (1 for unit vectors) is
+  one of the references above each of its positives, so every rank is about one higher
+  and k is clipped at the batch size rather than at the list without the query.
+  ``query_in_ranking=True`` computes exactly that; the default follows the paper's text.
+- Their batch must be equal class blocks in order, at least 2 per class (1 divides by
+  zero), and their SiMix takes 3, 4 or 6 per class; here any labels, ``ref_emb`` and
+  ``indices_tuple``.
+- Their sigmoids clamp the exponent at ±50, these at ±30 (see SIGMOID_LIMIT): values
+  differ by less than e^-30 per term.
+
+Memory: every (query, positive) pair needs a sigmoid of its query's whole row of
+similarities, so the forward pass and the analytic backward pass (a custom autograd
+function that recomputes instead of storing) go over the pairs in chunks of at most
+`CHUNK_ELEMENTS` entries: a few queries x references matrices, never B x B x B.
+"""
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.utils import common_functions as c_f
+from torch.autograd.function import once_differentiable
+
+from .base import RankLossBase, pair_masks, reference_is_batch
+
+# Sigmoid arguments are clamped to ±SIGMOID_LIMIT and get no gradient beyond it.
+# σ(±30) is 0 or 1 to float32 precision (e^-30 ≈ 9.4e-14 < 2^-24), and the product of
+# two derivatives (rank sigmoid times recall sigmoid) stays far above float32's smallest
+# normal number, so the backward pass never computes with denormals (a slow path on
+# CPUs). τ1 = 0.01 puts similarity gaps beyond 0.3 there.
+SIGMOID_LIMIT = 30.0
+# Just above σ'(±SIGMOID_LIMIT) in any float type: what a clamped entry's derivative
+# turns into, for threshold_ to zero.
+_SLOPE_AT_LIMIT = math.exp(-SIGMOID_LIMIT) * (1 + 1e-4)
+# Entries of one chunk of (pair, reference) sigmoids: 1 MB in float32, small enough to
+# stay in cache between the passes over it (2^16 to 2^22 measured at batch 2048: within
+# noise of each other up to 2^20, 2^22 about 10% slower).
+CHUNK_ELEMENTS = 1 << 18
+PAPER_K_VALUES = (1, 2, 4, 8, 16)
+
+
+class RecallAtKSurrogateLoss(RankLossBase):
+    """1 − the relaxed recall@k averaged over `k_values`, per query (RS@k).
+
+    Args:
+        k_values: the k of recall@k (the paper's K = {1, 2, 4, 8, 16}).
+        rank_temperature: τ1 of the sigmoid that relaxes the ranks (paper: 0.01).
+        recall_temperature: τ2 of the sigmoid of k − rank (paper: 1).
+        similarity_mixup: SiMix (paper sec. 3.3). Every pair (i, j) of samples of the
+            same class in the batch gives a virtual sample of that class, the mixture
+            α·x̂_i + (1 − α)·x̂_j with a fresh α ~ U(0, 1) (torch's global generator).
+            Its similarities are the same mixture of the real ones, and between two
+            virtual samples the bilinear mixture: the dot products of the mixed
+            unit-norm embeddings when the similarity is cosine, as in the authors' code.
+            Virtual samples are queries and references like the real ones; the loss is
+            the mean over all queries, and a virtual query's loss carries the index of
+            its first sample (for reducers). Needs the batch as its own reference set
+            (no ``ref_emb``, no ``indices_tuple``). Under ``DistributedLossWrapper`` each
+            process draws its own α: seed them alike for one function. False (default):
+            the batch as it is.
+        query_in_ranking: False (the paper's text, default): a query ranks the other
+            references only. True (the authors' code): the query's similarity to itself
+            also counts in the rank of each of its positives, as a reference that is no
+            positive (with cosine similarity it ranks above them all, so every rank is
+            about one higher), and k is clipped at the list length including the query.
+
+    Queries without a positive, or without a negative (exact recall@k is then 1 for any
+    ranking), are left out; a batch without any other query gives PML's zero loss. With
+    an `indices_tuple`, its pairs (PML's ``convert_to_pairs``) are each query's positives
+    and negatives, and references in neither are left out of its ranking. Per-query
+    losses go through PML's reducer ("element", indices = queries).
+    Recorded statistic: ``num_queries``.
+    """
+
+    def __init__(
+        self,
+        k_values: tuple | list = PAPER_K_VALUES,
+        rank_temperature: float = 0.01,
+        recall_temperature: float = 1.0,
+        similarity_mixup: bool = False,
+        query_in_ranking: bool = False,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        owner = type(self).__name__
+        if not k_values or not all(
+            isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in k_values
+        ):
+            raise ValueError(f"{owner}: k_values must be a non-empty list of integers >= 1, got {k_values!r}")
+        for name, value in (("rank_temperature", rank_temperature), ("recall_temperature", recall_temperature)):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+        if not self.distance.is_inverted:
+            raise ValueError(
+                f"{owner}: the distance must be a similarity (higher = closer), got {type(self.distance).__name__}"
+            )
+        self.k_values = [int(k) for k in k_values]
+        self.rank_temperature = float(rank_temperature)
+        self.recall_temperature = float(recall_temperature)
+        self.similarity_mixup = similarity_mixup
+        self.query_in_ranking = query_in_ranking
+        self.add_to_recordable_attributes(list_of_names=["rank_temperature", "recall_temperature"], is_stat=False)
+        self.add_to_recordable_attributes(list_of_names=["num_queries"], is_stat=True)
+
+    def get_default_distance(self):
+        return CosineSimilarity()
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        batch_is_reference = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        if self.similarity_mixup and not batch_is_reference:
+            raise ValueError(
+                f"{type(self).__name__}: similarity_mixup=True mixes the batch with itself; "
+                "it takes no ref_emb and no indices_tuple"
+            )
+        scores = self.distance(embeddings, ref_emb)
+        positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
+        query_index = torch.arange(len(embeddings), device=embeddings.device)
+        if self.similarity_mixup:
+            scores, positive, negative, query_index = with_virtual_samples(scores, labels)
+        ranked = positive | negative
+        keep = positive.any(1) & negative.any(1)
+        self.num_queries = int(keep.sum())
+        if self.num_queries == 0:
+            return self.zero_losses()
+        if self.query_in_ranking:
+            if batch_is_reference:
+                own = scores.diagonal()
+            else:
+                normalized = self.distance.maybe_normalize(embeddings)
+                own = self.distance.pairwise_distance(normalized, normalized)
+            scores = torch.cat([scores, own.unsqueeze(1)], dim=1)
+            ranked = torch.cat([ranked, ranked.new_ones(len(ranked), 1)], dim=1)
+            positive = torch.cat([positive, positive.new_zeros(len(positive), 1)], dim=1)
+        if not bool(keep.all()):
+            scores, ranked, positive = scores[keep], ranked[keep], positive[keep]
+        k, normalizer = self.k_and_normalizer(ranked, positive, scores.dtype)
+        pair_query, pair_positive = positive.nonzero(as_tuple=True)
+        recall = _RelaxedRecallAtK.apply(
+            scores,
+            ranked,
+            pair_query,
+            pair_positive,
+            k,
+            normalizer,
+            self.rank_temperature,
+            self.recall_temperature,
+        )
+        return {"loss": {"losses": 1 - recall, "indices": query_index[keep], "reduction_type": "element"}}
+
+    def k_and_normalizer(self, ranked, positive, dtype):
+        """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length,
+        and min(that k, the query's number of positives)."""
+        k = torch.tensor(self.k_values, device=ranked.device)
+        k = torch.minimum(k, ranked.sum(1, dtype=torch.int64, keepdim=True))
+        normalizer = torch.minimum(k, positive.sum(1, dtype=torch.int64, keepdim=True))
+        return k.to(dtype), normalizer.to(dtype)
+
+
+def same_class_pairs(labels):
+    """(i, j) of every pair of samples with the same label, i < j, in row-major order."""
+    same = labels.unsqueeze(1) == labels.unsqueeze(0)
+    return torch.triu(same, diagonal=1).nonzero(as_tuple=True)
+
+
+def with_virtual_samples(scores, labels):
+    """SiMix on a square similarity matrix of the batch against itself: the matrix of the
+    batch followed by one virtual sample per same-class pair (i, j), the mixture
+    α·s(i, ·) + (1 − α)·s(j, ·) in rows and then in columns, α ~ U(0, 1); its positive and
+    negative masks (the diagonal in neither); and each row's query index (a virtual
+    sample's is its i)."""
+    first, second = same_class_pairs(labels)
+    alpha = torch.rand(len(first), dtype=scores.dtype, device=scores.device)
+    rows = torch.cat([scores, torch.lerp(scores[second], scores[first], alpha.unsqueeze(1))])
+    scores = torch.cat([rows, torch.lerp(rows[:, second], rows[:, first], alpha)], dim=1)
+    all_labels = torch.cat([labels, labels[first]])
+    positive = all_labels.unsqueeze(1) == all_labels.unsqueeze(0)
+    negative = ~positive
+    positive.fill_diagonal_(False)
+    query_index = torch.cat([torch.arange(len(labels), device=labels.device), first])
+    return scores, positive, negative, query_index
+
+
+def _pair_chunks(num_pairs, num_references):
+    step = max(1, CHUNK_ELEMENTS // max(1, num_references))
+    return [slice(start, start + step) for start in range(0, num_pairs, step)]
+
+
+def _rank_sigmoids(scaled, anchors, pair_query, chunk):
+    """σ((s(q, z) − s(q, x)) / τ1) of the chunk's pairs (q, x) against every reference z
+    (rows of `scaled`, the similarities over τ1 with -inf where z is not ranked)."""
+    rows = scaled.index_select(0, pair_query[chunk]).sub_(anchors[chunk].unsqueeze(1))
+    return rows.clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+
+
+class _RelaxedRecallAtK(torch.autograd.Function):
+    """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer,
+    from `scores` [queries, references], the `ranked` mask (the references of each
+    query's list), the positive pairs (`pair_query`, `pair_positive`, sorted by query)
+    and per-query k and normalizer [queries, |K|]. Both passes go over the pairs in
+    chunks; the backward pass recomputes the rank sigmoids of the pairs whose gradient
+    is not zero."""
+
+    @staticmethod
+    def forward(ctx, scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
+        scaled = scores.masked_fill(~ranked, -torch.inf).mul_(1 / rank_temperature)
+        anchors = scaled[pair_query, pair_positive]
+        ranks = torch.empty_like(anchors)
+        for chunk in _pair_chunks(len(anchors), scores.shape[1]):
+            # 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2 exactly.
+            ranks[chunk] = _rank_sigmoids(scaled, anchors, pair_query, chunk).sum(1) + 0.5
+        margins = (k[pair_query] - ranks.unsqueeze(1)) / recall_temperature
+        in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+        counts = torch.zeros_like(k).index_add_(0, pair_query, in_top_k)
+        recall = (torch.minimum(counts, k) / normalizer).mean(1)
+        ctx.save_for_backward(scaled, anchors, pair_query, pair_positive, margins, in_top_k, counts < k, normalizer)
+        ctx.temperatures = rank_temperature, recall_temperature
+        return recall
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_recall):
+        scaled, anchors, pair_query, pair_positive, margins, in_top_k, unclipped, normalizer = ctx.saved_tensors
+        rank_temperature, recall_temperature = ctx.temperatures
+        # d recall / d r(q, x): through every k whose count is not clipped.
+        slope = in_top_k * (1 - in_top_k) * (margins.abs() < SIGMOID_LIMIT)
+        weight = (grad_recall.unsqueeze(1) * unclipped / normalizer)[pair_query]
+        grad_ranks = -(weight * slope).sum(1) / (normalizer.shape[1] * recall_temperature)
+        # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
+        active = grad_ranks.nonzero().squeeze(1)
+        pair_query, anchors = pair_query[active], anchors[active]
+        pair_positive, grad_ranks = pair_positive[active], grad_ranks[active] / rank_temperature
+        grad = torch.zeros_like(scaled)
+        for chunk in _pair_chunks(len(active), scaled.shape[1]):
+            sigma = _rank_sigmoids(scaled, anchors, pair_query, chunk)
+            # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
+            weights = F.threshold_(torch.addcmul(sigma, sigma, sigma, value=-1), _SLOPE_AT_LIMIT, 0.0)
+            weights.mul_(grad_ranks[chunk].unsqueeze(1))
+            grad.index_add_(0, pair_query[chunk], weights)
+            grad[pair_query[chunk], pair_positive[chunk]] -= weights.sum(1)
+        return grad, None, None, None, None, None, None, None
