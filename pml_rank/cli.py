@@ -307,7 +307,11 @@ def add_budget_arguments(parser):
         help=f"{', '.join(DATASET_NAMES)} (under --data-root) or folder:PATH (one subfolder of images per "
         "class) (default: %(default)s, generated locally, no download)",
     )
-    parser.add_argument("--data-root", metavar="DIR", help="folder holding cub200, cars196, sop, inshop (README)")
+    parser.add_argument(
+        "--data-root",
+        metavar="DIR",
+        help="folder holding cub200, cars196, sop, inshop (README) (default: none; only those data sets need it)",
+    )
     parser.add_argument(
         "--preset",
         choices=(AUTO_PRESET, *PRESETS),
@@ -317,7 +321,10 @@ def add_budget_arguments(parser):
     )
     parser.add_argument("--trunk", choices=TRUNKS, help=f"trunk (glyphs: {g['trunk']}; reality-check: bn-inception)")
     parser.add_argument(
-        "--random-init", action="store_true", help="train an ImageNet trunk from scratch (no weights file needed)"
+        "--random-init",
+        action="store_true",
+        help="train an ImageNet trunk from scratch, no weights file needed (glyphs: always; reality-check: "
+        "the ImageNet weights from the torch cache)",
     )
     parser.add_argument(
         "--freeze-batchnorm",
@@ -383,7 +390,7 @@ def add_budget_arguments(parser):
         choices=AUGMENTATIONS,
         help="none: the images as they are (glyphs); random-resized-crop (reality-check); crop-flip",
     )
-    parser.add_argument("--amp", action="store_true", help="automatic mixed precision (float16 on CUDA)")
+    parser.add_argument("--amp", action="store_true", help="automatic mixed precision, float16 on CUDA (default: off)")
     parser.add_argument(
         "--threads",
         type=arguments.positive_int,
@@ -522,7 +529,11 @@ def build_parser():
         help="registered loss names and pml:<name> baselines (default: all registered losses and "
         f"{' '.join(DEFAULT_BASELINES)}; --list shows every row)",
     )
-    p.add_argument("--list", action="store_true", help="show every row with its miner, batches and optimizer")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="show every row with its miner, batches and optimizer, and exit (default: run the bench)",
+    )
     add_budget_arguments(p)
     p.add_argument(
         "--seeds",
@@ -544,7 +555,10 @@ def build_parser():
     )
     p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
     p.add_argument(
-        "--status", action="store_true", help="show the jobs done, running and waiting per row of the storage's bench"
+        "--status",
+        action="store_true",
+        help="show the jobs done, running and waiting per row of the storage's bench, and exit "
+        "(default: run the bench)",
     )
     p.set_defaults(run=_cmd_bench)
 

@@ -75,6 +75,25 @@ BAD_ARGUMENTS = [
     (["bench", "--classes", "1"], ["--classes"]),
     (["bench", "--epochs", "two"], ["--epochs", "two"]),
     (["bench", "NoSuchLoss"], ["NoSuchLoss"]),
+    (["bench", "--preset", "paper"], ["--preset", "paper"]),
+    (["bench", "--trunk", "vgg16"], ["--trunk", "vgg16"]),
+    (["bench", "--optimizer", "adamw"], ["--optimizer", "adamw"]),
+    (["bench", "--weight-decay", "-0.5"], ["--weight-decay", "-0.5"]),
+    (["bench", "--momentum", "nan"], ["--momentum", "nan"]),
+    (["bench", "--patience", "0"], ["--patience"]),
+    (["bench", "--image-size", "8"], ["--image-size", "16"]),
+    (["bench", "--augmentation", "mixup"], ["--augmentation", "mixup"]),
+    (["bench", "--lr-schedule", "linear"], ["--lr-schedule", "linear"]),
+    (["bench", "--devices", ","], ["--devices"]),
+    (["bench", "--devices", "cpu,gpu0"], ["--devices", "gpu0"]),
+    (["bench", "--loader-workers", "-1"], ["--loader-workers"]),
+    (["bench", "--dataset", "folder:/nonexistent"], ["--dataset", "/nonexistent"]),
+    (["bench", "--freeze-batchnorm", "maybe"], ["--freeze-batchnorm", "maybe"]),
+    (["bench", "--heartbeat", "0"], ["--heartbeat"]),
+    (["bench", "--workers", "0"], ["--workers"]),
+    (["tune", "--trials", "0"], ["--trials"]),
+    (["tune", "--preset", "paper"], ["--preset", "paper"]),
+    (["tune", "--dataset", "folder:/nonexistent"], ["--dataset", "/nonexistent"]),
     (["speed", "--sizes", "0"], ["--sizes"]),
     (["speed", "--sizes", "64", "-3"], ["--sizes"]),
     (["speed", "--repeats", "0"], ["--repeats"]),
@@ -98,6 +117,15 @@ def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
         _entry_point() + [command, "--device", "cuda", "--out", str(tmp_path / "out")], tmp_path
     )
     assert_refused(status, stderr, seconds, "--device", "cuda")
+
+
+@pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
+def test_a_bench_storage_that_cannot_be_opened_is_refused_before_the_data_are_loaded(url, tmp_path):
+    status, stderr, seconds = run(
+        _entry_point() + ["bench", "--storage", url, "--out", str(tmp_path / "out")], tmp_path
+    )
+    assert_refused(status, stderr, seconds, "--storage", "cannot open")
+    assert "secret" not in stderr
 
 
 def test_an_unknown_device_is_refused(tmp_path):
@@ -205,14 +233,23 @@ def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
         assert_refused(status, stderr, seconds, *names)
 
 
-def test_help_imports_no_torch():
-    for argv in (["--help"], ["bench", "--help"], ["speed", "--help"]):
+def test_help_and_argument_errors_import_no_torch():
+    for argv, status in (
+        (["--help"], 0),
+        (["bench", "--help"], 0),
+        (["tune", "--help"], 0),
+        (["speed", "--help"], 0),
+        (["bench", "--preset", "paper"], 2),
+        (["bench", "--dataset", "folder:/nonexistent"], 2),
+        (["tune", "--trunk", "vgg16"], 2),
+        (["tune", "--image-size", "8"], 2),
+    ):
         done = subprocess.run(
             [sys.executable, "-X", "importtime", "-m", "pml_rank.cli", *argv], capture_output=True, text=True
         )
-        assert done.returncode == 0
+        assert done.returncode == status, done.stderr[-2000:]
         imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()}
-        assert "torch" not in imported
+        assert "torch" not in imported and "torchvision" not in imported, argv
 
 
 def _options(command):
@@ -223,10 +260,38 @@ def _options(command):
     ]
 
 
-@pytest.mark.parametrize("command", ["bench", "speed"])
+# The options a preset fills when they are not given (their argparse default is None).
+PRESET_FILLED = {
+    "trunk",
+    "random_init",
+    "freeze_batchnorm",
+    "embedding_size",
+    "epochs",
+    "iterations",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "momentum",
+    "lr_schedule",
+    "patience",
+    "classes",
+    "image_size",
+    "augmentation",
+    "trials",
+}
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "speed"])
 def test_every_option_help_shows_its_default(command):
     for action in _options(command):
-        assert action.help and "default" in action.help, action.option_strings
+        assert action.help, action.option_strings
+        if action.dest in PRESET_FILLED:  # what the presets give it
+            assert any(name in action.help for name in ("glyphs", "reality-check", "both presets")), (
+                action.option_strings
+            )
+        else:
+            assert "default" in action.help, action.option_strings
 
 
 def test_help_states_the_constraints():
@@ -251,17 +316,29 @@ def test_speed_help_sizes_are_the_sizes_speed_uses():
         assert case.default_sizes == budget.SPEED_DEFAULT_SIZES_PER_LOSS.get(name), name
 
 
-def test_add_budget_arguments_gives_the_bench_defaults_and_checks():
+def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
     parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"))
     args = parser.parse_args([])
-    assert args.epochs == budget.DEFAULTS["epochs"]
-    assert args.iterations == budget.DEFAULTS["iterations_per_epoch"]
-    assert args.batch_size == budget.DEFAULTS["batch_size"]
-    assert args.embedding_size == budget.DEFAULTS["embedding_size"]
-    assert args.lr == budget.DEFAULTS["lr"] and args.threads == budget.DEFAULTS["threads"]
-    assert args.dataset == budget.DEFAULTS["dataset"] and args.device == budget.DEFAULTS["device"]
-    assert args.lr_schedule == budget.DEFAULTS["lr_schedule"] == "cosine"
-    assert args.classes == budget.DEFAULTS["num_classes"] and args.cache_dir is None
+    assert all(getattr(args, dest, None) is None for dest in PRESET_FILLED - {"random_init"})
+    assert args.random_init is False and args.amp is False and args.preset == budget.AUTO_PRESET
+    assert args.threads == budget.DEFAULTS["threads"] and args.device == budget.DEFAULTS["device"]
+    assert args.dataset == "glyphs" and args.cache_dir is None
+    # Without options: the glyph budget on the glyphs, the Reality Check on an image data set.
+    assert cli._budget(args) == budget.resolve("glyphs", "glyphs")
+    assert {k: cli._budget(args)[k] for k in budget.GLYPHS} == budget.GLYPHS
+    images = parser.parse_args(["--dataset", "sop"])
+    assert cli._budget(images) == budget.resolve("sop", "reality-check")
+    assert cli._budget(images)["patience"] == 39 and cli._budget(images)["optimizer"] == "rmsprop"
+    # Any option given overrides its preset's value, and only that one.
+    given = parser.parse_args(
+        ["--preset", "reality-check", "--epochs", "3", "--classes", "all", "--weight-decay", "0", "--amp"]
+    )
+    expected = dict(budget.resolve("glyphs", "reality-check"), epochs=3, num_classes="all", weight_decay=0.0, amp=True)
+    assert cli._budget(given) == expected
+    assert (
+        cli._budget(parser.parse_args(["--freeze-batchnorm", "no", "--preset", "reality-check"]))["freeze_batchnorm"]
+        is False
+    )
     assert parser.parse_args(["--classes", "all"]).classes == "all"
     assert parser.parse_args(["--classes", "30", "--lr-schedule", "constant"]).lr_schedule == "constant"
     for argv in (
@@ -272,7 +349,20 @@ def test_add_budget_arguments_gives_the_bench_defaults_and_checks():
         ["--classes", "1"],
         ["--classes", "some"],
         ["--lr-schedule", "linear"],
+        ["--preset", "paper"],
+        ["--trunk", "vgg16"],
+        ["--optimizer", "adamw"],
+        ["--weight-decay", "-1"],
+        ["--momentum", "inf"],
+        ["--patience", "0"],
+        ["--image-size", "15"],
+        ["--augmentation", "mixup"],
+        ["--freeze-batchnorm", "maybe"],
+        ["--loader-workers", "-1"],
+        ["--heartbeat", "0"],
+        ["--workers", "0"],
+        ["--dataset", "folder:/nonexistent"],
     ):
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(argv)
-        assert exit_.value.code == 2
+        assert exit_.value.code == 2, argv

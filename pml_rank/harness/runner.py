@@ -16,7 +16,7 @@ import torch
 
 from . import backbones, recipes
 from .budget import class_count
-from .datasets import image_transforms, load_dataset, needs_data_root
+from .datasets import DataError, image_transforms, load_dataset, needs_data_root
 from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol
 from .evaluation.training import optimizer_factory
 
@@ -74,13 +74,12 @@ def check(budget, rows, place):
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
     if needs_data_root(budget["dataset"]) and place.data_root is None:
-        from .datasets import DataError
-
         raise DataError(f"--dataset {budget['dataset']} reads its images from --data-root DIR (README: Real data sets)")
     try:
         data = dataset_of(budget, place)
     except ValueError as error:
-        if class_count(budget["num_classes"]) is None or "--classes" not in str(error):
+        # load_glyphs says "num_classes", `FirstClasses` "--classes"; a `DataError` is about the files.
+        if isinstance(error, DataError) or class_count(budget["num_classes"]) is None or "classes" not in str(error):
             raise
         raise recipes.BudgetError("--classes", str(error).removeprefix("--classes ")) from None
     recipes.check_budget(contenders, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])

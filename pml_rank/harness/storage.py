@@ -4,10 +4,15 @@ several machines). Running trials send heartbeats; a trial whose process died (S
 power loss) is failed once its heartbeat is older than the grace period and queued again
 with the same parameters (Optuna's retry callback). Imports Optuna lazily."""
 
+import time
 import warnings
 from pathlib import Path
 
 DEFAULT_HEARTBEAT = 20.0
+# Processes opening a new storage at the same moment race to create its tables (Optuna
+# looks for them, then creates them): the loser finds them made when it tries again.
+CREATION_RACE = ("already exists", "duplicate key", "unique constraint")
+CREATION_ATTEMPTS = 5
 
 
 class StorageError(RuntimeError):
@@ -49,19 +54,24 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
         engine_kwargs = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=max(1, int(heartbeat)),
-                grace_period=max(2, int(2 * heartbeat)),
-                **{retry_keyword: Retry(max_retry=max_retry)},
-            )
-    except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise StorageError(f"cannot open {redact(url)}: {reason}") from error
+    for attempt in range(CREATION_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(
+                    url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=max(1, int(heartbeat)),
+                    grace_period=max(2, int(2 * heartbeat)),
+                    **{retry_keyword: Retry(max_retry=max_retry)},
+                )
+        except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
+            raced = any(words in str(error).lower() for words in CREATION_RACE)
+            if raced and attempt + 1 < CREATION_ATTEMPTS:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise StorageError(f"cannot open {redact(url)}: {reason}") from error
 
 
 def close_storage(storage):

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from pml_rank.cli import main
-from pml_rank.harness import bench
+from pml_rank.harness import bench, recipes, report, runner
+from pml_rank.harness.budget import DEFAULTS, TRAINING_KEYS, class_count, minimum_classes, resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.harness.storage import default_url
 from pml_rank.plugins import registry
 
 # As `pml-rank bench` runs: the tiny CNN loses time to thread contention on a busy machine.
@@ -20,6 +22,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def small_glyphs(glyph_cache):
     return load_glyphs(cache_dir=glyph_cache, num_classes=16)
+
+
+def run_glyph_bench(rows, folder, glyph_cache, seeds=1, threads=1, **budget):
+    """`bench.run_bench` in this process on the glyphs, its jobs in a SQLite file in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return bench.run_bench(
+        rows,
+        resolve("glyphs", **budget),
+        default_url(folder, bench.STORE_FILE),
+        runner.Place(cache_dir=glyph_cache),
+        seeds=seeds,
+        threads=threads,
+        progress=False,
+    )
 
 
 def triplet_loss():
@@ -72,7 +88,7 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
 
     def make_sampler(train_set, batch_size, model, **kwargs):
         seen.append(set(train_set.labels.tolist()))
-        return bench.m_per_class(4)(train_set, batch_size)
+        return recipes.m_per_class(4)(train_set, batch_size)
 
     result = run_protocol(
         small_glyphs,
@@ -91,7 +107,7 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
 
 
 def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
-    available = bench.recipes()
+    available = recipes.recipes()
     assert set(registry.losses()) <= set(available)
     assert {"pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAPLoss", "pml:NPairsLoss"} <= set(available)
     for name, recipe in available.items():
@@ -100,7 +116,7 @@ def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
     if "AUCLoss" in available:
         assert type(available["AUCLoss"].make_miner()).__name__ == "BatchHardMiner"
     with pytest.raises(KeyError, match="NoSuchLoss"):
-        bench.recipes(["NoSuchLoss"])
+        recipes.recipes(["NoSuchLoss"])
 
 
 def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
@@ -130,7 +146,7 @@ def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
     assert "MAP@R" in printed and "pml:TripletMarginLoss" in printed and "±" in printed
     lines = (out / "bench.csv").read_text().splitlines()
     assert lines[0].startswith("row,") and "concatenated_mean_average_precision_at_r_ci95" in lines[0]
-    assert [line.split(",")[0] for line in lines[1:]] == [bench.RAW_INPUT, bench.UNTRAINED, "pml:TripletMarginLoss"]
+    assert [line.split(",")[0] for line in lines[1:]] == [runner.RAW_INPUT, runner.UNTRAINED, "pml:TripletMarginLoss"]
     payload = json.loads((out / "bench.json").read_text())
     assert payload["config"]["seeds"] == 2
     triplet = payload["rows"][2]
@@ -150,31 +166,24 @@ def pml_rank_losses():
     return [c.name for c in registry.components() if c.kind == "losses" and c.distribution == "pml-rank"]
 
 
-def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache):
+def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache, tmp_path):
     # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
     # the reduced budget is enough to learn something at all.
     contenders = pml_rank_losses() + ["pml:TripletMarginLoss"]
-    result = bench.run_bench(
-        contenders,
-        epochs=3,
-        iterations_per_epoch=20,
-        seeds=1,
-        num_folds=2,
-        num_classes=120,
-        cache_dir=glyph_cache,
-        progress=False,
+    result = run_glyph_bench(
+        contenders, tmp_path, glyph_cache, epochs=3, iterations_per_epoch=20, num_folds=2, num_classes=120
     )
     summary = result.summary()
     map_at_r = "mean_average_precision_at_r"
-    raw = summary[bench.RAW_INPUT]["separated"][map_at_r][0]
-    untrained = {kind: summary[bench.UNTRAINED][kind][map_at_r][0] for kind in ("concatenated", "separated")}
+    raw = summary[runner.RAW_INPUT]["separated"][map_at_r][0]
+    untrained = {kind: summary[runner.UNTRAINED][kind][map_at_r][0] for kind in ("concatenated", "separated")}
     failures = []
     for name in contenders:
         for kind in ("concatenated", "separated"):
             ours = summary[name][kind][map_at_r][0]
             if not ours > max(raw, untrained[kind]):
                 failures.append(f"{name} {kind} MAP@R {ours:.3f} <= raw {raw:.3f} / untrained {untrained[kind]:.3f}")
-    assert not failures, "\n" + bench.format_table(result) + "\n" + "\n".join(failures)
+    assert not failures, "\n" + report.format_table(result) + "\n" + "\n".join(failures)
 
 
 def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
@@ -193,11 +202,13 @@ def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
             for _ in range(2)
         ]
 
-    names = [bench.RAW_INPUT, bench.UNTRAINED, *rows]
-    runs = {name: [accuracies()] if name == bench.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names}
-    histories = {name: [] if name == bench.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
-    config = dict(bench.DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None, threads=3)
-    return bench.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names}, 9.0)
+    names = [runner.RAW_INPUT, runner.UNTRAINED, *rows]
+    runs = {
+        name: [accuracies()] if name == runner.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names
+    }
+    histories = {name: [] if name == runner.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
+    config = dict(DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None)
+    return report.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names})
 
 
 def _error_bars(ax):
@@ -209,12 +220,12 @@ def _error_bars(ax):
 def test_png_with_one_seed_says_no_ci_and_draws_no_error_bar():
     import matplotlib.pyplot as plt
 
-    fig = bench.bench_figure(made_up_result(seeds=1))
+    fig = report.bench_figure(made_up_result(seeds=1))
     bars = fig.axes[0]
     assert "no CI" in bars.get_title() and "±" not in bars.get_title()
     assert not _error_bars(bars)
     plt.close(fig)
-    fig = bench.bench_figure(made_up_result(seeds=3))
+    fig = report.bench_figure(made_up_result(seeds=3))
     (concatenated, separated) = _error_bars(fig.axes[0])
     # Every row but the raw input (one deterministic run) has an interval.
     assert len(concatenated.lines[2][0].get_segments()) == 3
@@ -225,7 +236,7 @@ def test_png_curves_have_integer_epochs_distinct_colours_and_the_legend_off_the_
     import matplotlib.pyplot as plt
 
     rows = tuple(f"Loss{i}" for i in range(12)) + ("pml:TripletMarginLoss",)
-    fig = bench.bench_figure(made_up_result(seeds=2, rows=rows, epochs=3))
+    fig = report.bench_figure(made_up_result(seeds=2, rows=rows, epochs=3))
     fig.canvas.draw()
     _, val, loss = fig.axes
     for ax in (val, loss):
@@ -242,25 +253,35 @@ def test_png_curves_have_integer_epochs_distinct_colours_and_the_legend_off_the_
     plt.close(fig)
 
 
-def test_json_records_the_threads(tmp_path):
-    path = bench.write_json(made_up_result(seeds=1), tmp_path / "bench.json")
-    assert json.loads(path.read_text())["config"]["threads"] == 3
+def test_json_records_the_configuration(tmp_path):
+    result = made_up_result(seeds=1)
+    path = report.write_json(result, tmp_path / "bench.json")
+    assert json.loads(path.read_text())["config"] == result.config
 
 
-def test_run_bench_records_the_threads_it_used(glyph_cache, monkeypatch):
-    result = bench.run_bench(
+def test_run_bench_records_its_budget_and_trains_with_the_threads_it_is_given(glyph_cache, tmp_path, monkeypatch):
+    threads_seen = []
+    real_run = runner.run
+
+    def counting_threads(*args, **kwargs):
+        threads_seen.append(torch.get_num_threads())
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", counting_threads)
+    result = run_glyph_bench(
         ["pml:TripletMarginLoss"],
+        tmp_path,
+        glyph_cache,
+        threads=2,
         epochs=1,
         iterations_per_epoch=1,
-        seeds=1,
         num_folds=2,
         num_classes=16,
         batch_size=8,
-        cache_dir=glyph_cache,
-        threads=2,
-        progress=False,
     )
-    assert result.config["threads"] == 2 == torch.get_num_threads()
+    assert threads_seen == [2, 2, 2]  # raw input, untrained, the triplet row
+    budget = resolve("glyphs", epochs=1, iterations_per_epoch=1, num_folds=2, num_classes=16, batch_size=8)
+    assert result.config == {**{k: budget[k] for k in (*TRAINING_KEYS, "preset")}, "seeds": 1}
 
 
 def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -268,7 +289,7 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_p
 
     from matplotlib.figure import Figure
 
-    old = bench.write_all(made_up_result(seeds=2), tmp_path)
+    old = report.write_all(made_up_result(seeds=2), tmp_path)
     before = {p.name: p.read_bytes() for p in old}
 
     def disk_full(self, fname, **kwargs):
@@ -277,13 +298,13 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_p
 
     monkeypatch.setattr(Figure, "savefig", disk_full)
     with pytest.raises(OSError, match="No space"):
-        bench.write_png(made_up_result(seeds=3), tmp_path / "bench.png")
+        report.write_png(made_up_result(seeds=3), tmp_path / "bench.png")
 
     def sync_on_a_full_disk(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bench.outputs.os, "fsync", sync_on_a_full_disk)
-    for write in (bench.write_json, bench.write_csv):
+    monkeypatch.setattr(report.outputs.os, "fsync", sync_on_a_full_disk)
+    for write in (report.write_json, report.write_csv):
         with pytest.raises(OSError, match="No space"):
             write(made_up_result(seeds=3), tmp_path / f"bench.{write.__name__[6:]}")
     assert {p.name: p.read_bytes() for p in old} == before
@@ -291,19 +312,23 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_p
 
 
 def test_check_budget_refuses_batches_the_rows_cannot_make():
-    contenders = bench.recipes(["AUCLoss", "NPairsMCLoss"])
-    bench.check_budget(contenders, 32, num_classes=bench.minimum_classes(2, 32))
-    with pytest.raises(bench.BudgetError, match="--batch-size") as error:
-        bench.check_budget(contenders, 6)
+    contenders = recipes.recipes(["AUCLoss", "NPairsMCLoss"])
+    recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32))
+    with pytest.raises(recipes.BudgetError, match="--batch-size") as error:
+        recipes.check_budget(contenders, 6)
     assert error.value.option == "--batch-size"
-    with pytest.raises(bench.BudgetError, match="--classes"):
-        bench.check_budget(contenders, 32, num_classes=bench.minimum_classes(2, 32) - 1)
-    bench.check_budget(bench.recipes(["NPairsMCLoss"]), 6, num_classes=bench.minimum_classes(2, 6))
+    with pytest.raises(recipes.BudgetError, match="--classes"):
+        recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32) - 1)
+    recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
 
 
-def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache):
-    with pytest.raises(bench.BudgetError, match="--classes"):
-        bench.run_bench(["pml:TripletMarginLoss"], num_classes=10**6, cache_dir=glyph_cache, progress=False)
+def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache, tmp_path, monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before refusing")
+
+    monkeypatch.setattr(runner, "run", no_training)
+    with pytest.raises(recipes.BudgetError, match="--classes"):
+        run_glyph_bench(["pml:TripletMarginLoss"], tmp_path, glyph_cache, num_classes=10**6)
 
 
 def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
@@ -322,17 +347,16 @@ def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
         lr_scheduler_factory("linear", 4)
 
 
-def test_the_bench_trains_with_the_schedule_it_records(glyph_cache):
+def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
     def run(schedule):
-        return bench.run_bench(
+        return run_glyph_bench(
             ["pml:TripletMarginLoss"],
+            tmp_path / schedule,
+            glyph_cache,
             epochs=2,
             iterations_per_epoch=3,
-            seeds=1,
             num_classes=24,
             lr_schedule=schedule,
-            cache_dir=glyph_cache,
-            progress=False,
         )
 
     cosine, constant = run("cosine"), run("constant")
@@ -345,7 +369,7 @@ def test_the_bench_trains_with_the_schedule_it_records(glyph_cache):
 
 
 def test_all_classes_is_a_budget_of_its_own():
-    assert bench.class_count("all") is None and bench.class_count(64) == 64
-    bench.check_budget(bench.recipes(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
-    with pytest.raises(bench.BudgetError, match="--classes"):
-        bench.check_budget(bench.recipes(["NPairsMCLoss"]), 32, 24)
+    assert class_count("all") is None and class_count(64) == 64
+    recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
+    with pytest.raises(recipes.BudgetError, match="--classes"):
+        recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 32, 24)

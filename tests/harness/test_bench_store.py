@@ -1,5 +1,8 @@
-"""The bench's parallel jobs, its store of finished runs (resume, refusal of another
-configuration) and --params, through the console script where it matters."""
+"""The bench's jobs in an Optuna storage (`jobs.JobStore`): parallel workers give the serial
+results, a finished job is kept and never trained again, a bench of another budget or
+other parameters is refused before any work, every job is in the store once, and the
+outputs rebuilt from the store are the same files; --params, through the console script
+where it matters."""
 
 import json
 import os
@@ -7,28 +10,85 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from pml_rank.harness import bench
+from pml_rank.harness import bench, jobs, report, runner, storage
+from pml_rank.harness.budget import resolve
+from pml_rank.harness.storage import close_storage, default_url, open_storage
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
+TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2", "--batch-size", "16"]
+# The in-process benches: 2 fold models of 1 epoch x 2 iterations on 16 classes.
+SMALL = dict(num_classes=16, batch_size=8, epochs=1, iterations_per_epoch=2, num_folds=2)
 
 
-def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache):
-    kwargs = dict(
-        epochs=1,
-        iterations_per_epoch=3,
-        seeds=2,
-        num_classes=24,
-        cache_dir=glyph_cache,
+def url_in(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    return default_url(folder, bench.STORE_FILE)
+
+
+def complete_jobs(url):
+    """``[(job key, trial number, outcome)]`` of the complete trials of the bench at `url`
+    ([] before the bench has created its study)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = open_storage(url)
+    try:
+        try:
+            study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=storage)
+        except KeyError:
+            return []
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        return [
+            (t.user_attrs["job"]["key"], t.number, t.user_attrs["outcome"]) for t in trials if "job" in t.user_attrs
+        ]
+    finally:
+        close_storage(storage)
+
+
+@pytest.fixture
+def count_runs(monkeypatch):
+    """Counts `runner.run`'s calls (the jobs this process trains); ``count_runs.fail_after
+    = n`` makes the call after the n-th raise KeyboardInterrupt, as Ctrl-C would."""
+
+    class Counting:
+        calls = []
+        fail_after = None
+
+    real_run = runner.run
+
+    def run(budget, row, params, seed, *args, **kwargs):
+        if Counting.fail_after is not None and len(Counting.calls) >= Counting.fail_after:
+            raise KeyboardInterrupt
+        Counting.calls.append((row, seed))
+        return real_run(budget, row, params, seed, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", run)
+    return Counting
+
+
+def small_bench(rows, url, glyph_cache, seeds=2, params=None, workers=1, **budget):
+    return bench.run_bench(
+        rows,
+        resolve("glyphs", **{**SMALL, **budget}),
+        url,
+        runner.Place(cache_dir=glyph_cache),
+        seeds=seeds,
+        params=params,
+        workers=workers,
         progress=False,
-        params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}},
     )
-    serial = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=1, **kwargs)
-    parallel = bench.run_bench(["pml:TripletMarginLoss", "RaMBORecallLoss"], workers=2, **kwargs)
+
+
+def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache, tmp_path):
+    kwargs = dict(seeds=2, params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}})
+    rows = ["pml:TripletMarginLoss", "RaMBORecallLoss"]
+    serial = small_bench(rows, url_in(tmp_path / "serial"), glyph_cache, workers=1, **kwargs)
+    parallel = small_bench(rows, url_in(tmp_path / "parallel"), glyph_cache, workers=2, **kwargs)
     assert serial.rows == parallel.rows
     for row in serial.rows:
         assert serial.runs[row] == parallel.runs[row], row
@@ -37,15 +97,87 @@ def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache):
     assert parallel.sources["RaMBORecallLoss"] == "tuned" and parallel.sources["pml:TripletMarginLoss"] == "defaults"
 
 
-def store_rows(out):
-    path = out / bench.STORE_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def test_a_finished_bench_reruns_without_training_and_rebuilds_the_same_outputs(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    first = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    # raw input once, then the untrained row and the triplet row for each seed
+    expected = [(runner.RAW_INPUT, 0), (runner.UNTRAINED, 0), (runner.UNTRAINED, 1)]
+    expected += [("pml:TripletMarginLoss", 0), ("pml:TripletMarginLoss", 1)]
+    assert sorted(count_runs.calls) == sorted(expected) and first.resumed == 0
+    count_runs.calls.clear()
+
+    again = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    assert count_runs.calls == [] and again.resumed == len(expected)
+    paths = {name: report.write_all(result, tmp_path / name) for name, result in (("a", first), ("b", again))}
+    for a, b in zip(paths["a"], paths["b"]):
+        assert a.name == b.name and a.read_bytes() == b.read_bytes(), a.name
+    assert report.format_table(first) == report.format_table(again)
+    keys = Counter(key for key, _, _ in complete_jobs(url))
+    assert len(keys) == len(expected) and set(keys.values()) == {1}  # each job in the store once
+
+
+def test_an_interrupted_bench_keeps_its_finished_jobs_and_trains_only_the_rest(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    count_runs.fail_after = 3  # Ctrl-C in the fourth job
+    with pytest.raises(KeyboardInterrupt):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    kept = {key: outcome for key, _, outcome in complete_jobs(url)}
+    assert len(kept) == 3
+    done_first = list(count_runs.calls)
+
+    count_runs.calls.clear()
+    count_runs.fail_after = None
+    resumed = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    assert resumed.resumed == 3 and len(count_runs.calls) == 2
+    assert not set(done_first) & set(count_runs.calls)  # no finished job trained again
+    stored = complete_jobs(url)
+    keys = Counter(key for key, _, _ in stored)
+    assert len(keys) == 5 and set(keys.values()) == {1}
+    for key, _, outcome in stored:
+        if key in kept:
+            assert outcome == kept[key]
+    for row, seed in done_first:  # the kept outcomes are the ones reported, not recomputed
+        if row != runner.RAW_INPUT:
+            (outcome,) = [o for k, _, o in stored if k == jobs.Job(row, seed, {}).key]
+            assert resumed.runs[row][seed] == outcome["run"]
+
+
+def test_a_store_of_another_budget_is_refused_naming_the_difference(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    budget = resolve("glyphs", **SMALL)
+    jobs.JobStore(url, budget).close()
+    jobs.JobStore(url, dict(budget)).close()  # the same budget: accepted
+    for key, value in (("lr_schedule", "constant"), ("num_classes", "all"), ("dataset", "cub200"), ("epochs", 2)):
+        with pytest.raises(jobs.MismatchError, match=f"{key} {budget[key]!r} there, {value!r} now"):
+            jobs.JobStore(url, {**budget, key: value})
+    count_runs.fail_after = 0  # any training fails the test
+    with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
+    assert complete_jobs(url) == []
+
+
+def test_other_parameters_for_a_row_are_refused_naming_the_row(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    rows = ["pml:TripletMarginLoss", "pml:ContrastiveLoss"]
+    store = jobs.JobStore(url, resolve("glyphs", **SMALL))
+    try:
+        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}, "pml:ContrastiveLoss": {}})
+        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})  # the same: accepted
+        store.claim_rows({"AUCLoss": {}})  # a row the bench did not have: added
+        with pytest.raises(jobs.MismatchError) as error:
+            store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}})
+    finally:
+        store.close()
+    assert "pml:TripletMarginLoss" in str(error.value) and "0.2" in str(error.value)
+    assert "ContrastiveLoss" not in str(error.value) and "AUCLoss" not in str(error.value)
+    count_runs.fail_after = 0  # refused before any work
+    with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
+        small_bench(rows, url, glyph_cache, params={"pml:TripletMarginLoss": {"margin": 0.3}})
 
 
 def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache, start_interruptible):
     out = tmp_path / "out"
+    url = default_url(out, bench.STORE_FILE)
     args = [
         str(PML_RANK),
         "bench",
@@ -61,30 +193,38 @@ def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, g
         "--out",
         str(out),
     ]
+
+    def triplet_jobs():
+        if not (out / bench.STORE_FILE).exists():
+            return []
+        return [(key, outcome) for key, _, outcome in complete_jobs(url) if key.startswith("pml:TripletMarginLoss|")]
+
     process = start_interruptible(args)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(r["row"] == "pml:TripletMarginLoss" for r in store_rows(out)):
-        time.sleep(0.05)
+    while time.monotonic() < deadline and not triplet_jobs():
+        time.sleep(0.2)
     os.killpg(process.pid, signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
-    kept = [r for r in store_rows(out) if r["row"] == "pml:TripletMarginLoss"]
+    kept = triplet_jobs()
     assert process.returncode == 130 and "resumes" in stderr, stdout + stderr
     assert 1 <= len(kept) < 3
 
     result = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"resumed: {3 + len(kept)}" in result.stdout  # the untrained row's 3 seeds and the kept runs
+    # the raw input, the untrained row's 3 seeds and the kept runs
+    assert f"resumed: {4 + len(kept)} finished job(s)" in result.stdout
     payload = json.loads((out / "bench.json").read_text())
     (triplet,) = [row for row in payload["rows"] if row["row"] == "pml:TripletMarginLoss"]
     assert len(triplet["runs"]) == 3
-    for record in kept:  # the stored runs are the ones reported, not recomputed
-        assert triplet["runs"][record["seed"]] == record["run"]
-    assert len([r for r in store_rows(out) if r["row"] == "pml:TripletMarginLoss"]) == 3
+    for key, outcome in kept:  # the stored runs are the ones reported, not recomputed
+        assert triplet["runs"][int(key.rsplit("|", 1)[1])] == outcome["run"]
+    keys = Counter(key for key, _, _ in complete_jobs(url))
+    assert len(keys) == 7 and set(keys.values()) == {1}
 
     changed = subprocess.run(
         [*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True, timeout=300
     )
-    assert changed.returncode == 2 and "another configuration" in changed.stderr
+    assert changed.returncode == 2 and "another budget" in changed.stderr
     assert "epochs 1 there, 2 now" in changed.stderr
     assert (out / "bench.json").read_text() == json.dumps(payload, indent=1)  # nothing overwritten
 
@@ -125,25 +265,26 @@ def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph
     assert "params_source" in (out / "bench.csv").read_text().splitlines()[0]
 
 
-def test_a_line_cut_short_by_a_crash_costs_only_its_own_run(tmp_path):
-    config = {key: 1 for key in bench.STORE_KEYS}
-    path = tmp_path / bench.STORE_FILE
-    first = bench.RunStore(path, config)
-    first.add("AUCLoss", {}, 0, {"value": 0.5})
-    with open(path, "a") as file:  # kill -9 in the middle of the next record
-        file.write('{"config_key": "')
-    resumed = bench.RunStore(path, config)
-    assert resumed.get("AUCLoss", {}, 0)["value"] == 0.5
-    resumed.add("AUCLoss", {}, 1, {"value": 0.7})
-    again = bench.RunStore(path, config)
-    assert again.get("AUCLoss", {}, 0)["value"] == 0.5 and again.get("AUCLoss", {}, 1)["value"] == 0.7
-
-
-def test_a_store_of_another_schedule_or_class_count_is_refused(tmp_path):
-    path = tmp_path / bench.STORE_FILE
-    config = dict(bench.DEFAULTS)
-    bench.RunStore(path, config).add("AUCLoss", {}, 0, {"run": {}, "histories": [], "seconds": 0.0})
-    assert bench.RunStore(path, dict(config)).get("AUCLoss", {}, 0) is not None
-    for changed in (dict(lr_schedule="constant"), dict(num_classes="all")):
-        with pytest.raises(bench.StoreMismatchError, match=next(iter(changed))):
-            bench.RunStore(path, {**config, **changed})
+def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path):
+    # Each process imports first, then opens the storage at one agreed moment: they race to
+    # create its tables, as several `pml-rank bench` commands started together do.
+    url = default_url(tmp_path, "new.db")  # new.db0 to new.db3
+    start = time.time() + 5
+    script = (  # storage.py alone, without pml_rank's package (and torch): the processes start faster
+        "import importlib.util, sys, time\n"
+        "spec = importlib.util.spec_from_file_location('storage', sys.argv[3])\n"
+        "storage = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(storage)\n"
+        "import optuna, sqlalchemy\n"
+        "for k in range(4):  # four new storages, each opened by every process at one moment\n"
+        "    time.sleep(max(0.0, float(sys.argv[2]) + k - time.time()))\n"
+        "    storage.close_storage(storage.open_storage(sys.argv[1] + str(k)))\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, url, str(start), storage.__file__], stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in processes]
+    assert [p.returncode for p in processes] == [0] * 6, "\n".join(errors)

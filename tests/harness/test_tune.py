@@ -2,6 +2,7 @@
 two workers on one file), a PostgreSQL server the test starts itself, a worker killed with
 SIGKILL mid-trial, and the plugins' search spaces."""
 
+import gc
 import json
 import os
 import signal
@@ -15,9 +16,23 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import tune  # noqa: E402
+from pml_rank.harness.budget import TRAINING_KEYS  # noqa: E402
+from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2"]
+# A connection the tests leave open (an Optuna storage never closed) fails the test that left it.
+pytestmark = [
+    pytest.mark.filterwarnings("error::ResourceWarning"),
+    pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
+]
+TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2", "--batch-size", "16"]
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage():
+    """Collects after each test, so that a connection left open warns in the test that opened it."""
+    yield
+    gc.collect()
 
 
 def run_tune(*args, cache, check=True, timeout=300):
@@ -33,9 +48,15 @@ def run_tune(*args, cache, check=True, timeout=300):
 
 
 def trials_of(url, loss):
-    config = tune.budget_config(epochs=1, iterations_per_epoch=2, num_classes=24)
-    study = optuna.load_study(study_name=tune.study_name(loss, config), storage=url)
-    return study.get_trials(deepcopy=False)
+    """The trials of `loss`'s study at the TINY budget; the storage's connections are closed
+    before returning (KeyError while the study does not exist)."""
+    config = tune.budget_config(epochs=1, iterations_per_epoch=2, num_classes=24, batch_size=16)
+    storage = open_storage(url)
+    try:
+        study = optuna.load_study(study_name=tune.study_name(loss, config), storage=storage)
+        return study.get_trials(deepcopy=False)
+    finally:
+        close_storage(storage)
 
 
 def states(trials):
@@ -87,7 +108,7 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
     assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
     assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
     # A different budget is a different study: the old trials are not mixed in.
-    config = tune.budget_config(epochs=2, iterations_per_epoch=2, num_classes=24)
+    config = tune.budget_config(epochs=2, iterations_per_epoch=2, num_classes=24, batch_size=16)
     assert tune.study_name("RaMBORecallLoss", config) != entry["study"]
 
 
@@ -232,19 +253,39 @@ def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, tmp_pa
 
 def test_every_budget_key_makes_a_study_of_its_own():
     base = tune.budget_config()
-    assert base["num_classes"] == 64 and base["lr_schedule"] == "cosine"
+    assert base["num_classes"] == 64 and base["lr_schedule"] == "cosine" and base["preset"] == "glyphs"
     others = dict(
+        dataset="cub200",
+        trunk="resnet50",
+        random_init=False,
+        freeze_batchnorm=True,
+        embedding_size=8,
         epochs=3,
         iterations_per_epoch=7,
         batch_size=16,
-        embedding_size=8,
+        optimizer="rmsprop",
         lr=1e-4,
+        weight_decay=1e-4,
+        momentum=0.9,
         lr_schedule="constant",
+        patience=2,
         num_folds=3,
         num_classes="all",
-        seed=1,
+        image_size=64,
+        resize=72,
+        augmentation="crop-flip",
+        amp=True,
     )
-    assert set(tune.BUDGET_KEYS) == {"dataset", *others}
+    assert set(others) == set(TRAINING_KEYS)  # a key added to the budget must be added here
+    assert all(base[key] != value for key, value in others.items())
     names = {tune.study_name("AUCLoss", base)}
-    names |= {tune.study_name("AUCLoss", tune.budget_config(**{key: value})) for key, value in others.items()}
-    assert len(names) == 1 + len(others)
+    names |= {tune.study_name("AUCLoss", {**base, key: value}) for key, value in others.items()}
+    names |= {tune.study_name("AUCLoss", {**base, "seed": 1}), tune.study_name("AUCLoss", {**base, "preset": "x"})}
+    assert len(names) == 1 + len(others) + 2
+    # Where a process runs is not part of its study: several machines share one.
+    assert tune.study_name("AUCLoss", {**base, "device": "cuda:1", "threads": 4}) == tune.study_name("AUCLoss", base)
+    # --preset reality-check on the glyphs is one budget, whichever options spell it.
+    spelled = tune.budget_config(preset="reality-check", epochs=2)
+    assert tune.study_name("AUCLoss", spelled) == tune.study_name(
+        "AUCLoss", tune.budget_config(preset="reality-check", epochs=2, lr=1e-6, optimizer="rmsprop")
+    )
