@@ -201,7 +201,12 @@ class JobStore:
                     optuna.storages.fail_stale_trials(self.study)
                 continue
             # Optuna fails stale trials itself before each trial it starts.
-            self.study.optimize(objective, n_trials=1, catch=(_Superseded, _NoJob))
+            try:
+                self.study.optimize(objective, n_trials=1, catch=(_Superseded, _NoJob))
+            except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+                # The trial was failed as stale while this process still ran it (a heartbeat
+                # missed under heavy load): its retry holds the job, this outcome is dropped.
+                continue
 
 
 class _QuietRecords:

@@ -49,22 +49,27 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
         from optuna.storages import RetryFailedTrialCallback as Retry
 
         retry_keyword = "failed_trial_callback"
-    if url.startswith("sqlite"):
-        # Several processes on one file: wait for the lock rather than fail at once.
-        engine_kwargs = {"connect_args": {"timeout": 120}}
+    sqlite = url.startswith("sqlite")
+    if sqlite:
+        # Several processes on one file: wait for the lock rather than fail at once, and let
+        # SQLAlchemy (not the driver) begin the transactions (`_serialize_sqlite`).
+        engine_kwargs = {"connect_args": {"timeout": 120, "isolation_level": None}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
     for attempt in range(CREATION_ATTEMPTS):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(
+                storage = RDBStorage(
                     url,
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=max(1, int(heartbeat)),
                     grace_period=max(2, int(2 * heartbeat)),
                     **{retry_keyword: Retry(max_retry=max_retry)},
                 )
+            if sqlite:
+                _serialize_sqlite(storage.engine)
+            return storage
         except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
             raced = any(words in str(error).lower() for words in CREATION_RACE)
             if raced and attempt + 1 < CREATION_ATTEMPTS:
@@ -72,6 +77,17 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
                 continue
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise StorageError(f"cannot open {redact(url)}: {reason}") from error
+
+
+def _serialize_sqlite(engine):
+    """Every transaction on the SQLite file starts with ``BEGIN IMMEDIATE``, taking the write
+    lock before its first read. Optuna claims a waiting trial by reading its state and then
+    writing RUNNING, under ``SELECT ... FOR UPDATE``, which SQLite ignores: without this two
+    processes can both read WAITING and run the same trial (SQLAlchemy's recipe for
+    SQLite's serializable transactions)."""
+    from sqlalchemy import event
+
+    event.listen(engine, "begin", lambda connection: connection.exec_driver_sql("BEGIN IMMEDIATE"))
 
 
 def close_storage(storage):

@@ -185,3 +185,45 @@ def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch)
         assert store.ensure([job]) == 0  # done: never enqueued again
     finally:
         store.close()
+
+
+def _claim_all(url, queue):
+    import warnings
+
+    from pml_rank.harness.storage import close_storage, open_storage
+
+    warnings.simplefilter("ignore")
+    storage = open_storage(url)
+    study = optuna.load_study(study_name="claims", storage=storage)
+    mine = []
+    while any(t.state.name == "WAITING" for t in study.get_trials(deepcopy=False)):
+        trial = study.ask()
+        if "n" in trial.user_attrs:
+            mine.append(trial.user_attrs["n"])
+        study.tell(trial, 0.0)
+    close_storage(storage)
+    queue.put(mine)
+
+
+def test_two_processes_never_claim_the_same_waiting_trial_on_sqlite(tmp_path):
+    """SQLite ignores SELECT ... FOR UPDATE: the storage begins its transactions with BEGIN
+    IMMEDIATE, so Optuna's read-then-write claim of a waiting trial holds across processes."""
+    import multiprocessing
+
+    from pml_rank.harness.storage import close_storage, open_storage
+
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="claims", storage=storage)
+    for n in range(60):
+        study.enqueue_trial({}, user_attrs={"n": n})
+    close_storage(storage)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_claim_all, args=(url, queue)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    claimed = queue.get(timeout=300) + queue.get(timeout=300)
+    for w in workers:
+        w.join()
+    assert sorted(claimed) == list(range(60))  # each once
