@@ -215,7 +215,8 @@ class _QuietRecords:
     @staticmethod
     def filter(record):
         message = record.getMessage()
-        return not any(word in message for word in ("_Superseded", "_NoJob", "KeyboardInterrupt", "SurplusTrial"))
+        quiet = ("_Superseded", "_NoJob", "KeyboardInterrupt", "SurplusTrial", "failed with value None")
+        return not any(word in message for word in quiet)
 
 
 def _quiet_optuna():
