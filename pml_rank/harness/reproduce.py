@@ -38,7 +38,7 @@ from .evaluation import (
     summarize,
     train_model,
 )
-from .recipes import hard_negative_classes, m_per_class
+from .recipes import BudgetError, hard_negative_classes, m_per_class
 from .text_table import format_text_table
 
 # --------------------------------------------------------------------------- declarations
@@ -247,7 +247,14 @@ class Script:
                     raise DataSetNotFoundError(f"--data-root is required (or --smoke).\n{variant_data_help(variant)}")
                 args.models_dir = models_dir(self, variant, args)
                 result = run_variant(self, variant, args)
-        except (MissingComponentError, DataSetNotFoundError, WeightsNotFoundError, ImageReadError) as error:
+        except (
+            MissingComponentError,
+            DataSetNotFoundError,
+            WeightsNotFoundError,
+            ImageReadError,
+            datasets.DataError,
+            BudgetError,
+        ) as error:
             print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
@@ -254,21 +255,25 @@ def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch():
     assert seen == [1.0, 1.0, pytest.approx(0.3)]
 
 
-def test_test_classes_get_the_evaluation_transform():
-    items = [("image", 1), ("image", 5)]
+def test_only_the_training_folds_get_the_training_transform():
+    from PIL import Image
 
-    class Items(torch.utils.data.Dataset):
-        labels = [1, 5]
+    from pml_rank.harness.evaluation import test_set_and_folds
+
+    class Items:
+        labels = np.repeat(np.arange(16), 2)
 
         def __len__(self):
-            return 2
+            return len(self.labels)
 
         def __getitem__(self, i):
-            return items[i]
+            return Image.new("L", (2, 2)), int(self.labels[i])
 
-    dataset = reproduce.TransformByClass(Items(), lambda x: "train", lambda x: "eval", eval_classes=[5])
-    assert dataset[0] == ("train", 1) and dataset[1] == ("eval", 5)
-    assert dataset.labels == [1, 5]
+    folds, test_set = test_set_and_folds(Items(), 4, transforms=(lambda x: "train", lambda x: "eval"))
+    for train_set, val_set in folds:
+        assert {train_set[i][0] for i in range(len(train_set))} == {"train"}
+        assert {val_set[i][0] for i in range(len(val_set))} == {"eval"}
+    assert {test_set[i][0] for i in range(len(test_set))} == {"eval"} and set(test_set.labels) == set(range(8, 16))
 
 
 def test_embedding_layer_gets_its_learning_rate_factor():
