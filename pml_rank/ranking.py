@@ -245,11 +245,19 @@ class _Slots:
 def _count_buffers(scores, slots, count):
     """`count` scratch buffers for one chunk of `_Slots.chunks`' comparisons. Comparisons
     written as 0/1 floats and summed as floats run about three times faster than through
-    bool tensors (vectorised); the sums are exact integers below 2^24 in float32."""
+    bool tensors (vectorised)."""
     n = scores.shape[-1]
-    dtype = torch.float64 if scores.dtype == torch.float64 or n >= 2**24 else torch.float32
     rows = max((part.stop - part.start for part in slots.chunks(n)), default=0)
-    return [torch.empty(rows, slots.shape[1], n, dtype=dtype, device=scores.device) for _ in range(count)]
+    return [
+        torch.empty(rows, slots.shape[1], n, dtype=_count_dtype(scores), device=scores.device) for _ in range(count)
+    ]
+
+
+def _count_dtype(scores):
+    """A floating-point type in which counting up to the sequence length is exact."""
+    if scores.dtype == torch.float64 or scores.shape[-1] >= 2**24:  # float32 integers end at 2^24
+        return torch.float64
+    return torch.float32
 
 
 def _counts(scores, values, slots):

@@ -338,3 +338,37 @@ def test_rambo_inner_products_equal_pmls_distance_and_autograd(distance, dtype, 
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
     else:
         torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize(
+    "dtype, length, expected",
+    [
+        (torch.float16, 100, torch.float32),
+        (torch.float32, 2**24 - 1, torch.float32),
+        (torch.float32, 2**24, torch.float64),  # float32 counts stop being exact
+        (torch.float64, 100, torch.float64),
+    ],
+)
+def test_counts_are_summed_in_a_type_where_they_are_exact(dtype, length, expected):
+    scores = torch.zeros(1, 1, dtype=dtype).expand(3, length)  # no memory for the long rows
+    assert ranking._count_dtype(scores) == expected
+
+
+def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
+    """The comparisons run a chunk of sequences at a time: chunks of 3 sequences (and a
+    partial last one) give the sorting path's ranks and gradient exactly."""
+    chunks = ranking._Slots.chunks
+    monkeypatch.setattr(ranking._Slots, "chunks", lambda self, n: chunks(self, n, budget=3 * self.shape[1] * n))
+    generator = torch.Generator().manual_seed(4)
+    embeddings = torch.nn.functional.normalize(torch.randn(40, 8, generator=generator), dim=1)
+    scores = embeddings @ embeddings.T
+    scores[7, 20] = scores[7, 5]  # a negative tied with a positive, in the third chunk
+    positives = (torch.arange(40) // 4)[:, None] == (torch.arange(40) // 4)[None, :]
+    assert len(ranking._Slots(positives).chunks(40)) == 14
+    incoming = torch.randn(40, 40, generator=generator)
+    x = scores.clone().requires_grad_()
+    ranks, among, *index = ranking._CountedRanks.apply(x, positives, 0.3, None)
+    (ranks * incoming[tuple(index)]).sum().backward()
+    counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
+    for got, expected in zip(counted, sorted_ranks(scores, positives, 0.3, incoming)):
+        assert torch.equal(got, expected)
