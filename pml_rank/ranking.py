@@ -282,11 +282,12 @@ def _slot_counts(first, second, compare):
 
 class _CountedRanks(torch.autograd.Function):
     """Ranks of the positives by counting, and Algorithm 1's perturbed ranking by
-    counting crossings. In a sequence where no other element equals a positive's value
-    (before the perturbation, and after it), the elements above a positive are just the
-    larger ones: two comparison passes each way. Sequences with such ties (a few per
-    batch of 2048 cosine similarities in float32) are redone with the tie rules of a
-    stable sort (`_above`)."""
+    counting crossings. In a sequence where no other element equals a positive's value,
+    the elements above a positive are just the larger ones: two comparison passes in the
+    forward pass, two in the backward pass, where ties with the perturbed values follow
+    from the stable order (`_crossings_without_ties`). Sequences with ties before the
+    perturbation (a few per batch of 2048 cosine similarities in float32) are redone with
+    the tie rules of a stable sort (`_above`)."""
 
     @staticmethod
     def forward(ctx, scores, positives, lambda_val, loss_scale, slots=None):
@@ -322,8 +323,7 @@ class _CountedRanks(torch.autograd.Function):
         # leaves behind; every other element moves by the positives that cross it.
         step = slots.spread(grad_ranks * (ctx.lambda_val / k), 0)
         new_values = values + step
-        change, own, tied_after = _crossings_without_ties(scores, values, new_values, above, slots)
-        tied = tied | tied_after
+        change, own = _crossings_without_ties(scores, values, new_values, above, slots)
         if bool(tied.any()):
             rows = tied.nonzero().squeeze(1)
             change[rows], own[rows] = _crossings(
@@ -334,26 +334,32 @@ class _CountedRanks(torch.autograd.Function):
 
 
 def _crossings_without_ties(scores, values, new_values, above, slots):
-    """rk(perturbed) − rk(scores): per element that is no positive, and per positive
-    slot (`own`), exact in every sequence without ties before or after the perturbation;
-    and which sequences have ties after it. The comparisons use the unperturbed scores;
-    the positives' own columns, where that is wrong, are corrected slot by slot."""
+    """rk(perturbed) − rk(scores) per element that is no positive, and per positive
+    slot (`own`), exact in every sequence where no other element equals a positive's
+    value before the perturbation. The comparisons use the unperturbed scores; the
+    positives' own columns, where that is wrong, are corrected slot by slot."""
+    # Ties with a perturbed value keep the forward order: an element equal to a positive
+    # that moved up was above it (x > value), so it stays above (x >= new value: x > the
+    # float just below it); one equal to a positive that moved down stays below (x > new).
+    below = torch.nextafter(new_values, new_values.new_tensor(-math.inf))
+    thresholds = torch.where(new_values > values, below, new_values)
     change = torch.empty_like(scores)
     greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
-    equal = torch.empty_like(greater)
     before, after = _count_buffers(scores, slots, 2)
     for part in slots.chunks(scores.shape[-1]):
         rows = scores[part, None, :]
         above_before = torch.gt(rows, values[part, :, None], out=before[: len(rows)])
-        above_after = torch.gt(rows, new_values[part, :, None], out=after[: len(rows)])
+        above_after = torch.gt(rows, thresholds[part, :, None], out=after[: len(rows)])
         greater[part] = above_after.sum(-1)
         change[part] = above_before.sub_(above_after).sum(1)
-        equal[part] = torch.ge(rows, new_values[part, :, None], out=above_after).sum(-1) - greater[part]
-    # In the positives' columns the perturbed sequence holds new_values, not values.
-    greater += _slot_counts(new_values, new_values, torch.gt) - _slot_counts(values, new_values, torch.gt)
-    equal += _slot_counts(new_values, new_values, torch.eq) - _slot_counts(values, new_values, torch.eq)
-    tied_after = ((equal != 1) & slots.valid).any(-1)
-    return change, greater - above, tied_after
+    # In the positives' columns the perturbed sequence holds new_values, not values:
+    # take out what the pass counted there and count the perturbed positives above each
+    # other (equal ones in forward order: no two positives are equal before).
+    moved_above = (new_values[:, None, :] > new_values[:, :, None]) | (
+        (new_values[:, None, :] == new_values[:, :, None]) & (values[:, None, :] > values[:, :, None])
+    )
+    greater += moved_above.sum(-1, dtype=torch.int32) - _slot_counts(values, thresholds, torch.gt)
+    return change, greater - above
 
 
 def _crossings(scores, values, new_values, above, elements, valid):
