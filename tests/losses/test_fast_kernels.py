@@ -361,14 +361,19 @@ def test_counts_are_summed_in_a_type_where_they_are_exact(dtype, length, expecte
 def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
     """The comparisons run a chunk of sequences at a time: chunks of 3 sequences (and a
     partial last one) give the sorting path's ranks and gradient exactly."""
-    chunks = ranking._Slots.chunks
-    monkeypatch.setattr(ranking._Slots, "chunks", lambda self, n: chunks(self, n, budget=3 * self.shape[1] * n))
+    compared, parts = ranking._compared, []
+
+    def three_rows_at_a_time(scores, thresholds, slots):
+        for part, above in compared(scores, thresholds, slots, budget=3 * thresholds.shape[1] * scores.shape[-1]):
+            parts.append(part)
+            yield part, above
+
+    monkeypatch.setattr(ranking, "_compared", three_rows_at_a_time)
     generator = torch.Generator().manual_seed(4)
     embeddings = torch.nn.functional.normalize(torch.randn(40, 8, generator=generator), dim=1)
     scores = embeddings @ embeddings.T
     scores[7, 20] = scores[7, 5]  # a negative tied with a positive, in the third chunk
     positives = (torch.arange(40) // 4)[:, None] == (torch.arange(40) // 4)[None, :]
-    assert len(ranking._Slots(positives).chunks(40)) == 14
     incoming = torch.randn(40, 40, generator=generator)
     x = scores.clone().requires_grad_()
     ranks, among, *index = ranking._CountedRanks.apply(x, positives, 0.3, None)
@@ -376,3 +381,4 @@ def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
     counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
     for got, expected in zip(counted, sorted_ranks(scores, positives, 0.3, incoming)):
         assert torch.equal(got, expected)
+    assert len(parts) == 2 * 14  # forward and backward passes, 14 chunks each
