@@ -109,21 +109,18 @@ def normalized_with_distance_stats(distance, embeddings, ref_emb):
     return queries, references
 
 
-def symmetrize_(matrix, block=256):
-    """``matrix + matrix.T`` of a square matrix, in place, block by block: no second
-    N x N buffer, and cache-sized transposes (adding a whole transposed view reads it
-    strided, 3 times slower). The sums are those of ``matrix + matrix.T``."""
+def symmetrize_(matrix, block=128):
+    """``matrix + matrix.T`` of a square matrix, in place, a panel at a time: `block`
+    rows from the diagonal on and the matching columns. No second N x N buffer, and
+    cache-sized transposes (adding a whole transposed view reads it strided, 3 times
+    slower). The sums are those of ``matrix + matrix.T``."""
     n = len(matrix)
-    for i in range(0, n, block):
-        rows = slice(i, i + block)
-        for j in range(i, n, block):
-            columns = slice(j, j + block)
-            upper, lower = matrix[rows, columns], matrix[columns, rows]
-            # Transposed through contiguous copies: a transposed view of a block of the
-            # large matrix steps to another page at every element (at N = 2048, 10 ms
-            # against 6 ms this way).
-            total = upper + lower.contiguous().T
-            upper.copy_(total)
-            if j != i:
-                lower.copy_(total.T.contiguous())
+    for start in range(0, n, block):
+        rows = slice(start, start + block)
+        upper, lower = matrix[rows, start:], matrix[start:, rows]  # share the diagonal block
+        # Transposed through contiguous copies: a transposed view of the large matrix
+        # steps to another page at every element (at N = 2048, 10 ms against 6 ms).
+        total = upper + lower.contiguous().T
+        upper.copy_(total)
+        lower.copy_(total.T.contiguous())
     return matrix

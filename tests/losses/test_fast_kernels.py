@@ -182,11 +182,12 @@ def dense(values, index, like):
     return torch.zeros(like.shape, dtype=values.dtype).index_put(tuple(index), values)
 
 
-def test_counted_ranks_redo_exactly_the_tied_sequences_only(monkeypatch):
+def test_counted_ranks_redo_exactly_the_sequences_tied_before_the_perturbation(monkeypatch):
     """Distinct float32 scores (multiples of 1/64, so perturbed values are exact); then a
-    tie before the perturbation in sequence 1, a negative meeting a perturbed positive in
-    sequence 2, two perturbed positives meeting in sequence 3. The counted path equals
-    the sorted one everywhere and applies the tie rules to those three sequences only."""
+    tie before the perturbation in sequence 1, perturbed positives meeting a negative
+    (sequences 2 and 4: moving up and down), another perturbed positive (3) or one that
+    stays (5). The counted path equals the sorted one everywhere; only sequence 1 needs
+    the exact pass (ties with perturbed values are counted in forward order directly)."""
     rows, n, lambda_val = 8, 40, 1.0
     generator = torch.Generator().manual_seed(0)
     scores = torch.randperm(rows * n, generator=generator).view(rows, n).float() / 64
@@ -197,6 +198,9 @@ def test_counted_ranks_redo_exactly_the_tied_sequences_only(monkeypatch):
     scores[1, 5] = scores[1, 17]  # tie with a positive before
     scores[2, 9] = scores[2, 3] + lambda_val * 1.0  # meets positive 3 after its step of +1
     scores[3, 30] = scores[3, 17] - 4.0  # positives 17 (-2) and 30 (+2) meet after
+    scores[4, 11] = scores[4, 17] - 2.0  # positive 17 moves down onto a negative below it
+    incoming[5, 3] = 0.0  # positive 3 stays; positive 30 (+2) moves onto it from below
+    scores[5, 30] = scores[5, 3] - 2.0
     redone = []
     exact = ranking._crossings
     monkeypatch.setattr(ranking, "_crossings", lambda s, *rest: redone.append(len(s)) or exact(s, *rest))
@@ -206,7 +210,7 @@ def test_counted_ranks_redo_exactly_the_tied_sequences_only(monkeypatch):
     counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
     for got, expected in zip(counted, sorted_ranks(scores, positives, lambda_val, incoming)):
         assert torch.equal(got, expected)
-    assert redone == [3]  # sequences 1, 2 and 3, in one exact pass
+    assert redone == [1]  # sequence 1 alone
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -338,3 +342,43 @@ def test_rambo_inner_products_equal_pmls_distance_and_autograd(distance, dtype, 
         torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
     else:
         torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize(
+    "dtype, length, expected",
+    [
+        (torch.float16, 100, torch.float32),
+        (torch.float32, 2**24 - 1, torch.float32),
+        (torch.float32, 2**24, torch.float64),  # float32 counts stop being exact
+        (torch.float64, 100, torch.float64),
+    ],
+)
+def test_counts_are_summed_in_a_type_where_they_are_exact(dtype, length, expected):
+    scores = torch.zeros(1, 1, dtype=dtype).expand(3, length)  # no memory for the long rows
+    assert ranking._count_dtype(scores) == expected
+
+
+def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
+    """The comparisons run a chunk of sequences at a time: chunks of 3 sequences (and a
+    partial last one) give the sorting path's ranks and gradient exactly."""
+    compared, parts = ranking._compared, []
+
+    def three_rows_at_a_time(scores, thresholds, slots):
+        for part, above in compared(scores, thresholds, slots, budget=3 * thresholds.shape[1] * scores.shape[-1]):
+            parts.append(part)
+            yield part, above
+
+    monkeypatch.setattr(ranking, "_compared", three_rows_at_a_time)
+    generator = torch.Generator().manual_seed(4)
+    embeddings = torch.nn.functional.normalize(torch.randn(40, 8, generator=generator), dim=1)
+    scores = embeddings @ embeddings.T
+    scores[7, 20] = scores[7, 5]  # a negative tied with a positive, in the third chunk
+    positives = (torch.arange(40) // 4)[:, None] == (torch.arange(40) // 4)[None, :]
+    incoming = torch.randn(40, 40, generator=generator)
+    x = scores.clone().requires_grad_()
+    ranks, among, *index = ranking._CountedRanks.apply(x, positives, 0.3, None)
+    (ranks * incoming[tuple(index)]).sum().backward()
+    counted = dense(ranks.detach(), index, scores), dense(among, index, scores), x.grad
+    for got, expected in zip(counted, sorted_ranks(scores, positives, 0.3, incoming)):
+        assert torch.equal(got, expected)
+    assert len(parts) == 2 * 14  # forward and backward passes, 14 chunks each
