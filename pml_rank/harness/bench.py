@@ -22,7 +22,7 @@ from .budget import SHIPPED_PARAMS, TRAINING_KEYS
 from .jobs import Job, JobStore
 from .report import BenchResult
 from .runner import RAW_INPUT, Place
-from .storage import close_storage, open_storage
+from .storage import check_url, close_storage, open_storage
 from .workers import run_processes
 
 STORE_FILE = "bench.db"
@@ -122,8 +122,9 @@ def run_bench(
     itself. Raises `jobs.MismatchError` when the storage holds another bench, and the
     errors of `runner.check` before any work."""
     contenders = recipes.recipes(rows)
-    close_storage(open_storage(url, heartbeat))  # a storage that cannot be opened: refused before the data load
+    check_url(url)  # an unreachable storage is refused before the data load; bad data before a file is made
     runner.check(budget, list(contenders), place)
+    close_storage(open_storage(url, heartbeat))
     params = params or {}
     row_params = {row: dict(params.get(row, {})) for row in contenders}
     all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)

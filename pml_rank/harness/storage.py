@@ -34,6 +34,30 @@ def redact(url):
         return "<storage URL>"
 
 
+def _refusal(url, error):
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return StorageError(f"cannot open {redact(url)}: {reason}")
+
+
+def check_url(url):
+    """Refuses (`StorageError`) a URL SQLAlchemy cannot parse, whose driver is missing or
+    whose server does not answer, without creating anything (a SQLite file is not made)."""
+    try:
+        from sqlalchemy import create_engine
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        parsed.get_dialect()
+        if parsed.get_backend_name() != "sqlite":
+            engine = create_engine(parsed)
+            try:
+                engine.connect().close()
+            finally:
+                engine.dispose()
+    except Exception as error:
+        raise _refusal(url, error) from error
+
+
 def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
     """An `optuna.storages.RDBStorage` on `url` with heartbeats every `heartbeat` seconds and
     a grace period of twice that; a stale trial is retried up to `max_retry` times (None:
@@ -75,8 +99,7 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3):
             if raced and attempt + 1 < CREATION_ATTEMPTS:
                 time.sleep(0.2 * (attempt + 1))
                 continue
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise StorageError(f"cannot open {redact(url)}: {reason}") from error
+            raise _refusal(url, error) from error
 
 
 def _serialize_sqlite(engine):
