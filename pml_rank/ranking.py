@@ -397,7 +397,7 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
-    num_positives = positives.sum(-1)
+    num_positives = positives.view(torch.uint8).sum(-1, dtype=torch.int32)  # a bool sum converts first: 3 times slower
     mean = summed / num_positives.clamp(min=1)
     return mean.view(batch_shape), (num_positives > 0).view(batch_shape)
 
