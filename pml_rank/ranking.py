@@ -238,7 +238,7 @@ class _Slots:
         return per_slot[self.sequence, self.slot]
 
 
-def _compared(scores, thresholds, slots, budget=1 << 20):
+def _compared(scores, thresholds, budget=1 << 20):
     """For each chunk of sequences, its slice and the [sequences, thresholds, n] 0/1
     floats ``scores > thresholds`` (every threshold of a sequence against all its
     elements), in one reused buffer. Comparisons written as floats and summed as floats
@@ -275,7 +275,7 @@ def _counts(scores, values, slots):
     # x > the float just below a value <=> x >= the value: both counts in one pass.
     thresholds = torch.cat([values, torch.nextafter(values, values.new_tensor(-math.inf))], dim=1)
     counts = torch.empty(thresholds.shape, dtype=torch.int32, device=scores.device)
-    for part, larger in _compared(scores, thresholds, slots):
+    for part, larger in _compared(scores, thresholds):
         counts[part] = larger.sum(-1)
     greater, at_least = counts[:, : slots.shape[1]], counts[:, slots.shape[1] :]
     return greater, at_least - greater
@@ -353,7 +353,7 @@ def _crossings_without_ties(scores, values, new_values, above, slots):
     thresholds = torch.where(new_values > values, below, new_values)
     change = torch.empty_like(scores)
     greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
-    for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1), slots):
+    for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
         above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
         greater[part] = above_after.sum(-1)
         change[part] = above_before.sub_(above_after).sum(1)
@@ -403,7 +403,7 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
-    num_positives = positives.sum(-1)
+    num_positives = positives.view(torch.uint8).sum(-1, dtype=torch.int32)  # a bool sum converts first: 3 times slower
     mean = summed / num_positives.clamp(min=1)
     return mean.view(batch_shape), (num_positives > 0).view(batch_shape)
 

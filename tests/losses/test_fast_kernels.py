@@ -363,8 +363,8 @@ def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
     partial last one) give the sorting path's ranks and gradient exactly."""
     compared, parts = ranking._compared, []
 
-    def three_rows_at_a_time(scores, thresholds, slots):
-        for part, above in compared(scores, thresholds, slots, budget=3 * thresholds.shape[1] * scores.shape[-1]):
+    def three_rows_at_a_time(scores, thresholds):
+        for part, above in compared(scores, thresholds, budget=3 * thresholds.shape[1] * scores.shape[-1]):
             parts.append(part)
             yield part, above
 
