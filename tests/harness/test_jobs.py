@@ -118,7 +118,6 @@ def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, seria
 
 def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url):
     url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
-    subprocess.run(["true"])
     from sqlalchemy import create_engine, text
 
     engine = create_engine(url, isolation_level="AUTOCOMMIT")
