@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from . import recipes, runner
 from .budget import SHIPPED_PARAMS, TRAINING_KEYS
-from .jobs import Job, JobStore
+from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
 from .runner import RAW_INPUT, Place
 from .storage import check_url, close_storage, open_storage
@@ -122,11 +122,14 @@ def run_bench(
     itself. Raises `jobs.MismatchError` when the storage holds another bench, and the
     errors of `runner.check` before any work."""
     contenders = recipes.recipes(rows)
-    check_url(url)  # an unreachable storage is refused before the data load; bad data before a file is made
-    runner.check(budget, list(contenders), place)
-    close_storage(open_storage(url, heartbeat))
     params = params or {}
     row_params = {row: dict(params.get(row, {})) for row in contenders}
+    # Before the data load: an unreachable storage, a stored bench of another budget or other
+    # parameters. Bad data are refused before a storage file is made.
+    check_url(url)
+    check_stored_bench(url, budget, row_params)
+    runner.check(budget, list(contenders), place)
+    close_storage(open_storage(url, heartbeat))
     all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)
     store = JobStore(url, budget, heartbeat)
     try:

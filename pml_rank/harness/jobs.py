@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import warnings
+from pathlib import Path
 
 from . import runner
 from .budget import TRAINING_KEYS
@@ -67,6 +68,55 @@ def budget_key(budget):
     return {key: budget.get(key) for key in TRAINING_KEYS}
 
 
+def check_budget_matches(study_attrs, budget):
+    """Raises `MismatchError` naming every budget key the stored bench (its study's user
+    attributes) holds with another value."""
+    theirs, mine = study_attrs.get("budget"), budget_key(budget)
+    if theirs is not None and theirs != mine:
+        diff = ", ".join(
+            f"{k} {theirs.get(k)!r} there, {mine[k]!r} now" for k in TRAINING_KEYS if theirs.get(k) != mine[k]
+        )
+        raise MismatchError(
+            f"the storage holds a bench of another budget ({diff}); it is never overwritten: "
+            "choose another --out or --storage, or delete it to start afresh"
+        )
+
+
+def check_params_match(study_attrs, row_params):
+    """Raises `MismatchError` naming every row the stored bench holds with other parameters."""
+    stored = study_attrs.get("params", {})
+    differ = [f"{row}: {stored[row]} there, {p} now" for row, p in row_params.items() if stored.get(row, p) != p]
+    if differ:
+        raise MismatchError(
+            f"the storage holds this bench with other parameters ({'; '.join(differ)}): another --params "
+            "file or --untuned; choose another --out or --storage to keep both"
+        )
+
+
+def check_stored_bench(url, budget, row_params):
+    """Refuses (`MismatchError`) a bench the storage at `url` holds with another budget or
+    other parameters, reading only: nothing is created (no SQLite file, no study), so it runs
+    before the data set is loaded."""
+    import optuna
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
+        return
+
+    _quiet_optuna()
+    storage = open_storage(url, max_retry=None)
+    try:
+        names = {summary.study_name for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+        if STUDY_NAME not in names:
+            return
+        attrs = optuna.load_study(study_name=STUDY_NAME, storage=storage).user_attrs
+    finally:
+        close_storage(storage)
+    check_budget_matches(attrs, budget)
+    check_params_match(attrs, row_params)
+
+
 class JobStore:
     """The bench's jobs in the storage at `url` (see the module's docstring)."""
 
@@ -80,18 +130,9 @@ class JobStore:
         self.study = optuna.create_study(study_name=STUDY_NAME, storage=self.storage, load_if_exists=True)
         if budget is None:
             return
-        theirs = self.study.user_attrs.get("budget")
-        mine = budget_key(budget)
-        if theirs is None:
-            self.study.set_user_attr("budget", mine)
-        elif theirs != mine:
-            diff = ", ".join(
-                f"{k} {theirs.get(k)!r} there, {mine[k]!r} now" for k in TRAINING_KEYS if theirs.get(k) != mine[k]
-            )
-            raise MismatchError(
-                f"the storage holds a bench of another budget ({diff}); it is never overwritten: "
-                "choose another --out or --storage, or delete it to start afresh"
-            )
+        check_budget_matches(self.study.user_attrs, budget)
+        if "budget" not in self.study.user_attrs:
+            self.study.set_user_attr("budget", budget_key(budget))
 
     def close(self):
         close_storage(self.storage)
@@ -99,13 +140,8 @@ class JobStore:
     def claim_rows(self, row_params):
         """Records each row's parameters; raises `MismatchError` naming every row the storage
         holds with other parameters."""
-        stored = dict(self.study.user_attrs.get("params", {}))
-        differ = [f"{row}: {stored[row]} there, {p} now" for row, p in row_params.items() if stored.get(row, p) != p]
-        if differ:
-            raise MismatchError(
-                f"the storage holds this bench with other parameters ({'; '.join(differ)}): another --params "
-                "file or --untuned; choose another --out or --storage to keep both"
-            )
+        check_params_match(self.study.user_attrs, row_params)
+        stored = self.study.user_attrs.get("params", {})
         if any(row not in stored for row in row_params):
             self.study.set_user_attr("params", {**stored, **row_params})
 

@@ -175,6 +175,28 @@ def test_other_parameters_for_a_row_are_refused_naming_the_row(glyph_cache, tmp_
         small_bench(rows, url, glyph_cache, params={"pml:TripletMarginLoss": {"margin": 0.3}})
 
 
+def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_path, monkeypatch):
+    url = url_in(tmp_path / "store")
+    budget = resolve("glyphs", **SMALL)
+    store = jobs.JobStore(url, budget)
+    store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})
+    store.close()
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data set was loaded")
+
+    monkeypatch.setattr(runner, "dataset_of", no_data)
+    with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
+    with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, params={"pml:TripletMarginLoss": {"margin": 0.3}})
+    # The read-only check makes nothing where there is no bench yet.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    jobs.check_stored_bench(default_url(fresh, bench.STORE_FILE), budget, {})
+    assert list(fresh.iterdir()) == []
+
+
 def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache, start_interruptible):
     out = tmp_path / "out"
     url = default_url(out, bench.STORE_FILE)
