@@ -3,6 +3,7 @@ to disk give the glyphs' table), the papers' layouts under the Reality Check pre
 and tune end to end on the tiny generated copies), trunks' weights from the torch cache,
 and the data problems refused before any training."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -157,3 +158,41 @@ def test_one_fold_model_trains_on_cuda(glyph_cache):
     place = runner.Place(cache_dir=str(glyph_cache), device="cuda")
     outcome = runner.run(budget, "AUCLoss", {}, 0, place)
     assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
+
+
+def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
+    """A fold trains on the partitions it does not validate on: its classes are not 0 .. n - 1.
+    The loss gets one weight per training class, and sees labels mapped to 0 .. n - 1 in order."""
+    from pml_rank.harness import recipes
+    from pml_rank.harness.evaluation import run_protocol, test_set_and_folds
+
+    recipe = recipes.recipes(["pml:NormalizedSoftmaxLoss"])["pml:NormalizedSoftmaxLoss"]
+    made = []
+
+    def make_loss(**needs):
+        loss = recipe.make_loss(**needs)
+        seen = []
+        forward = loss.forward
+        loss.forward = lambda embeddings, labels, *args, **kwargs: (
+            seen.append(labels.tolist()) or forward(embeddings, labels, *args, **kwargs)
+        )
+        made.append((needs["num_classes"], loss, seen))
+        return loss
+
+    data = load_glyphs(cache_dir=glyph_cache, num_classes=16)
+    folds, _ = test_set_and_folds(data, 4)
+    run_protocol(
+        data,
+        dataclasses.replace(recipe, make_loss=make_loss),
+        lambda: runner.model_factories(resolve("glyphs", embedding_size=8), 1)[0](),
+        epochs=1,
+        batch_size=8,
+        iterations_per_epoch=2,
+        embedding_size=8,
+        validation_only=True,
+    )
+    classes = [sorted(set(np.asarray(train_set.labels).tolist())) for train_set, _ in folds]
+    assert classes[0] == [2, 3, 4, 5, 6, 7]  # 8 training classes, the first fold validates on 0 and 1
+    for fold_classes, (num_classes, loss, seen) in zip(classes, made, strict=True):
+        assert num_classes == len(fold_classes) == 6 and loss.W.shape == (8, 6)
+        assert seen and all(0 <= label < 6 for labels in seen for label in labels)

@@ -102,13 +102,13 @@ def train_fold_model(
     batch_size,
     iterations_per_epoch=None,
     device="cpu",
-    num_classes=None,
     embedding_size=None,
     **training,
 ):
     """One fold's model: seeds everything with `fold_seed`, builds ``make_trunk()`` (and
     ``make_embedder()``, default the identity), the recipe's loss (with the
-    ``recipe.loss_needs`` of `num_classes` and `embedding_size`), its sampler (given the
+    ``recipe.loss_needs`` of `embedding_size` and the fold's number of training classes: its
+    class weights are the fold's classes alone, which the trainer maps to 0 .. n - 1), its sampler (given the
     network, for samplers that mine with it) and trains with `training.train_model`,
     validating on `val_set` every epoch; `training` holds `train_model`'s other keywords.
     Returns its `TrainResult`."""
@@ -125,7 +125,7 @@ def train_fold_model(
             iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
             seed=fold_seed,
         )
-    given = {"num_classes": num_classes, "embedding_size": embedding_size}
+    given = {"num_classes": len(np.unique(np.asarray(train_set.labels))), "embedding_size": embedding_size}
     missing = [k for k in recipe.loss_needs if given.get(k) is None]
     if missing:
         raise ValueError(f"{recipe.name}: its loss needs {', '.join(missing)}")
@@ -193,7 +193,6 @@ def run_protocol(
     """
     started = time.perf_counter()
     folds, test_set = test_set_and_folds(dataset, num_folds, transforms)
-    num_classes = int(np.max(np.concatenate([np.asarray(t.labels) for t, _ in folds[:2]]))) + 1
     test_embeddings, histories, best_epochs, best_validation = [], [], [], []
     labels = None
     for k, (train_set, val_set) in enumerate(folds):
@@ -217,7 +216,6 @@ def run_protocol(
             freeze_trunk_batchnorm=freeze_trunk_batchnorm,
             amp=amp,
             loader_workers=loader_workers,
-            num_classes=num_classes,
             embedding_size=embedding_size,
             quiet=quiet,
         )

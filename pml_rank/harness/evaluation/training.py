@@ -229,7 +229,8 @@ def train_model(
 
     Args:
         loss_func: a PML loss (`BaseMetricLossFunction`), ours or PML's.
-        train_set: a dataset of ``(input, label)`` items with a ``labels`` attribute.
+        train_set: a dataset of ``(input, label)`` items with a ``labels`` attribute; the
+            loss sees its labels mapped in order to 0 .. n - 1 (PML's ``set_min_label_to_zero``).
         trunk, embedder: the models; `embedder` defaults to the identity.
         miner: an optional PML miner, passed to the trainer as its tuple miner.
         sampler: a `Sampler` or `BatchSampler`; default `default_sampler` (4 per class).
@@ -333,6 +334,10 @@ def train_model(
             loss_funcs={"metric_loss": loss_func},
             mining_funcs={} if miner is None else {"tuple_miner": miner},
             dataset=train_set,
+            # A fold's classes are not 0 .. n - 1: class-weight losses get n weights, not one
+            # per class of the whole data set (the held-out ones would be extra negatives).
+            set_min_label_to_zero=True,
+            dataset_labels=np.asarray(train_set.labels),
             sampler=sampler,
             iterations_per_epoch=iterations_per_epoch,
             data_device=torch.device(device),
