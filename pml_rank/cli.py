@@ -3,6 +3,7 @@
 import importlib
 import importlib.util
 import sys
+from pathlib import Path
 
 from . import __version__
 from .harness.budget import (
@@ -119,7 +120,14 @@ def _place(args):
     from .harness.runner import Place
 
     device = args.devices[0] if args.devices else args.device
-    return Place(data_root=args.data_root, cache_dir=args.cache_dir, device=device, loader_workers=args.loader_workers)
+    models_dir = str(Path(args.out) / "models") if getattr(args, "save_models", False) else None
+    return Place(
+        data_root=args.data_root,
+        cache_dir=args.cache_dir,
+        device=device,
+        loader_workers=args.loader_workers,
+        models_dir=models_dir,
+    )
 
 
 def _refusals():
@@ -554,6 +562,13 @@ def build_parser():
         help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the default glyph budget",
     )
     p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
+    p.add_argument(
+        "--save-models",
+        action="store_true",
+        help="keep every fold model (the best epoch's trunk and embedder, as PML's hooks save them) and its "
+        "record-keeper logs in OUT/models/<row>/<setup>/seed<k>/fold<f>, on the machine that trained it "
+        "(default: discard them)",
+    )
     p.add_argument(
         "--status",
         action="store_true",

@@ -77,9 +77,11 @@ def require_weights(name):
         raise WeightsNotFoundError(missing_weights_message(backbone))
 
 
-def build_trunk(name, pretrained=True):
+def build_trunk(name, pretrained=True, load_weights=True):
     """A torchvision trunk whose output is its pooled features (the classifier replaced
-    by the identity). ``pretrained=True`` loads ImageNet weights from the local cache."""
+    by the identity). ``pretrained=True`` loads ImageNet weights from the local cache;
+    with ``load_weights=False`` it builds the same network (GoogLeNet's input transform
+    included) without reading them, for weights loaded afterwards."""
     if name not in BACKBONES:
         raise ValueError(f"pml-rank: unknown backbone {name!r}; known: {', '.join(BACKBONES)}")
     backbone = BACKBONES[name]
@@ -89,7 +91,7 @@ def build_trunk(name, pretrained=True):
         # No auxiliary classifiers; torchvision's ImageNet GoogLeNet expects its input transform.
         options = {"aux_logits": False, "init_weights": not pretrained, "transform_input": pretrained}
     trunk = build(weights=None, **options)
-    if pretrained:
+    if pretrained and load_weights:
         require_weights(name)
         state = torch.load(backbone.weights_file(), map_location="cpu", weights_only=True)
         state = {k: v for k, v in state.items() if not k.startswith(("aux1.", "aux2."))}

@@ -18,8 +18,6 @@ same job is waiting, running or complete gives its trial up (it ends failed, mar
 """
 
 import dataclasses
-import hashlib
-import json
 import os
 import socket
 import time
@@ -28,14 +26,11 @@ from pathlib import Path
 
 from . import runner
 from .budget import TRAINING_KEYS
+from .runner import digest
 from .storage import close_storage, open_storage
 
 STUDY_NAME = "pml-rank bench"
 METRIC = "mean_average_precision_at_r"
-
-
-def digest(value):
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)

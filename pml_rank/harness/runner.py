@@ -9,13 +9,19 @@ experiment in the calling process.
 """
 
 import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import backbones, recipes
-from .budget import class_count
+from .budget import TRAINING_KEYS, class_count
 from .datasets import DataError, image_transforms, load_dataset, needs_data_root
 from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol
 from .evaluation.training import optimizer_factory
@@ -33,6 +39,44 @@ class Place:
     cache_dir: str | None = None
     device: str = "cpu"
     loader_workers: int = 0
+    models_dir: str | None = None  # keep each trained experiment's fold models and logs here
+
+
+def digest(value):
+    """A short hex digest of a JSON-able value (key order does not matter)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def models_folder(models_dir, budget, row, params, seed):
+    """Where `run` keeps an experiment's fold models and record-keeper logs:
+    ``<models_dir>/<row>/<digest of budget and params>/seed<k>`` (``:`` in a row name
+    becomes ``_``), so experiments of other budgets or parameters never share a folder."""
+    setup = digest({"budget": {k: budget.get(k) for k in TRAINING_KEYS}, "params": params})
+    return Path(models_dir) / row.replace(":", "_") / setup / f"seed{seed}"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start_partial_folder(final):
+    """A fresh folder beside `final` for this process to train into (renamed to `final`
+    when the experiment completes); removes what dead processes of this host left there."""
+    host = socket.gethostname()
+    for stale in final.parent.glob(f"{final.name}.partial-{host}-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    partial = final.parent / f"{final.name}.partial-{host}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
 
 
 class ChannelsToRGB(torch.nn.Module):
@@ -42,9 +86,10 @@ class ChannelsToRGB(torch.nn.Module):
         return images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
 
 
-def model_factories(budget, channels):
+def model_factories(budget, channels, load_weights=True):
     """``(make_trunk, make_embedder)`` for the budget's trunk on images of `channels`
-    channels; `make_embedder` is None for the small CNN, which embeds by itself."""
+    channels; `make_embedder` is None for the small CNN, which embeds by itself.
+    ``load_weights=False``: the same networks without reading ImageNet weights."""
     name, size = budget["trunk"], budget["embedding_size"]
     if name == "small-cnn":
         from .data import SmallCNN
@@ -53,7 +98,7 @@ def model_factories(budget, channels):
     features = backbones.BACKBONES[name].features
 
     def make_trunk():
-        trunk = backbones.build_trunk(name, pretrained=not budget["random_init"])
+        trunk = backbones.build_trunk(name, pretrained=not budget["random_init"], load_weights=load_weights)
         return trunk if channels == 3 else torch.nn.Sequential(ChannelsToRGB(), trunk)
 
     return make_trunk, (lambda: torch.nn.Linear(features, size))
@@ -93,12 +138,15 @@ def rows_without_training(budget):
     return [RAW_INPUT, UNTRAINED] if budget["augmentation"] == "none" else [UNTRAINED]
 
 
-def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None, folder=None):
+def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None):
     """One experiment; returns ``{"run": {"concatenated": {metric: value}, "separated":
     {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
     ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
     in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
-    `seed` (and the device's arithmetic). `folder`: keep each fold's logs and models there."""
+    `seed` (and the device's arithmetic). With ``place.models_dir``, a trained experiment
+    keeps each fold's models and logs in `models_folder` (``fold<k>/models``: PML's
+    ``trunk_best<epoch>.pth`` and ``embedder_best<epoch>.pth``, the models it measured),
+    which appears only once the experiment is complete."""
     started = time.perf_counter()
     data = dataset_of(budget, place)
     # The glyphs are tensors already; any image set goes through the budget's transforms.
@@ -112,6 +160,10 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
     else:
         recipe, epochs = recipes.with_params(recipes.recipes([row])[row], params), budget["epochs"]
     make_trunk, make_embedder = model_factories(budget, data.channels)
+    final = partial = None
+    if place.models_dir is not None and epochs > 0 and not validation_only:
+        final = models_folder(place.models_dir, budget, row, params, seed)
+        partial = _start_partial_folder(final)
     result = run_protocol(
         data,
         recipe,
@@ -135,8 +187,14 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
         on_iteration=on_iteration,
         validation_only=validation_only,
         on_fold=on_fold,
-        folder=folder,
+        folder=None if partial is None else str(partial),
     )
+    if partial is not None:
+        record = {"row": row, "seed": seed, "params": params, "budget": budget, "channels": data.channels}
+        (partial / "experiment.json").write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+        if final.exists():  # the same experiment, run again because it was never recorded as finished
+            shutil.rmtree(final)
+        partial.rename(final)
     outcome = {"histories": result.histories, "best_epochs": result.best_epochs}
     if validation_only:
         outcome["validation"] = result.per_model
@@ -144,3 +202,22 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
         outcome["run"] = {"concatenated": result.concatenated, "separated": result.separated}
     outcome["seconds"] = time.perf_counter() - started
     return outcome
+
+
+def load_models(folder, device="cpu"):
+    """The fold models `run` kept in `folder` (a `models_folder`): ``[(trunk, embedder)]``
+    in fold order, each at its best epoch (the models the experiment measured), in eval mode
+    on `device`. Needs no pretrained weights: the architecture comes from the folder's
+    ``experiment.json``, the weights from its files."""
+    folder = Path(folder)
+    record = json.loads((folder / "experiment.json").read_text())
+    make_trunk, make_embedder = model_factories(record["budget"], record["channels"], load_weights=False)
+    models = []
+    for fold in sorted(folder.glob("fold*"), key=lambda path: int(path.name.removeprefix("fold"))):
+        trunk = make_trunk()
+        embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
+        for name, model in (("trunk", trunk), ("embedder", embedder)):
+            best = max((fold / "models").glob(f"{name}_best*.pth"), key=lambda p: int(p.stem.split("_best")[-1]))
+            model.load_state_dict(torch.load(best, map_location=device, weights_only=True))
+        models.append((trunk.to(device).eval(), embedder.to(device).eval()))
+    return models

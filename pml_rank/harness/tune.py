@@ -37,8 +37,9 @@ from pathlib import Path
 
 from . import recipes, runner
 from .budget import AUTO_PRESET, TRAINING_KEYS, resolve
-from .jobs import _quiet_optuna, digest
+from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
+from .runner import digest
 from .storage import DEFAULT_HEARTBEAT, StorageError, close_storage, open_storage, redact
 from .text_table import format_text_table
 from .workers import run_processes

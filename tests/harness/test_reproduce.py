@@ -325,6 +325,14 @@ def test_pretrained_weights_are_read_from_the_local_torch_cache(tmp_path, monkey
     assert trunk.transform_input and isinstance(trunk.fc, torch.nn.Identity)
     with torch.no_grad():
         assert trunk.eval()(torch.randn(2, 3, 32, 32)).shape == (2, backbones.BACKBONES["googlenet"].features)
+    # The same network without the file, for trained weights loaded afterwards (runner.load_models).
+    os.remove(backbones.BACKBONES["googlenet"].weights_file())
+    rebuilt = backbones.build_trunk("googlenet", load_weights=False)
+    assert rebuilt.transform_input
+    rebuilt.load_state_dict(trunk.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(images), trunk(images))
 
 
 def test_tiny_layouts_only_build_what_is_asked(tmp_path):

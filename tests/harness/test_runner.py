@@ -5,6 +5,7 @@ and the data problems refused before any training."""
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -196,3 +197,50 @@ def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
     for fold_classes, (num_classes, loss, seen) in zip(classes, made, strict=True):
         assert num_classes == len(fold_classes) == 6 and loss.W.shape == (8, 6)
         assert seen and all(0 <= label < 6 for labels in seen for label in labels)
+
+
+def test_saved_models_are_the_ones_the_bench_measured(tmp_path, glyph_cache):
+    """`--save-models` keeps each trained (row, seed)'s fold models: loaded back with
+    `runner.load_models`, they give exactly the bench's test accuracies."""
+    from pml_rank.harness.evaluation import compute_embeddings, concatenated_and_separated, test_set_and_folds
+
+    out = tmp_path / "out"
+    rows = ["pml:TripletMarginLoss", "AUCLoss"]
+    command = ["bench", *rows, *GLYPH_BUDGET, "--untuned", "--workers", "1", "--cache-dir", str(glyph_cache)]
+    assert main([*command, "--epochs", "3", "--save-models", "--out", str(out)]) == 0  # best epoch: any of 3
+    saved = sorted(path.relative_to(out / "models") for path in (out / "models").glob("*/*/seed*"))
+    expected = [(row, seed) for row in ("AUCLoss", "pml_TripletMarginLoss") for seed in ("seed0", "seed1")]
+    assert [(p.parts[0], p.parts[2]) for p in saved] == expected
+    assert not list((out / "models").rglob("*.partial-*"))  # only complete experiments, no rows without training
+    measured = bench_rows(out)
+    for path in saved:
+        folder = out / "models" / path
+        record = json.loads((folder / "experiment.json").read_text())
+        budget = record["budget"]
+        _, test_set = test_set_and_folds(runner.dataset_of(budget, runner.Place(cache_dir=str(glyph_cache))))
+        models = runner.load_models(folder)
+        assert len(models) == budget["num_folds"] == 4
+        embeddings = [compute_embeddings(trunk, test_set, embedder)[0] for trunk, embedder in models]
+        scores = concatenated_and_separated(embeddings, np.asarray(test_set.labels))
+        run = measured[record["row"]][record["seed"]]
+        for kind in ("concatenated", "separated"):
+            for metric, value in run[kind].items():
+                assert scores[kind][metric] == pytest.approx(value, abs=1e-6), (path, kind, metric)
+
+
+def test_a_dead_processs_partial_models_are_removed_a_live_ones_kept(tmp_path):
+    import socket
+    import subprocess
+
+    final = tmp_path / "AUCLoss" / "setup" / "seed0"
+    final.parent.mkdir(parents=True)
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # reaped: its process id runs nothing now
+    host = socket.gethostname()
+    dead = final.parent / f"seed0.partial-{host}-{finished.pid}"
+    dead.mkdir()
+    live = final.parent / f"seed0.partial-{host}-{os.getppid()}"
+    live.mkdir()
+    mine = runner._start_partial_folder(final)
+    assert mine.is_dir() and mine.name == f"seed0.partial-{host}-{os.getpid()}"
+    assert live.is_dir() and not dead.exists()
