@@ -496,7 +496,8 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
         resize=setup.resize,
         freeze_batchnorm=setup.freeze_batchnorm,
     )
-    place = runner.Place(data_root=args.data_root, device=args.device)
+    # The fold models of every trained run are kept in models_dir (`runner.models_folder`).
+    place = runner.Place(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
     data = runner.check(budget, [r.loss for r in runs if not r.untrained], place)
     train_items = len(data) // 2
     budget["iterations_per_epoch"] = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4
@@ -516,10 +517,6 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                     args.seed + repeat,
                     place,
                     on_iteration=lambda trainer: bar.update(1),
-                    # PML's hooks save each fold's models there while training
-                    folder=None
-                    if run.untrained
-                    else str(Path(args.models_dir) / f"{_file_name(run.label)}-repeat{repeat}"),
                 )["run"]
                 for repeat in range(1 if run.untrained else setup.repeats)
             ]
