@@ -22,7 +22,7 @@ from .budget import SHIPPED_PARAMS, TRAINING_KEYS
 from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
 from .runner import RAW_INPUT, Place
-from .storage import check_url, close_storage, open_storage
+from .storage import check_url
 from .workers import run_processes
 
 STORE_FILE = "bench.db"
@@ -129,7 +129,6 @@ def run_bench(
     check_url(url)
     check_stored_bench(url, budget, row_params)
     runner.check(budget, list(contenders), place)
-    close_storage(open_storage(url, heartbeat))
     all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)
     store = JobStore(url, budget, heartbeat)
     try:

@@ -123,6 +123,13 @@ TRAINING_KEYS = (
     "amp",
 )
 
+
+def training_key(budget):
+    """The budget's `TRAINING_KEYS`: what a result depends on (a bench's identity, a
+    study's, a saved experiment's)."""
+    return {key: budget.get(key) for key in TRAINING_KEYS}
+
+
 # `--lr-schedule`: "cosine" anneals the learning rate to zero over the epochs
 # (`torch.optim.lr_scheduler.CosineAnnealingLR`, stepped after each epoch), "constant" keeps it.
 LR_SCHEDULES = ("cosine", "constant")

@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from . import runner
-from .budget import TRAINING_KEYS
+from .budget import TRAINING_KEYS, training_key
 from .runner import digest
 from .storage import close_storage, open_storage
 
@@ -59,14 +59,10 @@ class _NoJob(Exception):
     """The study handed out a fresh trial: no job was waiting any more."""
 
 
-def budget_key(budget):
-    return {key: budget.get(key) for key in TRAINING_KEYS}
-
-
 def check_budget_matches(study_attrs, budget):
     """Raises `MismatchError` naming every budget key the stored bench (its study's user
     attributes) holds with another value."""
-    theirs, mine = study_attrs.get("budget"), budget_key(budget)
+    theirs, mine = study_attrs.get("budget"), training_key(budget)
     if theirs is not None and theirs != mine:
         diff = ", ".join(
             f"{k} {theirs.get(k)!r} there, {mine[k]!r} now" for k in TRAINING_KEYS if theirs.get(k) != mine[k]
@@ -90,22 +86,20 @@ def check_params_match(study_attrs, row_params):
 
 def check_stored_bench(url, budget, row_params):
     """Refuses (`MismatchError`) a bench the storage at `url` holds with another budget or
-    other parameters, reading only: nothing is created (no SQLite file, no study), so it runs
-    before the data set is loaded."""
+    other parameters, reading only (it makes no SQLite file and no study), so it runs before
+    the data set is loaded."""
     import optuna
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
         return
-
     _quiet_optuna()
     storage = open_storage(url, max_retry=None)
     try:
-        names = {summary.study_name for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-        if STUDY_NAME not in names:
-            return
         attrs = optuna.load_study(study_name=STUDY_NAME, storage=storage).user_attrs
+    except KeyError:  # no bench there yet
+        return
     finally:
         close_storage(storage)
     check_budget_matches(attrs, budget)
@@ -127,7 +121,7 @@ class JobStore:
             return
         check_budget_matches(self.study.user_attrs, budget)
         if "budget" not in self.study.user_attrs:
-            self.study.set_user_attr("budget", budget_key(budget))
+            self.study.set_user_attr("budget", training_key(budget))
 
     def close(self):
         close_storage(self.storage)

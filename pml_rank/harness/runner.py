@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import backbones, recipes
-from .budget import TRAINING_KEYS, class_count
+from .budget import class_count, training_key
 from .datasets import DataError, image_transforms, load_dataset, needs_data_root
 from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol
 from .evaluation.training import optimizer_factory
@@ -51,7 +51,7 @@ def models_folder(models_dir, budget, row, params, seed):
     """Where `run` keeps an experiment's fold models and record-keeper logs:
     ``<models_dir>/<row>/<digest of budget and params>/seed<k>`` (``:`` in a row name
     becomes ``_``), so experiments of other budgets or parameters never share a folder."""
-    setup = digest({"budget": {k: budget.get(k) for k in TRAINING_KEYS}, "params": params})
+    setup = digest({"budget": training_key(budget), "params": params})
     return Path(models_dir) / row.replace(":", "_") / setup / f"seed{seed}"
 
 
@@ -209,15 +209,16 @@ def load_models(folder, device="cpu"):
     in fold order, each at its best epoch (the models the experiment measured), in eval mode
     on `device`. Needs no pretrained weights: the architecture comes from the folder's
     ``experiment.json``, the weights from its files."""
+    from pytorch_metric_learning.utils import common_functions as c_f
+
     folder = Path(folder)
     record = json.loads((folder / "experiment.json").read_text())
     make_trunk, make_embedder = model_factories(record["budget"], record["channels"], load_weights=False)
     models = []
     for fold in sorted(folder.glob("fold*"), key=lambda path: int(path.name.removeprefix("fold"))):
-        trunk = make_trunk()
-        embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
-        for name, model in (("trunk", trunk), ("embedder", embedder)):
-            best = max((fold / "models").glob(f"{name}_best*.pth"), key=lambda p: int(p.stem.split("_best")[-1]))
-            model.load_state_dict(torch.load(best, map_location=device, weights_only=True))
-        models.append((trunk.to(device).eval(), embedder.to(device).eval()))
+        pair = {"trunk": make_trunk(), "embedder": make_embedder() if make_embedder else torch.nn.Identity()}
+        # As PML's hooks load the best models after training (`load_latest_saved_models`).
+        _, best = c_f.latest_version(str(fold / "models"), "trunk_*.pth", best=True)
+        c_f.load_dict_of_models(pair, best, str(fold / "models"), device, assert_success=True)
+        models.append((pair["trunk"].to(device).eval(), pair["embedder"].to(device).eval()))
     return models

@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 
 from . import recipes, runner
-from .budget import AUTO_PRESET, TRAINING_KEYS, resolve
+from .budget import AUTO_PRESET, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
 from .runner import digest
@@ -99,7 +99,7 @@ def budget_config(seed=0, dataset="glyphs", preset=AUTO_PRESET, **given):
 def study_name(loss, config):
     """``<loss> <data set> <preset> <digest of the budget> s<seed>``: one study per loss,
     data set and budget (every key of `budget.TRAINING_KEYS`)."""
-    key = digest({k: config.get(k) for k in TRAINING_KEYS})
+    key = digest(training_key(config))
     return f"{loss} {config['dataset']} {config['preset']} {key[:10]} s{config['seed']}"
 
 
