@@ -12,9 +12,9 @@ class HierarchicalBatchSampler(pml_samplers.HierarchicalSampler, torch.utils.dat
     other sampler as ``sampler``; PML's class yields whole batches but is a plain
     ``Sampler``, so ``MetricLossOnly(..., sampler=HierarchicalSampler(...))`` fails. This
     class only changes that type: arguments, batches and length are PML's. Its ``labels``
-    are (class, category) rows; give the trainer a dataset whose labels are those rows and
-    ``label_hierarchy_level=0``, so the loss sees the classes::
+    are (class, category) rows; give the trainer a dataset with the same labels: the trainer
+    hands its loss column ``label_hierarchy_level`` (default 0), the classes::
 
         sampler = HierarchicalBatchSampler(labels, batch_size=32, samples_per_class=4)
-        trainer = MetricLossOnly(..., batch_size=32, sampler=sampler, label_hierarchy_level=0)
+        trainer = MetricLossOnly(..., batch_size=32, sampler=sampler)
     """

@@ -36,7 +36,6 @@ def _trainer(sampler, dataset, loss, batch_size):
         loss_funcs={"metric_loss": loss},
         dataset=dataset,
         sampler=sampler,
-        label_hierarchy_level=0,
         dataloader_num_workers=0,
     )
 
@@ -51,7 +50,7 @@ def test_pmls_trainer_trains_on_exactly_the_samplers_batches():
     trainer.train(num_epochs=1)
     assert trainer.iterations_per_epoch == len(sampler) == len(loss.batches)
     category_of = dict(labels.tolist())
-    for batch in loss.batches:  # the classes only (label_hierarchy_level=0)
+    for batch in loss.batches:  # the classes only (the trainer's default label_hierarchy_level=0)
         assert batch.shape == (batch_size,)
         counts = torch.bincount(batch)
         assert set(counts[counts > 0].tolist()) == {samples_per_class}
