@@ -59,3 +59,24 @@ def test_links_work_away_from_the_checkout():
     mentions = re.findall(r"https://github\.com/[\w.-]+/pml-rank\b", README)
     assert mentions and set(mentions) == {repository}
     assert all(url.startswith(repository) for url in PROJECT_URLS.values())
+
+
+def _anchors(markdown):
+    """The anchors GitHub gives the headings of `markdown`: lower case, punctuation
+    dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.*)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_links_into_the_repository_and_the_page_name_what_exists():
+    repository = PROJECT_URLS["Source"]
+    for target in re.findall(r"\]\(([^)\s]+)\)", README):
+        if target.startswith("#"):
+            path, anchor = "README.md", target[1:]
+        elif target.startswith(f"{repository}/blob/main/") or target.startswith(f"{repository}/tree/main/"):
+            path, _, anchor = target.split("/main/", 1)[1].partition("#")
+        else:
+            continue
+        assert (ROOT / path).exists(), f"README links to {target}: no {path} in the repository"
+        if anchor:
+            assert anchor in _anchors((ROOT / path).read_text(encoding="utf-8")), f"README links to {target}"
