@@ -9,10 +9,10 @@ sigmoid of temperature τ:
     AP_q   = (1 / |P|) Σ_{i ∈ P} R_P(i) / R(i)
 
 and the loss of q is 1 − AP_q. Only positives i need a rank, so a query costs |P| × M
-sigmoids (M references), not M × M. The (query, positive) pairs are taken in slots (each
-query's first positive, then its second, ...), each slot at most queries × references,
-and a custom autograd function recomputes each slot in the backward pass with the
-analytic gradient: memory stays a few similarity matrices whatever the class sizes.
+sigmoids (M references), not M × M. The (query, positive) pairs are taken in cache-sized
+panels of queries with equally many positives (`query_panels`), and a custom autograd
+function recomputes each panel in the backward pass with the analytic gradient: memory
+stays a few similarity matrices whatever the class sizes.
 """
 
 import torch
@@ -21,6 +21,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
+from .query_panels import differences, is_all_true, query_groups, row_counts, true_entries
 
 
 class SmoothAPLoss(RankLossBase):
@@ -65,7 +66,7 @@ class SmoothAPLoss(RankLossBase):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        has_positive = positive.any(1)
+        has_positive = row_counts(positive) > 0
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
@@ -73,7 +74,8 @@ class SmoothAPLoss(RankLossBase):
         scores = matrix if self.distance.is_inverted else -matrix
         if self.include_query:
             scores, positive, negative = self.with_query_as_positive(embeddings, ref_emb, scores, positive, negative)
-        positive &= has_positive.unsqueeze(1)  # a query whose only positive is itself is left out
+        if not bool(has_positive.all()):  # a query whose only positive is itself is left out
+            positive[~has_positive] = False
         ap = SmoothAPFunction.apply(scores, positive, negative, self.temperature)
         queries = torch.where(has_positive)[0]
         return {"loss": {"losses": 1 - ap[queries], "indices": queries, "reduction_type": "element"}}
@@ -98,95 +100,70 @@ class SmoothAPLoss(RankLossBase):
         )
 
 
-def _positive_slots(positive, scaled):
-    """Each query's positives as columns of a padded [queries, most positives] matrix and
-    their scaled scores (−inf in the padding), and the (query, positive) pairs as
-    [(rows, slot)] per slot: slot a holds the a-th positive of every query that has one,
-    queries in order, so a slot's tensors over the references are at most queries x
-    references."""
-    rows, columns = positive.nonzero(as_tuple=True)
-    counts = positive.sum(1)
-    slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
-    most = int(counts.max())
-    positive_columns = torch.zeros(len(positive), most, dtype=torch.long, device=rows.device)
-    positive_columns[rows, slot] = columns
-    positive_scaled = torch.full_like(positive_columns, float("-inf"), dtype=scaled.dtype)
-    positive_scaled[rows, slot] = scaled[rows, columns]
-    sizes = torch.bincount(slot).tolist()
-    slot_rows = rows[torch.argsort(slot, stable=True)].split(sizes)
-    return positive_columns, positive_scaled, list(enumerate(slot_rows))
-
-
-def _sigmoids(scaled, positive_scaled, rows, slot, buffer):
-    """For one slot's (query q, positive i) pairs: σ((s_qj − s_qi) / τ) over every
-    reference j (written into `buffer`, shaped like `scaled`) and over q's positives j
-    (padded with zeros), and, summing them, the ranks R(i) among all references and
-    R_P(i) among the positives. `scaled` holds s / τ, −inf where a reference is left
-    out of the query's ranking."""
-    every_query = len(rows) == len(scaled)  # rows is then 0, 1, ..., queries - 1
-    own = positive_scaled[rows, slot].unsqueeze(1)
-    # One buffer for every slot: a fresh queries x references tensor per slot costs
-    # more in page faults than the subtraction that fills it.
-    over_all = buffer[: len(rows)]
-    if every_query:
-        torch.sub(scaled, own, out=over_all)
-    else:
-        torch.index_select(scaled, 0, rows, out=over_all).sub_(own)
-    over_all.sigmoid_()
-    over_positives = torch.sub(positive_scaled[rows], own).sigmoid_()
-    # The positive's own column adds σ(0) = 1/2; its rank is 1 + the others' sum.
-    rank = over_all.sum(1) + 0.5
-    rank_among_positives = over_positives.sum(1) + 0.5
-    return over_all, over_positives, rank, rank_among_positives, every_query
+def _sigmoids_over_references(scores, left_out, queries, own, temperature):
+    """For a panel's queries q and the scaled scores `own` [r, c] of their positives i:
+    the [r, c, references] sigmoids σ((s_qj − s_qi) / τ) over every reference j. A
+    reference `left_out` of q's ranking gets s_qj = −inf: σ = 0 and slope 0, it counts
+    nowhere."""
+    scaled = scores[queries] / temperature
+    if left_out is not None:
+        scaled.masked_fill_(left_out[queries], float("-inf"))
+    return differences(scaled, own).sigmoid_()
 
 
 class SmoothAPFunction(torch.autograd.Function):
     """Smooth-AP of every query (0 for a query without positives) from `scores`
     (queries x references), boolean `positive` and `negative` masks (a reference in
     neither is left out of the query's ranking) and τ; exact analytic gradient with
-    respect to `scores`, recomputed slot by slot (see `_positive_slots`)."""
+    respect to `scores`, the sigmoids recomputed panel by panel (`query_groups`)."""
 
     @staticmethod
     def forward(ctx, scores, positive, negative, temperature):
-        num_positives = positive.sum(1, dtype=torch.int32).clamp_(min=1)
-        # σ(−inf) = 0 and its slope is 0: a reference left out counts nowhere.
-        scaled = (scores / temperature).masked_fill_(~(positive | negative), float("-inf"))
-        positive_columns, positive_scaled, slots = _positive_slots(positive, scaled)
+        ranked = positive | negative
+        left_out = None if is_all_true(ranked) else ~ranked
+        pair_query, pair_positive = true_entries(positive)
+        groups = query_groups(pair_query, *scores.shape)
+        own = scores[pair_query, pair_positive] / temperature
+        # The positive's own column adds σ(0) = 1/2 to each sum: its rank is 1 + the
+        # others' sum.
+        ranks = torch.empty_like(own)
+        ranks_among_positives = torch.empty_like(own)
         ap = scores.new_zeros(len(scores))
-        buffer = torch.empty_like(scaled)
-        for slot, rows in slots:
-            *_, rank, rank_among_positives, _ = _sigmoids(scaled, positive_scaled, rows, slot, buffer)
-            ap.index_add_(0, rows, rank_among_positives / rank)
-        ap /= num_positives
-        ctx.save_for_backward(scaled, positive_columns, positive_scaled, num_positives)
-        ctx.slots = slots
+        for queries, pairs, panels in groups:
+            for panel_queries, panel_pairs in panels:
+                panel_own = own[panel_pairs]
+                over_all = _sigmoids_over_references(scores, left_out, panel_queries, panel_own, temperature)
+                ranks[panel_pairs] = over_all.sum(2).add_(0.5)
+                ranks_among_positives[panel_pairs] = differences(panel_own, panel_own).sigmoid_().sum(2).add_(0.5)
+            ap[queries] = (ranks_among_positives[pairs] / ranks[pairs]).mean(1)
+        ctx.save_for_backward(scores, left_out, own, ranks, ranks_among_positives, pair_positive)
+        ctx.groups = groups
         ctx.temperature = temperature
         return ap
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        scaled, positive_columns, positive_scaled, num_positives = ctx.saved_tensors
-        grad_scores = torch.zeros_like(scaled)
-        buffer = torch.empty_like(scaled)
-        per_pair = grad_ap / num_positives / ctx.temperature
-        for slot, rows in ctx.slots:
-            over_all, over_positives, rank, rank_among_positives, every_query = _sigmoids(
-                scaled, positive_scaled, rows, slot, buffer
-            )
-            # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
-            # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
-            scale = per_pair[rows] / rank
-            grad_all = over_all.addcmul_(over_all, over_all, value=-1).mul_(
-                (-scale * rank_among_positives / rank).unsqueeze(1)
-            )
-            grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(1))
-            if every_query:
-                grad_scores += grad_all
-            else:
-                grad_scores.index_add_(0, rows, grad_all)
-            columns = positive_columns[rows]
-            # The padding's zeros go to column 0 of their row: accumulate, never overwrite.
-            grad_scores.index_put_((rows.unsqueeze(1), columns), grad_positives, accumulate=True)
-            grad_scores[rows, columns[:, slot]] -= grad_all.sum(1) + grad_positives.sum(1)
+        scores, left_out, own, ranks, ranks_among_positives, pair_positive = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_scores = torch.zeros_like(scores)
+        # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
+        # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
+        scale = torch.empty_like(own)
+        for queries, pairs, _ in ctx.groups:
+            scale[pairs] = (grad_ap[queries] / (pairs.shape[1] * temperature)).unsqueeze(1)
+        scale /= ranks
+        weight_all = -scale * ranks_among_positives / ranks
+        for _, _, panels in ctx.groups:
+            for queries, pairs in panels:
+                panel_own = own[pairs]
+                slope = differences(panel_own, panel_own).sigmoid_()
+                grad_positives = slope.addcmul_(slope, slope, value=-1).mul_(scale[pairs].unsqueeze(2))
+                grad_own = grad_positives.sum(1) - grad_positives.sum(2)
+                slope = _sigmoids_over_references(scores, left_out, queries, panel_own, temperature)
+                slope.addcmul_(slope, slope, value=-1)
+                weights = weight_all[pairs]
+                grad_rows = torch.bmm(weights.unsqueeze(1), slope).squeeze(1)
+                grad_rows.scatter_add_(1, pair_positive[pairs], grad_own.sub_(weights * slope.sum(2)))
+                grad_scores[queries] = grad_rows
         return grad_scores, None, None, None
