@@ -15,7 +15,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pml_rank import ranking
 from pml_rank.harness.references import auc as auc_reference
 from pml_rank.harness.references import npairs as npairs_reference
-from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss
+from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, query_panels
 from pml_rank.losses.auc import relaxed_roc_area, thresholds
 from pml_rank.losses.npairs import EXP_FLOOR
 
@@ -382,3 +382,17 @@ def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
     for got, expected in zip(counted, sorted_ranks(scores, positives, 0.3, incoming)):
         assert torch.equal(got, expected)
     assert len(parts) == 2 * 14  # forward and backward passes, 14 chunks each
+
+
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.3, 1.0])
+@pytest.mark.parametrize("shape", [(9, 24), (5, 13), (64, 64)])
+def test_mask_helpers_equal_torchs_reductions_on_any_layout(shape, density):
+    """Word-at-a-time `true_entries`, byte-sum `row_counts` and byte-minimum
+    `is_all_true` against `nonzero`, `sum` and `all`, on whole masks and on views (row
+    and column offsets, transposed) that the word scan cannot read and must hand back."""
+    whole = torch.rand(shape, generator=torch.Generator().manual_seed(1)) < density
+    for mask in (whole, whole[1:], whole[:, 8:], whole[:, :-1], whole.T):
+        for ours, expected in zip(query_panels.true_entries(mask), mask.nonzero(as_tuple=True)):
+            assert torch.equal(ours, expected)
+        assert torch.equal(query_panels.row_counts(mask), mask.sum(1, dtype=torch.int32))
+        assert query_panels.is_all_true(mask) == bool(mask.all())

@@ -19,7 +19,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from pml_rank.harness import speed
 from pml_rank.harness.speed import peak_memory
-from pml_rank.losses import SmoothAPLoss
+from pml_rank.losses import SmoothAPLoss, query_panels
 
 TAU = 0.01
 
@@ -161,6 +161,19 @@ def test_equals_the_paper_on_any_layout(layout, include_query):
         loss = SmoothAPLoss(include_query=include_query)(embeddings, labels)
         assert grad(loss, embeddings).abs().max() < 1e-14
     else:
+        loss = SmoothAPLoss(include_query=include_query)(embeddings, labels)
+        assert_same_loss_and_gradient(loss, paper_loss(embeddings, labels, include_query=include_query), embeddings)
+
+
+@pytest.mark.parametrize("panel_elements", [1, 100])
+@pytest.mark.parametrize("layout", ["unequal classes", "shuffled random"])
+def test_panels_of_one_to_a_few_queries_equal_the_paper(layout, panel_elements, monkeypatch):
+    """Panels of 1 query, or of 1 to 6 queries of a group (the last one shorter), queries
+    consecutive or not: each query's ranks come from its own panel."""
+    monkeypatch.setattr(query_panels, "PANEL_ELEMENTS", panel_elements)
+    labels = torch.tensor(LAYOUTS[layout])
+    embeddings = seeded(len(labels), seed=len(labels))
+    for include_query in (True, False):
         loss = SmoothAPLoss(include_query=include_query)(embeddings, labels)
         assert_same_loss_and_gradient(loss, paper_loss(embeddings, labels, include_query=include_query), embeddings)
 
