@@ -1,19 +1,25 @@
 """Cache-sized panels of (query, positive) pairs, for the losses that need a sigmoid of
 each positive's score against every reference of its query (Smooth-AP, Recall@k).
 
-Queries with the same number of positives c form a group, and each group is cut into
-panels of r queries, so that a panel's work is one broadcast [r, c, references] tensor
-that stays in cache while a few elementwise passes and reductions go over it. Passes
-over whole similarity matrices would go through memory instead, and per-pair work done
-once per group (its [n, c, c] tensors, its weights) keeps the per-panel operations few.
+Queries with the same number of positives c are cut into panels of r queries, so that
+a panel's work is one broadcast [r, c, references] tensor that stays in cache while a
+few elementwise passes and reductions go over it; passes over whole similarity matrices
+would go through memory instead.
+
+Each query's loss depends on its own row of scores only, so its gradient with respect
+to that row (its row of the Jacobian) can be computed in the forward pass, panel by
+panel, while the sigmoids are in cache; the backward pass then only scales each row by
+the incoming gradient. One similarity matrix of memory instead of a second pass over
+every sigmoid.
 """
 
 import torch
 
-# Entries of one panel's [queries, positives, references] tensor: 1 MB in float32, in
+# Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in
 # the CPU's cache between the passes over it, and large enough that Python's per-op
-# cost stays small next to the arithmetic.
-PANEL_ELEMENTS = 1 << 18
+# cost stays small next to the arithmetic (at batch 2048, 1 thread, Smooth-AP's
+# forward+backward took about 20% longer with 2^18 and 10% longer with 2^19).
+PANEL_ELEMENTS = 1 << 20
 
 
 def row_counts(mask):
@@ -21,6 +27,12 @@ def row_counts(mask):
     avoids `sum` on booleans, which first copies the matrix to int64 (about 20 times
     slower at batch 2048)."""
     return mask.view(torch.uint8).sum(1, dtype=torch.int32)
+
+
+def any_per_row(mask):
+    """Whether each row of a boolean matrix has a True entry, as a byte maximum
+    (`Tensor.any` on booleans is not vectorised: about 30 times slower at batch 2048)."""
+    return mask.view(torch.uint8).amax(1).bool()
 
 
 def is_all_true(mask):
@@ -42,20 +54,18 @@ def true_entries(mask):
     return word_rows[word], word_columns[word] * 8 + byte
 
 
-def query_groups(pair_query, num_queries, num_references, elements=None):
-    """The pairs (`pair_query`: their queries, sorted) grouped by their queries' number of
-    pairs c: a list of ``(queries, pairs, panels)`` per c, where `queries` selects the
-    group's n queries from a [queries, ...] tensor (a slice when they are consecutive,
-    else an index tensor), `pairs` [n, c] holds the indices of each query's pairs in
-    order, and `panels` cuts the group the same way into ``(queries, pairs)`` of r
-    queries. Every query with pairs is in exactly one group and one panel. A panel's
-    c · r · `num_references` entries are at most `elements` (default `PANEL_ELEMENTS`,
-    and at most one similarity matrix) or, when one query's c · `num_references` are
-    more, that."""
+def query_panels(pair_query, num_queries, num_references, elements=None):
+    """The pairs (`pair_query`: their queries, sorted) in panels of queries with equally
+    many pairs c: a list of ``(queries, pairs)``, where `queries` selects the panel's r
+    queries from a [queries, ...] tensor (a slice when they are consecutive, else an
+    index tensor) and `pairs` [r, c] holds the indices of each query's pairs, in order.
+    Every query with pairs is in exactly one panel. A panel's c · r · `num_references`
+    entries are at most `elements` (default `PANEL_ELEMENTS`, and at most one similarity
+    matrix) or, when one query's c · `num_references` are more, that."""
     elements = min(PANEL_ELEMENTS if elements is None else elements, num_queries * num_references)
     per_query = torch.bincount(pair_query, minlength=num_queries)
     per_pair = per_query[pair_query]
-    groups = []
+    panels = []
     for count in torch.bincount(per_query).nonzero().view(-1).tolist():
         if count == 0:
             continue
@@ -64,17 +74,26 @@ def query_groups(pair_query, num_queries, num_references, elements=None):
         first = int(queries[0])
         consecutive = int(queries[-1]) - first + 1 == len(queries)
         step = max(1, elements // (count * max(1, num_references)))
-        starts = range(0, len(queries), step)
-        stops = [min(start + step, len(queries)) for start in starts]
-        panels = [
-            (slice(first + start, first + stop) if consecutive else queries[start:stop], pairs[start:stop])
-            for start, stop in zip(starts, stops)
-        ]
-        groups.append((slice(first, first + len(queries)) if consecutive else queries, pairs, panels))
-    return groups
+        for start in range(0, len(queries), step):
+            stop = min(start + step, len(queries))
+            panels.append(
+                (slice(first + start, first + stop) if consecutive else queries[start:stop], pairs[start:stop])
+            )
+    return panels
 
 
-def differences(scaled_rows, own):
+def panel_buffer(like, panels, num_references):
+    """One uninitialised tensor, like `like`, large enough for the largest panel's
+    [r, c, references] entries: reused by every panel through `differences`, since a
+    fresh tensor of a megabyte per operation costs more (allocation, page faults) than
+    the arithmetic that fills it."""
+    return like.new_empty(max(pairs.numel() for _, pairs in panels) * num_references)
+
+
+def differences(scaled_rows, own, buffer=None):
     """[r, c, references] tensor of ``scaled_rows[q, j] − own[q, i]``: each reference's
-    scaled score minus that of each of the query's c positives."""
-    return torch.sub(scaled_rows.unsqueeze(1), own.unsqueeze(2))
+    scaled score minus that of each of the query's c positives, written into the start
+    of `buffer` when given."""
+    shape = (*own.shape, scaled_rows.shape[1])
+    out = None if buffer is None else buffer[: own.numel() * scaled_rows.shape[1]].view(shape)
+    return torch.sub(scaled_rows.unsqueeze(1), own.unsqueeze(2), out=out)

@@ -11,8 +11,8 @@ sigmoid of temperature τ:
 and the loss of q is 1 − AP_q. Only positives i need a rank, so a query costs |P| × M
 sigmoids (M references), not M × M. The (query, positive) pairs are taken in cache-sized
 panels of queries with equally many positives (`query_panels`), and a custom autograd
-function recomputes each panel in the backward pass with the analytic gradient: memory
-stays a few similarity matrices whatever the class sizes.
+function computes each query's analytic gradient row alongside: memory stays a few
+similarity matrices whatever the class sizes.
 """
 
 import torch
@@ -21,7 +21,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
-from .query_panels import differences, is_all_true, query_groups, row_counts, true_entries
+from .query_panels import any_per_row, differences, is_all_true, panel_buffer, query_panels, true_entries
 
 
 class SmoothAPLoss(RankLossBase):
@@ -66,11 +66,12 @@ class SmoothAPLoss(RankLossBase):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        has_positive = row_counts(positive) > 0
+        has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
-        matrix = self.distance(embeddings, ref_emb)
+        # Without a separate ref_emb, PML's distance normalises the embeddings once.
+        matrix = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         if self.include_query:
             scores, positive, negative = self.with_query_as_positive(embeddings, ref_emb, scores, positive, negative)
@@ -100,70 +101,56 @@ class SmoothAPLoss(RankLossBase):
         )
 
 
-def _sigmoids_over_references(scores, left_out, queries, own, temperature):
-    """For a panel's queries q and the scaled scores `own` [r, c] of their positives i:
-    the [r, c, references] sigmoids σ((s_qj − s_qi) / τ) over every reference j. A
-    reference `left_out` of q's ranking gets s_qj = −inf: σ = 0 and slope 0, it counts
-    nowhere."""
-    scaled = scores[queries] / temperature
-    if left_out is not None:
-        scaled.masked_fill_(left_out[queries], float("-inf"))
-    return differences(scaled, own).sigmoid_()
-
-
 class SmoothAPFunction(torch.autograd.Function):
     """Smooth-AP of every query (0 for a query without positives) from `scores`
     (queries x references), boolean `positive` and `negative` masks (a reference in
     neither is left out of the query's ranking) and τ; exact analytic gradient with
-    respect to `scores`, the sigmoids recomputed panel by panel (`query_groups`)."""
+    respect to `scores`, each query's row computed in the forward pass (`query_panels`)."""
 
     @staticmethod
     def forward(ctx, scores, positive, negative, temperature):
         ranked = positive | negative
         left_out = None if is_all_true(ranked) else ~ranked
         pair_query, pair_positive = true_entries(positive)
-        groups = query_groups(pair_query, *scores.shape)
         own = scores[pair_query, pair_positive] / temperature
-        # The positive's own column adds σ(0) = 1/2 to each sum: its rank is 1 + the
-        # others' sum.
-        ranks = torch.empty_like(own)
-        ranks_among_positives = torch.empty_like(own)
         ap = scores.new_zeros(len(scores))
-        for queries, pairs, panels in groups:
-            for panel_queries, panel_pairs in panels:
-                panel_own = own[panel_pairs]
-                over_all = _sigmoids_over_references(scores, left_out, panel_queries, panel_own, temperature)
-                ranks[panel_pairs] = over_all.sum(2).add_(0.5)
-                ranks_among_positives[panel_pairs] = differences(panel_own, panel_own).sigmoid_().sum(2).add_(0.5)
-            ap[queries] = (ranks_among_positives[pairs] / ranks[pairs]).mean(1)
-        ctx.save_for_backward(scores, left_out, own, ranks, ranks_among_positives, pair_positive)
-        ctx.groups = groups
-        ctx.temperature = temperature
+        jacobian = torch.zeros_like(scores) if ctx.needs_input_grad[0] else None
+        panels = query_panels(pair_query, *scores.shape)
+        buffer = panel_buffer(scores, panels, scores.shape[1])
+        for queries, pairs in panels:
+            # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
+            # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
+            scaled = scores[queries] / temperature
+            if left_out is not None:
+                scaled.masked_fill_(left_out[queries], float("-inf"))
+            panel_own = own[pairs]
+            over_all = differences(scaled, panel_own, buffer).sigmoid_()
+            over_positives = differences(panel_own, panel_own).sigmoid_()
+            # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
+            rank = over_all.sum(2).add_(0.5)
+            precision = over_positives.sum(2).add_(0.5).div_(rank)
+            ap[queries] = precision.mean(1)
+            if jacobian is None:
+                continue
+            # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
+            # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
+            scale = rank.reciprocal_().mul_(1 / (pairs.shape[1] * temperature))
+            weight_all = precision.mul_(scale).neg_()
+            slope = over_all.addcmul_(over_all, over_all, value=-1)
+            grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(2))
+            own_column = grad_positives.sum(1).sub_(grad_positives.sum(2)).addcmul_(weight_all, slope.sum(2), value=-1)
+            if isinstance(queries, slice):
+                rows = jacobian[queries]
+                torch.bmm(weight_all.unsqueeze(1), slope, out=rows.unsqueeze(1))
+                rows.scatter_add_(1, pair_positive[pairs], own_column)
+            else:
+                rows = torch.bmm(weight_all.unsqueeze(1), slope).squeeze(1)
+                jacobian[queries] = rows.scatter_add_(1, pair_positive[pairs], own_column)
+        ctx.save_for_backward(jacobian)
         return ap
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        scores, left_out, own, ranks, ranks_among_positives, pair_positive = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad_scores = torch.zeros_like(scores)
-        # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
-        # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
-        scale = torch.empty_like(own)
-        for queries, pairs, _ in ctx.groups:
-            scale[pairs] = (grad_ap[queries] / (pairs.shape[1] * temperature)).unsqueeze(1)
-        scale /= ranks
-        weight_all = -scale * ranks_among_positives / ranks
-        for _, _, panels in ctx.groups:
-            for queries, pairs in panels:
-                panel_own = own[pairs]
-                slope = differences(panel_own, panel_own).sigmoid_()
-                grad_positives = slope.addcmul_(slope, slope, value=-1).mul_(scale[pairs].unsqueeze(2))
-                grad_own = grad_positives.sum(1) - grad_positives.sum(2)
-                slope = _sigmoids_over_references(scores, left_out, queries, panel_own, temperature)
-                slope.addcmul_(slope, slope, value=-1)
-                weights = weight_all[pairs]
-                grad_rows = torch.bmm(weights.unsqueeze(1), slope).squeeze(1)
-                grad_rows.scatter_add_(1, pair_positive[pairs], grad_own.sub_(weights * slope.sum(2)))
-                grad_scores[queries] = grad_rows
-        return grad_scores, None, None, None
+        (jacobian,) = ctx.saved_tensors
+        return jacobian * grad_ap.unsqueeze(1), None, None, None
