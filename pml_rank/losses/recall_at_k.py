@@ -30,9 +30,9 @@ tests/losses/test_recall_at_k.py, not copied):
   differ by less than e^-30 per term.
 
 Memory: every (query, positive) pair needs a sigmoid of its query's whole row of
-similarities, so the forward pass and the analytic backward pass (a custom autograd
-function that recomputes instead of storing) go over the pairs in chunks of at most
-`CHUNK_ELEMENTS` entries: a few queries x references matrices, never B x B x B.
+similarities, so a custom autograd function goes over the queries in cache-sized panels
+(`query_panels`), computing each query's analytic gradient row alongside: a few queries
+x references matrices, never B x B x B.
 """
 
 import math
@@ -45,6 +45,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks, reference_is_batch
+from .query_panels import any_per_row, differences, is_all_true, panel_buffer, query_panels, row_counts, true_entries
 
 # Sigmoid arguments are clamped to ±SIGMOID_LIMIT and get no gradient beyond it.
 # σ(±30) is 0 or 1 to float32 precision (e^-30 ≈ 9.4e-14 < 2^-24), and the product of
@@ -55,10 +56,6 @@ SIGMOID_LIMIT = 30.0
 # Just above σ'(±SIGMOID_LIMIT) in any float type: what a clamped entry's derivative
 # turns into, for threshold_ to zero.
 _SLOPE_AT_LIMIT = math.exp(-SIGMOID_LIMIT) * (1 + 1e-4)
-# Entries of one chunk of (pair, reference) sigmoids: 1 MB in float32, small enough to
-# stay in cache between the passes over it (2^16 to 2^22 measured at batch 2048: within
-# noise of each other up to 2^20, 2^22 about 10% slower).
-CHUNK_ELEMENTS = 1 << 18
 PAPER_K_VALUES = (1, 2, 4, 8, 16)
 
 
@@ -136,13 +133,14 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 f"{type(self).__name__}: similarity_mixup=True mixes the batch with itself; "
                 "it takes no ref_emb and no indices_tuple"
             )
-        scores = self.distance(embeddings, ref_emb)
+        # Without a separate ref_emb, PML's distance normalises the embeddings once.
+        scores = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
         positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
         query_index = torch.arange(len(embeddings), device=embeddings.device)
         if self.similarity_mixup:
             scores, positive, negative, query_index = with_virtual_samples(scores, labels)
         ranked = positive | negative
-        keep = positive.any(1) & negative.any(1)
+        keep = any_per_row(positive) & any_per_row(negative)
         self.num_queries = int(keep.sum())
         if self.num_queries == 0:
             return self.zero_losses()
@@ -158,7 +156,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
         if not bool(keep.all()):
             scores, ranked, positive = scores[keep], ranked[keep], positive[keep]
         k, normalizer = self.k_and_normalizer(ranked, positive, scores.dtype)
-        pair_query, pair_positive = positive.nonzero(as_tuple=True)
+        pair_query, pair_positive = true_entries(positive)
         recall = _RelaxedRecallAtK.apply(
             scores,
             ranked,
@@ -175,8 +173,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
         """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length,
         and min(that k, the query's number of positives)."""
         k = torch.tensor(self.k_values, device=ranked.device)
-        k = torch.minimum(k, ranked.sum(1, dtype=torch.int64, keepdim=True))
-        normalizer = torch.minimum(k, positive.sum(1, dtype=torch.int64, keepdim=True))
+        k = torch.minimum(k, row_counts(ranked).unsqueeze(1))
+        normalizer = torch.minimum(k, row_counts(positive).unsqueeze(1))
         return k.to(dtype), normalizer.to(dtype)
 
 
@@ -204,61 +202,62 @@ def with_virtual_samples(scores, labels):
     return scores, positive, negative, query_index
 
 
-def _pair_chunks(num_pairs, num_references):
-    step = max(1, CHUNK_ELEMENTS // max(1, num_references))
-    return [slice(start, start + step) for start in range(0, num_pairs, step)]
-
-
-def _rank_sigmoids(scaled, anchors, pair_query, chunk):
-    """σ((s(q, z) − s(q, x)) / τ1) of the chunk's pairs (q, x) against every reference z
-    (rows of `scaled`, the similarities over τ1 with -inf where z is not ranked)."""
-    rows = scaled.index_select(0, pair_query[chunk]).sub_(anchors[chunk].unsqueeze(1))
-    return rows.clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-
-
 class _RelaxedRecallAtK(torch.autograd.Function):
     """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer,
     from `scores` [queries, references], the `ranked` mask (the references of each
     query's list), the positive pairs (`pair_query`, `pair_positive`, sorted by query)
-    and per-query k and normalizer [queries, |K|]. Both passes go over the pairs in
-    chunks; the backward pass recomputes the rank sigmoids of the pairs whose gradient
-    is not zero."""
+    and per-query k and normalizer [queries, |K|]. The forward pass goes over the
+    queries in panels (`query_panels`) and computes each query's gradient row while its
+    rank sigmoids are in cache, from the pairs whose gradient is not zero; the backward
+    pass scales the rows by the incoming gradient."""
 
     @staticmethod
     def forward(ctx, scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
-        scaled = scores.masked_fill(~ranked, -torch.inf).mul_(1 / rank_temperature)
-        anchors = scaled[pair_query, pair_positive]
-        ranks = torch.empty_like(anchors)
-        for chunk in _pair_chunks(len(anchors), scores.shape[1]):
-            # 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2 exactly.
-            ranks[chunk] = _rank_sigmoids(scaled, anchors, pair_query, chunk).sum(1) + 0.5
-        margins = (k[pair_query] - ranks.unsqueeze(1)) / recall_temperature
-        in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-        counts = torch.zeros_like(k).index_add_(0, pair_query, in_top_k)
-        recall = (torch.minimum(counts, k) / normalizer).mean(1)
-        ctx.save_for_backward(scaled, anchors, pair_query, pair_positive, margins, in_top_k, counts < k, normalizer)
-        ctx.temperatures = rank_temperature, recall_temperature
+        left_out = None if is_all_true(ranked) else ~ranked
+        anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
+        recall = scores.new_empty(len(scores))
+        jacobian = torch.zeros_like(scores) if ctx.needs_input_grad[0] else None
+        panels = query_panels(pair_query, *scores.shape)
+        buffer = panel_buffer(scores, panels, scores.shape[1])
+        for queries, pairs in panels:
+            scaled = scores[queries] * (1 / rank_temperature)
+            if left_out is not None:
+                scaled.masked_fill_(left_out[queries], -torch.inf)
+            # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
+            # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
+            sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+            ranks = sigma.sum(2).add_(0.5)
+            panel_k = k[queries].unsqueeze(1)
+            margins = (panel_k - ranks.unsqueeze(2)) / recall_temperature
+            in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+            counts = in_top_k.sum(1)
+            recall[queries] = (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
+            if jacobian is None:
+                continue
+            # d recall / d r(q, x): through every k whose count is not clipped.
+            slope = in_top_k.mul_(1 - in_top_k).mul_(margins.abs_() < SIGMOID_LIMIT)
+            weight = ((counts < k[queries]) / normalizer[queries]).unsqueeze(1)
+            grad_ranks = (
+                (weight * slope).sum(2).mul_(-1 / (normalizer.shape[1] * recall_temperature * rank_temperature))
+            )
+            # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
+            row, column = grad_ranks.nonzero(as_tuple=True)
+            if len(row) == 0:
+                continue
+            active = sigma[row, column]
+            # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
+            weights = F.threshold_(active.addcmul_(active, active, value=-1), _SLOPE_AT_LIMIT, 0.0)
+            weights.mul_(grad_ranks[row, column].unsqueeze(1))
+            rows = jacobian[queries] if isinstance(queries, slice) else None
+            query_rows = row if rows is not None else queries[row]
+            target = rows if rows is not None else jacobian
+            target.index_add_(0, query_rows, weights)
+            target[query_rows, pair_positive[pairs[row, column]]] -= weights.sum(1)
+        ctx.save_for_backward(jacobian)
         return recall
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_recall):
-        scaled, anchors, pair_query, pair_positive, margins, in_top_k, unclipped, normalizer = ctx.saved_tensors
-        rank_temperature, recall_temperature = ctx.temperatures
-        # d recall / d r(q, x): through every k whose count is not clipped.
-        slope = in_top_k * (1 - in_top_k) * (margins.abs() < SIGMOID_LIMIT)
-        weight = (grad_recall.unsqueeze(1) * unclipped / normalizer)[pair_query]
-        grad_ranks = -(weight * slope).sum(1) / (normalizer.shape[1] * recall_temperature)
-        # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
-        active = grad_ranks.nonzero().squeeze(1)
-        pair_query, anchors = pair_query[active], anchors[active]
-        pair_positive, grad_ranks = pair_positive[active], grad_ranks[active] / rank_temperature
-        grad = torch.zeros_like(scaled)
-        for chunk in _pair_chunks(len(active), scaled.shape[1]):
-            sigma = _rank_sigmoids(scaled, anchors, pair_query, chunk)
-            # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
-            weights = F.threshold_(torch.addcmul(sigma, sigma, sigma, value=-1), _SLOPE_AT_LIMIT, 0.0)
-            weights.mul_(grad_ranks[chunk].unsqueeze(1))
-            grad.index_add_(0, pair_query[chunk], weights)
-            grad[pair_query[chunk], pair_positive[chunk]] -= weights.sum(1)
-        return grad, None, None, None, None, None, None, None
+        (jacobian,) = ctx.saved_tensors
+        return jacobian * grad_recall.unsqueeze(1), None, None, None, None, None, None, None

@@ -15,7 +15,7 @@ from pytorch_metric_learning.trainers import MetricLossOnly
 
 from pml_rank.harness.references.recall_at_k import recall_at_k_loss as paper_loss
 from pml_rank.large_batch import LargeBatchMetricLossOnly, large_batch_backward
-from pml_rank.losses import RecallAtKSurrogateLoss, recall_at_k
+from pml_rank.losses import RecallAtKSurrogateLoss, query_panels, recall_at_k
 
 
 def authors_sigmoid(x, temperature):
@@ -186,11 +186,17 @@ def test_virtual_queries_carry_their_first_samples_index():
     assert losses["loss"]["indices"].tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 3]
 
 
-def test_chunks_do_not_change_the_result(monkeypatch):
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("panel_elements", [1, 50])
+def test_panels_do_not_change_the_result(panel_elements, shuffled, monkeypatch):
+    """Panels of one query, or of one to a few queries with equally many positives, the
+    queries of a panel consecutive or not."""
     labels = LAYOUTS["unequal classes and singletons"]
+    if shuffled:
+        labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(4))]
     embeddings = seeded(len(labels), seed=2)
     whole = value_and_grad(RecallAtKSurrogateLoss(), embeddings, labels)
-    monkeypatch.setattr(recall_at_k, "CHUNK_ELEMENTS", 50)  # two or three pairs per chunk
+    monkeypatch.setattr(query_panels, "PANEL_ELEMENTS", panel_elements)
     assert_same(value_and_grad(RecallAtKSurrogateLoss(), embeddings, labels), whole, rtol=1e-12, atol=1e-14)
 
 
