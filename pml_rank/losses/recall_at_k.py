@@ -45,7 +45,15 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks, reference_is_batch
-from .query_panels import any_per_row, differences, is_all_true, panel_buffer, query_panels, row_counts, true_entries
+from .query_panels import (
+    any_per_row,
+    differences,
+    is_all_true,
+    panel_buffer,
+    query_panels,
+    row_counts,
+    true_entries,
+)
 
 # Sigmoid arguments are clamped to ±SIGMOID_LIMIT and get no gradient beyond it.
 # σ(±30) is 0 or 1 to float32 precision (e^-30 ≈ 9.4e-14 < 2^-24), and the product of
@@ -213,51 +221,65 @@ class _RelaxedRecallAtK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
-        left_out = None if is_all_true(ranked) else ~ranked
-        anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
-        recall = scores.new_empty(len(scores))
-        jacobian = torch.zeros_like(scores) if ctx.needs_input_grad[0] else None
-        panels = query_panels(pair_query, *scores.shape)
-        buffer = panel_buffer(scores, panels, scores.shape[1])
-        for queries, pairs in panels:
-            scaled = scores[queries] * (1 / rank_temperature)
-            if left_out is not None:
-                scaled.masked_fill_(left_out[queries], -torch.inf)
-            # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
-            # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
-            sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-            ranks = sigma.sum(2).add_(0.5)
-            panel_k = k[queries].unsqueeze(1)
-            margins = (panel_k - ranks.unsqueeze(2)) / recall_temperature
-            in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-            counts = in_top_k.sum(1)
-            recall[queries] = (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
-            if jacobian is None:
-                continue
-            # d recall / d r(q, x): through every k whose count is not clipped.
-            slope = in_top_k.mul_(1 - in_top_k).mul_(margins.abs_() < SIGMOID_LIMIT)
-            weight = ((counts < k[queries]) / normalizer[queries]).unsqueeze(1)
-            grad_ranks = (
-                (weight * slope).sum(2).mul_(-1 / (normalizer.shape[1] * recall_temperature * rank_temperature))
-            )
-            # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
-            row, column = grad_ranks.nonzero(as_tuple=True)
-            if len(row) == 0:
-                continue
-            active = sigma[row, column]
-            # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
-            weights = F.threshold_(active.addcmul_(active, active, value=-1), _SLOPE_AT_LIMIT, 0.0)
-            weights.mul_(grad_ranks[row, column].unsqueeze(1))
-            rows = jacobian[queries] if isinstance(queries, slice) else None
-            query_rows = row if rows is not None else queries[row]
-            target = rows if rows is not None else jacobian
-            target.index_add_(0, query_rows, weights)
-            target[query_rows, pair_positive[pairs[row, column]]] -= weights.sum(1)
-        ctx.save_for_backward(jacobian)
+        inputs = scores, ranked, pair_query, pair_positive, k, normalizer
+        recall, ctx.jacobian = _recall_and_jacobian(
+            *inputs, rank_temperature, recall_temperature, with_jacobian=ctx.needs_input_grad[0]
+        )
+        ctx.save_for_backward(*inputs)
+        ctx.temperatures = rank_temperature, recall_temperature
         return recall
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_recall):
-        (jacobian,) = ctx.saved_tensors
-        return jacobian * grad_recall.unsqueeze(1), None, None, None, None, None, None, None
+        # Each recall depends on its own row of scores only: the rows of its Jacobian
+        # scaled by the incoming gradient, in place (a fresh matrix costs page faults).
+        jacobian, ctx.jacobian = ctx.jacobian, None
+        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
+            _, jacobian = _recall_and_jacobian(*ctx.saved_tensors, *ctx.temperatures, with_jacobian=True)
+        return jacobian.mul_(grad_recall.unsqueeze(1)), None, None, None, None, None, None, None
+
+
+def _recall_and_jacobian(
+    scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature, with_jacobian
+):
+    """`_RelaxedRecallAtK`'s recall per query and, when asked, the [queries, references]
+    Jacobian of each query's recall with respect to its row of `scores` (else None)."""
+    left_out = None if is_all_true(ranked) else ~ranked
+    anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
+    recall = scores.new_empty(len(scores))
+    # Only the pairs whose gradient is not zero add to it: zeros elsewhere.
+    jacobian = torch.zeros_like(scores) if with_jacobian else None
+    panels = query_panels(pair_query, *scores.shape)
+    buffer = panel_buffer(scores, panels, scores.shape[1])
+    for queries, pairs in panels:
+        scaled = scores[queries] * (1 / rank_temperature)
+        if left_out is not None:
+            scaled.masked_fill_(left_out[queries], -torch.inf)
+        # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
+        # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
+        sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+        ranks = sigma.sum(2).add_(0.5)
+        panel_k = k[queries].unsqueeze(1)
+        margins = (panel_k - ranks.unsqueeze(2)) / recall_temperature
+        in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
+        counts = in_top_k.sum(1)
+        recall[queries] = (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
+        if jacobian is None:
+            continue
+        # d recall / d r(q, x): through every k whose count is not clipped.
+        slope = in_top_k.mul_(1 - in_top_k).mul_(margins.abs_() < SIGMOID_LIMIT)
+        weight = ((counts < k[queries]) / normalizer[queries]).unsqueeze(1)
+        grad_ranks = (weight * slope).sum(2).mul_(-1 / (normalizer.shape[1] * recall_temperature * rank_temperature))
+        # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
+        row, column = grad_ranks.nonzero(as_tuple=True)
+        if len(row) == 0:
+            continue
+        active = sigma[row, column]
+        # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
+        weights = F.threshold_(active.addcmul_(active, active, value=-1), _SLOPE_AT_LIMIT, 0.0)
+        weights.mul_(grad_ranks[row, column].unsqueeze(1))
+        target, target_rows = (jacobian[queries], row) if isinstance(queries, slice) else (jacobian, queries[row])
+        target.index_add_(0, target_rows, weights)
+        target[target_rows, pair_positive[pairs[row, column]]] -= weights.sum(1)
+    return recall, jacobian

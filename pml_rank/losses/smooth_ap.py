@@ -21,7 +21,15 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .base import RankLossBase, pair_masks
-from .query_panels import any_per_row, differences, is_all_true, panel_buffer, query_panels, true_entries
+from .query_panels import (
+    any_per_row,
+    differences,
+    is_all_true,
+    jacobian_buffer,
+    panel_buffer,
+    query_panels,
+    true_entries,
+)
 
 
 class SmoothAPLoss(RankLossBase):
@@ -109,48 +117,60 @@ class SmoothAPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, positive, negative, temperature):
-        ranked = positive | negative
-        left_out = None if is_all_true(ranked) else ~ranked
-        pair_query, pair_positive = true_entries(positive)
-        own = scores[pair_query, pair_positive] / temperature
-        ap = scores.new_zeros(len(scores))
-        jacobian = torch.zeros_like(scores) if ctx.needs_input_grad[0] else None
-        panels = query_panels(pair_query, *scores.shape)
-        buffer = panel_buffer(scores, panels, scores.shape[1])
-        for queries, pairs in panels:
-            # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
-            # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
-            scaled = scores[queries] / temperature
-            if left_out is not None:
-                scaled.masked_fill_(left_out[queries], float("-inf"))
-            panel_own = own[pairs]
-            over_all = differences(scaled, panel_own, buffer).sigmoid_()
-            over_positives = differences(panel_own, panel_own).sigmoid_()
-            # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
-            rank = over_all.sum(2).add_(0.5)
-            precision = over_positives.sum(2).add_(0.5).div_(rank)
-            ap[queries] = precision.mean(1)
-            if jacobian is None:
-                continue
-            # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
-            # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
-            scale = rank.reciprocal_().mul_(1 / (pairs.shape[1] * temperature))
-            weight_all = precision.mul_(scale).neg_()
-            slope = over_all.addcmul_(over_all, over_all, value=-1)
-            grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(2))
-            own_column = grad_positives.sum(1).sub_(grad_positives.sum(2)).addcmul_(weight_all, slope.sum(2), value=-1)
-            if isinstance(queries, slice):
-                rows = jacobian[queries]
-                torch.bmm(weight_all.unsqueeze(1), slope, out=rows.unsqueeze(1))
-                rows.scatter_add_(1, pair_positive[pairs], own_column)
-            else:
-                rows = torch.bmm(weight_all.unsqueeze(1), slope).squeeze(1)
-                jacobian[queries] = rows.scatter_add_(1, pair_positive[pairs], own_column)
-        ctx.save_for_backward(jacobian)
+        ap, ctx.jacobian = _ap_and_jacobian(scores, positive, negative, temperature, ctx.needs_input_grad[0])
+        ctx.save_for_backward(scores, positive, negative)
+        ctx.temperature = temperature
         return ap
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_ap):
-        (jacobian,) = ctx.saved_tensors
-        return jacobian * grad_ap.unsqueeze(1), None, None, None
+        # Each AP depends on its own row of scores only: the rows of its Jacobian scaled
+        # by the incoming gradient, in place (a fresh matrix costs page faults).
+        jacobian, ctx.jacobian = ctx.jacobian, None
+        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
+            _, jacobian = _ap_and_jacobian(*ctx.saved_tensors, ctx.temperature, True)
+        return jacobian.mul_(grad_ap.unsqueeze(1)), None, None, None
+
+
+def _ap_and_jacobian(scores, positive, negative, temperature, with_jacobian):
+    """`SmoothAPFunction`'s AP per query and, when asked, the [queries, references]
+    Jacobian of each query's AP with respect to its row of `scores` (else None)."""
+    ranked = positive | negative
+    left_out = None if is_all_true(ranked) else ranked.logical_not_()
+    pair_query, pair_positive = true_entries(positive)
+    own = scores[pair_query, pair_positive] / temperature
+    ap = scores.new_zeros(len(scores))
+    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
+    panels = query_panels(pair_query, *scores.shape)
+    buffer = panel_buffer(scores, panels, scores.shape[1])
+    for queries, pairs in panels:
+        # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
+        # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
+        scaled = scores[queries] / temperature
+        if left_out is not None:
+            scaled.masked_fill_(left_out[queries], float("-inf"))
+        panel_own = own[pairs]
+        over_all = differences(scaled, panel_own, buffer).sigmoid_()
+        over_positives = differences(panel_own, panel_own).sigmoid_()
+        # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
+        rank = over_all.sum(2).add_(0.5)
+        precision = over_positives.sum(2).add_(0.5).div_(rank)
+        ap[queries] = precision.mean(1)
+        if jacobian is None:
+            continue
+        # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
+        # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
+        scale = rank.reciprocal_().mul_(1 / (pairs.shape[1] * temperature))
+        weight_all = precision.mul_(scale).neg_()
+        slope = over_all.addcmul_(over_all, over_all, value=-1)
+        grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(2))
+        own_column = grad_positives.sum(1).sub_(grad_positives.sum(2)).addcmul_(weight_all, slope.sum(2), value=-1)
+        if isinstance(queries, slice):
+            rows = jacobian[queries]
+            torch.bmm(weight_all.unsqueeze(1), slope, out=rows.unsqueeze(1))
+            rows.scatter_add_(1, pair_positive[pairs], own_column)
+        else:
+            rows = torch.bmm(weight_all.unsqueeze(1), slope).squeeze(1)
+            jacobian[queries] = rows.scatter_add_(1, pair_positive[pairs], own_column)
+    return ap, jacobian

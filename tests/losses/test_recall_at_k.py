@@ -368,3 +368,17 @@ def test_search_space_gives_valid_constructor_arguments_around_the_papers_values
         params = space(study.ask())
         RecallAtKSurrogateLoss(**params)
         assert 1e-3 <= params["rank_temperature"] <= 0.1 and 0.1 <= params["recall_temperature"] <= 10
+
+
+def test_a_second_backward_pass_and_no_grad_give_the_same_results():
+    """The backward pass scales the Jacobian computed in the forward pass in place; a
+    second pass through the graph computes it again, and without autograd none is made."""
+    labels = LAYOUTS["unequal classes and singletons"]
+    embeddings = seeded(len(labels), seed=3)
+    loss = RecallAtKSurrogateLoss()(embeddings, labels)
+    first = torch.autograd.grad(3 * loss, embeddings, retain_graph=True)[0]
+    second = torch.autograd.grad(loss, embeddings)[0]
+    assert second.abs().max() > 1e-4
+    torch.testing.assert_close(first, 3 * second, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():
+        torch.testing.assert_close(RecallAtKSurrogateLoss()(embeddings, labels), loss.detach(), rtol=0, atol=0)

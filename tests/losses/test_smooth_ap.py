@@ -314,3 +314,15 @@ def test_pml_groups_rows_by_the_wrong_count_unless_classes_equal_samples_per_cla
             assert abs(pml - ours) > 1e-3
     with pytest.raises(ValueError, match="same number of elements"):  # and it refuses unequal classes
         pml_losses.SmoothAPLoss()(seeded(5), torch.tensor([0, 0, 0, 1, 1]))
+
+
+def test_a_second_backward_pass_and_no_grad_give_the_same_results():
+    """The backward pass scales the Jacobian computed in the forward pass in place; a
+    second pass through the graph computes it again, and without autograd none is made."""
+    labels = torch.tensor(LAYOUTS["unequal classes"])
+    embeddings = seeded(len(labels), seed=4)
+    loss = SmoothAPLoss()(embeddings, labels)
+    first, second = grad(3 * loss, embeddings), grad(loss, embeddings)
+    torch.testing.assert_close(first, 3 * second, rtol=1e-12, atol=1e-15)
+    with torch.no_grad():
+        torch.testing.assert_close(SmoothAPLoss()(embeddings, labels), loss.detach(), rtol=0, atol=0)
