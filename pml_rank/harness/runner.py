@@ -9,7 +9,6 @@ experiment in the calling process.
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from . import backbones, recipes
-from .budget import class_count, training_key
+from .budget import class_count, digest, training_key
 from .datasets import DataError, image_transforms, load_dataset, needs_data_root
 from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol
 from .evaluation.training import optimizer_factory
@@ -40,11 +39,6 @@ class Place:
     device: str = "cpu"
     loader_workers: int = 0
     models_dir: str | None = None  # keep each trained experiment's fold models and logs here
-
-
-def digest(value):
-    """A short hex digest of a JSON-able value (key order does not matter)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def models_folder(models_dir, budget, row, params, seed):

@@ -37,7 +37,7 @@ def run(command, timeout=600):
 
 
 def trials(url):
-    study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=url)
+    study = optuna.load_study(study_name=jobs.study_name(BUDGET), storage=url)
     return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
 
 
