@@ -19,7 +19,6 @@ optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs, runner  # noqa: E402
 from pml_rank.harness.budget import resolve  # noqa: E402
-from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 ROW = "pml:TripletMarginLoss"
@@ -35,24 +34,25 @@ def bench_command(out, url, cache, *extra):
 
 def job_trials(url):
     """Every job trial of the benches at `url` ([] before a bench is made, or while the
-    storage does not answer)."""
+    storage does not answer), read without making anything."""
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+        return []
     try:
-        storage = open_storage(url, retry=0, read_only=True)
+        storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
     except Exception:
         return []
-    if storage is None:
-        return []
     try:
+        names = [s.study_name for s in storage.get_all_studies() if s.study_name.startswith("pml-rank bench")]
         return [
             t
-            for s in jobs.bench_studies(storage)
-            for t in optuna.load_study(study_name=s.study_name, storage=storage).get_trials(deepcopy=False)
+            for name in names
+            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
             if "job" in t.user_attrs
         ]
     except Exception:
         return []
     finally:
-        close_storage(storage)
+        storage.engine.dispose()
 
 
 def wait_for(condition, what, process=None):
