@@ -30,7 +30,8 @@ import time
 import warnings
 
 from .budget import TRAINING_KEYS, digest, training_key
-from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage
+from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage, record_heartbeat_now
+from .workers import InterruptsBetweenTrials
 
 STORE_FILE = "bench.db"
 STUDY_PREFIX = "pml-rank bench "
@@ -263,6 +264,7 @@ class JobStore:
         finished = []
 
         def run_job(trial):
+            record_heartbeat_now(trial)
             record = trial.user_attrs.get("job")
             if record is None:
                 raise _NoJob()
@@ -294,23 +296,27 @@ class JobStore:
                 )
                 raise _Discarded() from None
 
-        while True:
-            states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
-            if TrialState.WAITING not in states:
-                if TrialState.RUNNING not in states:
-                    return len(finished)
-                time.sleep(poll)
-                with warnings.catch_warnings():  # a dead process's job: failed, queued again
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    optuna.storages.fail_stale_trials(self.study)
-                continue
-            # Optuna fails stale trials itself before each trial it starts.
-            try:
-                self.study.optimize(objective, n_trials=1, catch=(_Superseded, _NoJob, _Discarded))
-            except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-                # Telling the outcome of a trial failed as stale (`_Discarded`, said above): its
-                # retry holds the job.
-                continue
+        with InterruptsBetweenTrials() as interrupts:
+            while True:
+                interrupts.check()
+                states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
+                if TrialState.WAITING not in states:
+                    if TrialState.RUNNING not in states:
+                        return len(finished)
+                    time.sleep(poll)
+                    with warnings.catch_warnings():  # a dead process's job: failed, queued again
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        optuna.storages.fail_stale_trials(self.study)
+                    continue
+                # Optuna fails stale trials itself before each trial it starts.
+                try:
+                    self.study.optimize(
+                        interrupts.objective(objective), n_trials=1, catch=(_Superseded, _NoJob, _Discarded)
+                    )
+                except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+                    # Telling the outcome of a trial failed as stale (`_Discarded`, said above): its
+                    # retry holds the job.
+                    continue
 
 
 class _QuietRecords:
