@@ -17,7 +17,7 @@ import pytest
 
 optuna = pytest.importorskip("optuna")
 
-from pml_rank.harness import jobs, runner  # noqa: E402
+from pml_rank.harness import jobs  # noqa: E402
 from pml_rank.harness.budget import resolve  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
@@ -268,19 +268,31 @@ def test_status_imports_no_torch(tmp_path):
 def _race(url, epochs, barrier, results, rounds):
     """One of two racing processes: for each round's new storage, waits at the barrier, joins
     or makes the bench of its budget (`epochs`) and works its jobs with a stand-in training
-    that records the epochs it ran with."""
-    from pml_rank.harness import jobs
+    that records the epochs it ran with. The worst timing is forced: neither records its
+    budget before both have read the storage (or one was refused)."""
+    import optuna
+
+    from pml_rank.harness import jobs, runner
 
     def run(budget, row, params, seed, *args, **kwargs):
         return {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 0.0, "epochs": budget["epochs"]}
 
+    record = optuna.study.Study.set_user_attr
+
+    def set_user_attr(study, key, value):
+        if key == "budget":
+            barrier.wait()
+        record(study, key, value)
+
     runner.run = run
+    optuna.study.Study.set_user_attr = set_user_attr
     budget = resolve("glyphs", num_classes=24, epochs=epochs, iterations_per_epoch=1, batch_size=16)
     for k in range(rounds):
         barrier.wait()
         try:
             store = jobs.JobStore(f"{url}{k}", budget)
         except jobs.MismatchError:
+            barrier.wait()  # where the other process records its budget
             results.put((k, epochs, "refused"))
             continue
         try:
@@ -292,8 +304,8 @@ def _race(url, epochs, barrier, results, rounds):
 
 
 def test_two_budgets_starting_at_the_same_moment_never_share_a_job(tmp_path):
-    rounds = 8
-    url = f"sqlite:///{tmp_path / 'race.db'}"  # race.db0 to race.db7
+    rounds = 3
+    url = f"sqlite:///{tmp_path / 'race.db'}"  # race.db0 to race.db2
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     processes = [context.Process(target=_race, args=(url, epochs, barrier, results, rounds)) for epochs in (1, 2)]
