@@ -13,8 +13,9 @@ CUB-200-2011, Cars-196 and Stanford Online Products are PML's own dataset classe
 (`pytorch_metric_learning.datasets`, which also fix the splits: CUB classes 1-100 train /
 101-200 test, Cars 1-98 / 99-196, SOP the Ebay_train / Ebay_test lists); pml-rank adds the
 layout check, a full decode of every image before any training, RGB conversion (CUB and
-Cars contain grayscale images) and CUB's bounding-box crops. In-shop Clothes is pml-rank's own, on PML's `BaseDataset`: the ``train`` / ``query`` /
-``gallery`` partition of ``list_eval_partition.txt``.
+Cars contain grayscale images) and CUB's bounding-box crops. In-shop Clothes is
+pml-rank's own, on PML's `BaseDataset`: the ``train`` / ``query`` / ``gallery`` partition
+of ``list_eval_partition.txt``.
 """
 
 import dataclasses
