@@ -61,7 +61,7 @@ class ImageFolder:
     ``ignored``, one line each, logged as a warning."""
 
     def __init__(self, root, transform=None, cache_dir=None):
-        from .images import GRAYSCALE_MODES, image_modes
+        from .images import GRAYSCALE_MODES, ImageReadError, image_modes
 
         root = Path(root)
         folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -90,7 +90,10 @@ class ImageFolder:
         self.ignored = _ignored_lines(root, left_out)
         for line in self.ignored:
             logging.getLogger(__name__).warning("pml-rank: %s", line)
-        modes, problems = image_modes(self.paths, cache_dir, desc=f"checking folder:{root}")
+        try:
+            modes, problems = image_modes(self.paths, cache_dir, desc=f"checking folder:{root}")
+        except ImageReadError as error:
+            raise DataError(f"folder:{root}: {error}") from None
         if problems:
             many = f" (1 of {len(problems)} unreadable images)" if len(problems) > 1 else ""
             raise DataError(f"folder:{root}: {problems[0]}{many}: replace or delete the file")

@@ -10,7 +10,8 @@ module alone.
 import os
 import sqlite3
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_all_start_methods, get_context
 
 import numpy as np
 from PIL import Image
@@ -155,17 +156,22 @@ def image_modes(paths, cache_dir=None, processes=None, desc="checking images"):
         found = {}
         chunks = [todo[i : i + _CHUNK] for i in range(0, len(todo), _CHUNK)]
         processes = processes or len(os.sched_getaffinity(0))
+        pool = None
+        if len(todo) >= POOL_THRESHOLD and processes > 1:
+            # Forked where the platform can (as torch's DataLoader workers are on Linux): the
+            # processes start at once and never re-run the caller's main module.
+            method = "fork" if "fork" in get_all_start_methods() else "spawn"
+            pool = ProcessPoolExecutor(processes, mp_context=get_context(method))
+        results = map(_decoded_modes, chunks) if pool is None else pool.map(_decoded_modes, chunks)
         with tqdm(total=len(todo), desc=desc, unit="image", disable=None if todo else True, leave=False) as bar:
-            if len(todo) < POOL_THRESHOLD or processes < 2:
-                results = map(_decoded_modes, chunks)
-                pool = None
-            else:  # spawned: this module imports no torch, so each process starts in a moment
-                pool = ProcessPoolExecutor(processes, mp_context=get_context("spawn"))
-                results = pool.map(_decoded_modes, chunks)
             try:
-                for chunk, decoded in zip(chunks, results):
-                    found.update(zip(chunk, decoded))
+                for chunk in chunks:
+                    found.update(zip(chunk, next(results)))
                     bar.update(len(chunk))
+            except BrokenProcessPool:  # a decoder crashed its process on one of these files
+                raise ImageReadError(
+                    f"cannot read images: the process decoding {len(chunk)} images from {chunk[0]} on died"
+                ) from None
             finally:
                 if pool is not None:
                     pool.shutdown(cancel_futures=True)
