@@ -48,6 +48,18 @@ def needs_data_root(name):
     return name in DATASET_NAMES and name != "glyphs"
 
 
+def data_root_missing(name):
+    """The `DataError` for a papers' data set named without --data-root: what goes where."""
+    from .data import real
+
+    layout = real.DATASETS[name].layout
+    return DataError(
+        f"--dataset {name} reads its images from --data-root: <data-root>/{layout.folder}/ holds "
+        f"{', '.join(layout.required)}. {layout.download} Every layout: section "
+        '"Real data sets and the papers\' tables" of examples/README.md.'
+    )
+
+
 class ImageFolder:
     """A folder with one subfolder per class. Items are ``(PIL image, label)``; ``labels``
     is an int64 array, ``classes`` the folder names (label k is ``classes[k]``), ``paths``
@@ -195,9 +207,7 @@ def _load(name, data_root, cache_dir, num_classes):
         from .data import real
 
         if data_root is None:
-            raise DataError(
-                f"--dataset {name} reads its images from --data-root; {real.DATASETS[name].layout.download}"
-            )
+            raise data_root_missing(name)
         whole = "all" if name == "inshop" else "train+test"
         try:
             dataset = real.load(name, data_root, whole, cache_dir=cache_dir or DEFAULT_CACHE_DIR)
