@@ -3,8 +3,8 @@ before any training (in parallel, remembered by path, size and modification time
 rerun only stats the files), and `open_8bit` gives any image Pillow reads as 8-bit
 ``L`` or ``RGB``, 16-bit images scaled rather than clipped.
 
-Imports neither torch nor the rest of the harness: the checking processes import this
-module alone.
+Imports neither torch nor the rest of the harness: where processes are spawned rather than
+forked, each checking process imports this module alone.
 """
 
 import os
@@ -155,7 +155,7 @@ def image_modes(paths, cache_dir=None, processes=None, desc="checking images"):
         todo = [path for path in paths if path not in known]
         found = {}
         chunks = [todo[i : i + _CHUNK] for i in range(0, len(todo), _CHUNK)]
-        processes = processes or len(os.sched_getaffinity(0))
+        processes = processes or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
         pool = None
         if len(todo) >= POOL_THRESHOLD and processes > 1:
             # Forked where the platform can (as torch's DataLoader workers are on Linux): the
