@@ -161,9 +161,9 @@ def _image_files(folder, left_out):
 def _ignored_lines(root, left_out):
     """One line per kind of file a folder data set leaves out, with a count and an example."""
     reasons = {
-        "hidden": "images in hidden files or folders (names starting with '.')",
-        "loose": "images directly in the folder, outside every class folder",
-        "not an image": f"files without an image suffix ({' '.join(IMAGE_SUFFIXES)})",
+        "hidden": "image(s) in hidden files or folders (names starting with '.')",
+        "loose": "image(s) directly in the folder, outside every class folder",
+        "not an image": f"file(s) without an image suffix ({' '.join(IMAGE_SUFFIXES)})",
     }
     return [
         f"folder:{root}: ignored {len(paths)} {reasons[kind]}, e.g. {min(paths)}"

@@ -145,9 +145,9 @@ def test_nested_images_join_their_class_hidden_and_loose_ones_are_left_out_with_
     assert folder / "c0" / "2024" / "june" / "nested.png" in data.paths
     assert list(data.labels) == [0, 0, 0, 1, 1]
     lines = data.ignored
-    assert any("ignored 4 images in hidden" in line for line in lines)  # 3 + 1
-    assert any("ignored 1 images directly in the folder" in line and "stray.png" in line for line in lines)
-    assert any("ignored 1 files without an image suffix" in line and "notes.txt" in line for line in lines)
+    assert any("ignored 4 image(s) in hidden" in line for line in lines)  # 3 + 1
+    assert any("ignored 1 image(s) directly in the folder" in line and "stray.png" in line for line in lines)
+    assert any("ignored 1 file(s) without an image suffix" in line and "notes.txt" in line for line in lines)
     assert len(lines) == 3 and all(line in caplog.text for line in lines)
 
 
