@@ -31,8 +31,8 @@ class ImageReadError(OSError):
 
 
 def _scaled_to_8bit(image):
-    """A 16- or 32-bit integer image (``I;16*``, ``I``) as ``L``, its 0-65535 range mapped to
-    0-255 (Pillow's own conversion clips at 255: a 16-bit photograph turns white)."""
+    """An integer image (``I;16*``, ``I``) as ``L``: 0-65535 mapped to 0-255, as 16-bit PNG and
+    TIFF files hold (Pillow's own conversion clips at 255: a 16-bit photograph turns white)."""
     values = np.asarray(image, dtype=np.int64)
     return Image.fromarray(np.clip((values + 128) // 257, 0, 255).astype(np.uint8), "L")
 
