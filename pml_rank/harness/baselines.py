@@ -226,6 +226,14 @@ def _smooth_ap_space(trial):
     return {"temperature": trial.suggest_float("temperature", 1e-4, 1.0, log=True)}
 
 
+def _pnp_space(trial):
+    # The same space as pml-rank's PNPLoss (one function, imported when a trial runs so
+    # that importing this module still imports no torch).
+    from ..builtin import pnp_space
+
+    return pnp_space(trial)
+
+
 def _nothing_to_tune(trial):
     return {}
 
@@ -413,6 +421,15 @@ _ROWS = (
         batches="N classes x 2",
         per_class=2,
         source="not in the paper; PML's NPairsLoss has nothing to tune",
+    ),
+    Baseline(
+        row="pml:PNPLoss",
+        loss="PNPLoss",
+        defaults={"b": 2.0, "alpha": 4.0, "anneal": 0.01, "variant": "Dq"},
+        space=_pnp_space,
+        batches=_M4,
+        source="not in the paper; pml-rank's PNPLoss space (variant, anneal, alpha or b)",
+        note="the authors' recommended run (Dq, alpha 4; PML's defaults: O, alpha 1); same function as pml-rank's",
     ),
 )
 
