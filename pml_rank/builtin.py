@@ -88,18 +88,12 @@ def _roadmap_space(trial):
     }
 
 
-def pnp_space(trial):
-    """PNP's variant, τ a decade either side of the paper's 0.01, and the variant's own
-    parameter: Dq's α (the authors' 1 to their best run's 4, and beyond), Ib's b."""
-    params = {
-        "variant": trial.suggest_categorical("variant", list(losses.PNPLoss.VARIANTS)),
-        "anneal": trial.suggest_float("anneal", 1e-3, 0.1, log=True),
-    }
-    if params["variant"] == "Dq":
-        params["alpha"] = trial.suggest_int("alpha", 1, 8)
-    if params["variant"] == "Ib":
-        params["b"] = trial.suggest_float("b", 0.5, 8.0, log=True)
-    return params
+def _pnp_space(trial):
+    # Defined with the pml:PNPLoss row (PML's PNPLoss, the same function): one space for
+    # both, in a module that imports no torch.
+    from .harness.baselines import pnp_space
+
+    return pnp_space(trial)
 
 
 @hookimpl
@@ -108,7 +102,7 @@ def pml_rank_search_spaces():
     size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
     slope, FastAP's number of bins, N-pair's L2 weight, the Recall@k surrogate's two
     temperatures and SiMix, Smooth-AP's temperature and query convention, SupAP's τ, ρ, δ
-    (and ROADMAP's λ and margins), PNP's variant, τ and α or b."""
+    (and ROADMAP's λ and margins), PNP-D_q's τ and α."""
     return {
         "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
         "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
@@ -120,5 +114,5 @@ def pml_rank_search_spaces():
         "SmoothAPLoss": _smooth_ap_space,
         "SupAPLoss": _supap_space,
         "ROADMAPLoss": _roadmap_space,
-        "PNPLoss": pnp_space,
+        "PNPLoss": _pnp_space,
     }
