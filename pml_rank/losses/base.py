@@ -159,9 +159,10 @@ class NegativesAboveFunction(torch.autograd.Function):
         own = scores.gather(1, positive_columns)
         counts = torch.zeros_like(own)
         buffer = torch.empty_like(scores)
+        not_negative = ~negative
         for slot, rows in slots:
             values = kernel.value(_differences(scores, own, rows, slot, buffer))
-            counts[rows, slot] = values.masked_fill_(~_rows_of(negative, rows), 0).sum(1)
+            counts[rows, slot] = values.masked_fill_(_rows_of(not_negative, rows), 0).sum(1)
         ctx.save_for_backward(scores, positive_columns, negative)
         ctx.slots, ctx.kernel = slots, kernel
         return counts
@@ -173,9 +174,10 @@ class NegativesAboveFunction(torch.autograd.Function):
         own = scores.gather(1, positive_columns)
         grad_scores = torch.zeros_like(scores)
         buffer = torch.empty_like(scores)
+        not_negative = ~negative
         for slot, rows in ctx.slots:
             slopes = ctx.kernel.slope(_differences(scores, own, rows, slot, buffer))
-            slopes.masked_fill_(~_rows_of(negative, rows), 0).mul_(grad_counts[rows, slot].unsqueeze(1))
+            slopes.masked_fill_(_rows_of(not_negative, rows), 0).mul_(grad_counts[rows, slot].unsqueeze(1))
             # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
             if len(rows) == len(scores):
                 grad_scores += slopes

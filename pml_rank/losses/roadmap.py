@@ -36,16 +36,20 @@ class SupAPBound:
 
     def __init__(self, temperature, rho, offset, delta, start):
         self.temperature, self.rho, self.offset, self.delta, self.start = temperature, rho, offset, delta, start
+        self.jump = offset - start - 1 / (1 + math.exp(-max(min(delta / temperature, SIGMOID_CLAMP), -SIGMOID_CLAMP)))
 
     def value(self, x):
-        beyond = x > self.delta
-        linear = x[beyond].sub_(self.delta).mul_(self.rho).add_(self.offset)
-        above = x > 0
+        # H⁻(x) = σ(min(x, δ) / τ) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ], with jump
+        # = offset − start − σ(δ/τ) (0 when H⁻ is continuous): elementwise passes only,
+        # no boolean indexing (a B x B nonzero costs more than the rest).
+        extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
+        if self.jump:
+            extra.add_(x > self.delta, alpha=self.jump)
+        if self.start:
+            extra.add_(x > 0, alpha=self.start)
         # The clamp keeps float32 away from the denormals of σ(−88) and below.
-        values = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
-        values.add_(above, alpha=self.start)
-        values[beyond] = linear
-        return values
+        values = x.clamp_(max=self.delta).div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        return values.add_(extra)
 
     def slope(self, x):
         beyond = x > self.delta
