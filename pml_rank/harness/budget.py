@@ -6,6 +6,8 @@ option the command line gave in their place (`resolve`); the table header and th
 record it whole.
 """
 
+import hashlib
+import json
 from pathlib import Path
 
 # The embedded glyphs: 64 classes, 10 epochs x 60 iterations, Adam at 3e-3 annealed to zero
@@ -128,6 +130,11 @@ def training_key(budget):
     """The budget's `TRAINING_KEYS`: what a result depends on (a bench's identity, a
     study's, a saved experiment's)."""
     return {key: budget.get(key) for key in TRAINING_KEYS}
+
+
+def digest(value):
+    """A short hex digest of a JSON-able value (key order does not matter)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # `--lr-schedule`: "cosine" anneals the learning rate to zero over the epochs
