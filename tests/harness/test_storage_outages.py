@@ -96,23 +96,34 @@ def serial(tmp_path_factory, glyph_cache):
     return table(out)
 
 
+def stop_mid_job(bench, server):
+    """Stops `server` while `bench` still runs the job the test saw: the bench's processes are
+    frozen (SIGSTOP) from before the server stops until it has stopped, so the outage begins
+    mid-job however fast the bench runs."""
+    os.killpg(bench.pid, signal.SIGSTOP)
+    try:
+        server.stop("fast")
+    finally:
+        os.killpg(bench.pid, signal.SIGCONT)
+
+
 def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server):
     # Heartbeats every 3 s, stale after 6 s: the 15 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
     url = postgres_server.new_database("outage")
     bench = subprocess.Popen(
         bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--heartbeat", "3"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(lambda: training_job_running(url), "a training job runs", bench)
-        postgres_server.stop("fast")
+        stop_mid_job(bench, postgres_server)
         time.sleep(15)  # the outage
         assert postgres_server.start().returncode == 0
         stdout, stderr = bench.communicate(timeout=DEADLINE)
     finally:
         if bench.poll() is None:
-            bench.kill()
+            os.killpg(bench.pid, signal.SIGKILL)
     assert bench.returncode == 0, stdout + stderr
     assert "Traceback" not in stderr and "unreachable" in stderr and "reachable again" in stderr, stderr
     assert table(tmp_path) == serial
@@ -126,7 +137,7 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
         bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--storage-retry", "5"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         wait_for(
@@ -134,11 +145,11 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
             "a job is finished and a training job runs",
             bench,
         )
-        postgres_server.stop("fast")
+        stop_mid_job(bench, postgres_server)
         stdout, stderr = bench.communicate(timeout=DEADLINE)
     finally:
         if bench.poll() is None:
-            bench.kill()
+            os.killpg(bench.pid, signal.SIGKILL)
     assert bench.returncode == 1, stdout + stderr
     assert "Traceback" not in stderr, stderr
     (gave_up,) = [line for line in stderr.splitlines() if "unreachable for" in line]
