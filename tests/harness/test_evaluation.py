@@ -182,3 +182,14 @@ def test_summarize_over_runs():
     for m in METRICS:
         assert summary["concatenated"][m] == pytest.approx(mean_and_ci([0.2, 0.4]))
         assert summary["separated"][m] == pytest.approx(mean_and_ci([0.1, 0.2]))
+
+
+def test_record_keepers_database_commits_without_a_disk_sync(tmp_path):
+    from pml_rank.harness.evaluation.training import make_record_keeper
+
+    database = make_record_keeper(tmp_path).record_writer.local_db
+    database.write("losses", {"total_loss": [0.5, 0.25]})
+    database.open()
+    assert database.conn.execute("PRAGMA synchronous").fetchone()[0] == 0  # OFF
+    database.conn.close()
+    assert [row["total_loss"] for row in database.query("SELECT total_loss FROM losses")] == [0.5, 0.25]
