@@ -101,7 +101,7 @@ def panel_buffer(like, panels, num_references):
     [r, c, references] entries: reused by every panel through `differences`, since a
     fresh tensor of a megabyte per operation costs more (allocation, page faults) than
     the arithmetic that fills it."""
-    return like.new_empty(max(pairs.numel() for _, pairs in panels) * num_references)
+    return like.new_empty(max((pairs.numel() for _, pairs in panels), default=0) * num_references)
 
 
 def differences(scaled_rows, own, buffer=None):
