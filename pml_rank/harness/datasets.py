@@ -14,6 +14,7 @@ Importing this module imports no torch (the command line checks --dataset with i
 data sets are map-style, as torch's `DataLoader` and PML's trainers take them.
 """
 
+import argparse
 import os
 from pathlib import Path
 
@@ -41,6 +42,14 @@ def parse_dataset(text):
     if text not in DATASET_NAMES:
         raise DataError(f"unknown data set {text!r}; available: {', '.join(DATASET_NAMES)}, folder:PATH")
     return text
+
+
+def dataset_argument(text):
+    """``--dataset``'s argparse type: `parse_dataset`, its error as argparse reports one."""
+    try:
+        return parse_dataset(text)
+    except DataError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def needs_data_root(name):

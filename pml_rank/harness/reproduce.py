@@ -33,6 +33,7 @@ from .evaluation import (
     METRICS,
     SHORT_NAMES,
     Recipe,
+    TrainingConfig,
     accuracy,
     compute_embeddings,
     summarize,
@@ -296,30 +297,28 @@ def image_transforms(setup):
     return datasets.image_transforms(dataclasses.asdict(setup), channels=3)
 
 
-def _optimizer_factory(setup, embedder=None):
-    """``make_optimizer(parameters, lr)`` for `train_model`: the paper's optimizer, weight
-    decay, and a larger learning rate for the embedding layer where the paper uses one
-    (`train_model` asks for the embedder's optimizer separately)."""
-    embedder_ids = {id(p) for p in embedder.parameters()} if embedder is not None else set()
-
-    def make_optimizer(parameters, lr):
-        parameters = list(parameters)
-        if parameters and all(id(p) in embedder_ids for p in parameters):
-            lr = lr * setup.embedder_lr_factor
-        if setup.optimizer == "rmsprop":
-            return torch.optim.RMSprop(parameters, lr=lr, weight_decay=setup.weight_decay)
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=setup.weight_decay)
-
-    return make_optimizer
-
-
-def _lr_scheduler_factory(setup):
-    """The paper's learning-rate drop as PML's trainer takes it: a `MultiStepLR` per
-    optimizer, stepped at the end of every epoch (None without a drop)."""
-    if setup.lr_drop is None:
-        return None
-    after_epoch, factor = setup.lr_drop
-    return lambda optimizer: torch.optim.lr_scheduler.MultiStepLR(optimizer, [after_epoch], gamma=factor)
+def standard_training(setup, iterations_per_epoch, device="cpu"):
+    """The `TrainingConfig` of a setup on the papers' standard protocol (one model trained
+    on the training classes): the paper's optimizer, weight decay, learning rate (times
+    ``embedder_lr_factor`` for the embedding layer) and drop."""
+    return TrainingConfig(
+        epochs=setup.epochs,
+        batch_size=setup.batch_size,
+        iterations_per_epoch=iterations_per_epoch,
+        optimizer=setup.optimizer,
+        lr=setup.lr,
+        weight_decay=setup.weight_decay,
+        momentum=0.0,
+        lr_schedule="constant",
+        patience=None,
+        freeze_batchnorm=setup.freeze_batchnorm,
+        amp=False,
+        embedding_size=setup.embedding_size,
+        num_folds=1,
+        device=device,
+        embedder_lr_factor=setup.embedder_lr_factor,
+        lr_drop=setup.lr_drop,
+    )
 
 
 # --------------------------------------------------------------------------- running
@@ -419,6 +418,7 @@ def _run_standard(variant, setup, runs, args, pretrained):
         else spec.load(args.data_root, spec.reference_split, eval_transform)
     )
     iterations = _iterations(setup, len(train_set), args.smoke)
+    config = standard_training(setup, iterations, args.device)
     results = {}
     total = iterations * setup.epochs * sum(not r.untrained for r in runs)
     with tqdm(total=total, desc=f"{variant.dataset} training", unit="it") as bar:
@@ -439,20 +439,13 @@ def _run_standard(variant, setup, runs, args, pretrained):
             trained = train_model(
                 recipe.make_loss(),
                 train_set,
+                dataclasses.replace(config, epochs=0) if run.untrained else config,
                 trunk=models["trunk"],
                 embedder=models["embedder"],
                 miner=miner,
                 sampler=sampler,
-                epochs=0 if run.untrained else setup.epochs,
-                batch_size=setup.batch_size,
-                iterations_per_epoch=iterations,
-                make_optimizer=_optimizer_factory(setup, models["embedder"]),
-                lr=setup.lr,
-                device=args.device,
                 seed=args.seed,
                 on_iteration=lambda trainer: bar.update(1),
-                make_lr_scheduler=_lr_scheduler_factory(setup),
-                freeze_trunk_batchnorm=setup.freeze_batchnorm,
             )
             if not run.untrained:
                 save_weights(args.models_dir, run, trained)
