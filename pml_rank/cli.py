@@ -92,9 +92,18 @@ def _budget(args):
     from .harness.budget import BudgetError, resolve
 
     try:
-        return resolve(args.dataset, args.preset, **given_settings(args))
+        budget = resolve(args.dataset, args.preset, **given_settings(args))
     except BudgetError as error:
         raise UsageError(str(error)) from None
+    return budget
+
+
+def _warn(budget):
+    """Prints what the budget will likely get wrong, before any training."""
+    from .harness.budget import budget_warnings
+
+    for line in budget_warnings(budget):
+        print(f"pml-rank: warning: {line}", file=sys.stderr)
 
 
 def _place(args):
@@ -160,6 +169,7 @@ def _cmd_bench(args):
     if note:
         print(f"note: {note}", file=sys.stderr)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
+    _warn(budget)
     try:
         result = bench.run_bench(
             list(contenders),
@@ -247,6 +257,7 @@ def _cmd_tune(args):
     words = [storage.redact(a) if a == args.storage else a for a in args.argv]
     command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
+    _warn(config)
     try:
         result = tune.tune(
             list(contenders),

@@ -227,17 +227,19 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
     """The effective budget: the preset's value of every key of `SETTINGS`, then every
     `given` value that is not None, then what follows from them (the resize from the image
     size, a random init for the small CNN, which has no pretrained weights). Also holds
-    ``dataset``, ``preset`` (its name) and ``num_folds``. Raises `BudgetError` for a value
+    ``dataset``, ``preset`` (its name) and ``num_folds`` (`NUM_FOLDS`; not an option: fewer
+    folds only make tests faster). Raises `BudgetError` for a value
     that would not be applied (an image size on the glyphs)."""
     name = preset_for(dataset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
-    unknown = sorted(set(given) - set(SETTING_BY_KEY))
+    unknown = sorted(set(given) - set(SETTING_BY_KEY) - {"num_folds"})
     if unknown:
         raise TypeError(f"budget: unknown keys {', '.join(unknown)}")
     given = {key: value for key, value in given.items() if value is not None}
     budget = {s.key: s.preset_value(name, dataset) for s in SETTINGS}
-    budget.update(given, dataset=dataset, preset=name, num_folds=NUM_FOLDS)
+    budget.update(dataset=dataset, preset=name, num_folds=NUM_FOLDS)
+    budget.update(given)
     if budget["trunk"] == "small-cnn":
         budget["random_init"] = True
     if dataset == "glyphs":
@@ -256,6 +258,18 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
     if budget["resize"] is not None and budget["resize"] < budget["image_size"]:
         raise BudgetError("--resize", f"{budget['resize']} is smaller than the image size {budget['image_size']}")
     return budget
+
+
+def budget_warnings(budget):
+    """What a resolved budget will likely get wrong without being wrong: one line each."""
+    rates = REALITY_CHECK["optimizer"], REALITY_CHECK["lr"]
+    if budget["random_init"] and budget["preset"] == "reality-check" and (budget["optimizer"], budget["lr"]) == rates:
+        return [
+            f"{budget['trunk']} from random weights at the reality-check preset's {rates[0]} lr {rates[1]:g}, "
+            "set for a pretrained trunk, learns next to nothing: give --lr (the glyphs preset: "
+            f"{GLYPHS['optimizer']} lr {GLYPHS['lr']:g}) or drop --random-init"
+        ]
+    return []
 
 
 def training_key(budget):

@@ -176,15 +176,16 @@ def load_dataset(name, data_root=None, cache_dir=None, num_classes=None):
 
 
 def image_transforms(budget, channels):
-    """``(train, eval)`` transforms for a budget's ``augmentation``: "none" (the image as
-    it is, as a tensor in [0, 1]: the glyphs' own form), "random-resized-crop" (Reality
+    """``(train, eval)`` transforms for a budget's ``augmentation``: "none" (eval's
+    transform for both; without an ``image_size``, the image as it is, as a tensor in
+    [0, 1]: the glyphs' own form), "random-resized-crop" (Reality
     Check: shorter side to ``resize``, a random crop of 16-100% of the area with aspect
     3/4-4/3 to ``image_size``, flip; eval: shorter side ``resize``, centre crop) or
     "crop-flip" (resize to ``resize`` square, random ``image_size`` crop, flip; eval: centre
     crop). Both but "none" normalise with ImageNet's statistics (their mean for one channel)."""
     from torchvision import transforms
 
-    if budget["augmentation"] == "none":
+    if budget["augmentation"] == "none" and budget["image_size"] is None:
         return transforms.ToTensor(), transforms.ToTensor()
     mean, std = (
         (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((np.mean(IMAGENET_MEAN),), (np.mean(IMAGENET_STD),))
@@ -197,6 +198,8 @@ def image_transforms(budget, channels):
     else:
         train = [transforms.Resize((resize, resize)), transforms.RandomCrop(size)]
         test = [transforms.Resize((resize, resize)), transforms.CenterCrop(size)]
+    if budget["augmentation"] == "none":
+        return transforms.Compose(test + tail), transforms.Compose(test + tail)
     return (
         transforms.Compose(train + [transforms.RandomHorizontalFlip()] + tail),
         transforms.Compose(test + tail),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import backbones, recipes
 from .budget import BudgetError, class_count, training_key
@@ -127,7 +128,37 @@ def check(budget, rows, place):
             raise
         raise BudgetError("--classes", str(error).removeprefix("--classes ")) from None
     recipes.check_budget(contenders, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
+    if budget["dataset"] != "glyphs" and budget["image_size"] is None:
+        _check_one_image_size(budget["dataset"], data)
     return data
+
+
+def _image_paths(data):
+    if hasattr(data, "paths"):
+        return list(data.paths)
+    if hasattr(data, "indices") and hasattr(data.dataset, "paths"):  # `datasets.FirstClasses`
+        return [data.dataset.paths[i] for i in data.indices]
+    return None
+
+
+def _check_one_image_size(dataset, data):
+    """Without an image size, images are used as they are and a batch stacks them: raises
+    `BudgetError` unless they all have one size (read from the files' headers)."""
+    paths = _image_paths(data)
+    advice = "give --image-size N (they are resized to N x 256/227 and centre-cropped to N)"
+    if paths is None:
+        raise BudgetError("--image-size", f"{dataset}'s photographs differ in size; {advice}")
+    sizes = {}
+    for path in paths:
+        with Image.open(path) as image:
+            sizes.setdefault(image.size, path)
+        if len(sizes) > 1:
+            (first, a), (second, b) = sizes.items()
+            raise BudgetError(
+                "--image-size",
+                f"the images differ in size ({first[0]}x{first[1]} {a}, {second[0]}x{second[1]} {b}) "
+                f"and no image size was given (the glyphs preset uses images as they are); {advice}",
+            )
 
 
 def rows_without_training(budget):
