@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import arguments, datasets, outputs
+from . import arguments, datasets, outputs, recipes, runner
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
+from .budget import BudgetError, resolve
 from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .data.tiny_layouts import make_all
@@ -39,7 +40,7 @@ from .evaluation import (
     summarize,
     train_model,
 )
-from .recipes import BudgetError, hard_negative_classes, m_per_class
+from .recipes import hard_negative_classes, m_per_class
 from .text_table import format_text_table
 
 # --------------------------------------------------------------------------- declarations
@@ -247,7 +248,7 @@ class Script:
                 if args.data_root is None:
                     raise DataSetNotFoundError(f"--data-root is required (or --smoke).\n{variant_data_help(variant)}")
                 args.models_dir = models_dir(self, variant, args)
-                result = run_variant(self, variant, args)
+                result, budget = run_variant(self, variant, args)
         except (
             MissingComponentError,
             DataSetNotFoundError,
@@ -259,7 +260,7 @@ class Script:
             print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))
-        path = write_result(self, variant, result, args)
+        path = write_result(self, variant, result, args, budget)
         print(f"written: {path} and {path.with_suffix('.png').name}")
         return 0
 
@@ -382,9 +383,10 @@ def selected_runs(script, variant, args):
 
 
 def run_variant(script, variant, args):
-    """Trains and measures every run of a variant; returns ``{run label: {metric: value
-    in %}}`` (Reality Check: ``{label: {"concatenated": {metric: (mean, ci)}, "separated":
-    ...}}``)."""
+    """Trains and measures every run of a variant; returns ``(results, budget)``: results
+    ``{run label: {metric: value in %}}`` (Reality Check: ``{label: {"concatenated":
+    {metric: (mean, ci)}, "separated": ...}}``) and the runner's budget (Reality Check;
+    None on the standard protocol)."""
     setup = effective_setup(variant.setup, args)
     runs = selected_runs(script, variant, args)
     for run in runs:  # fail before any training when a component is missing
@@ -397,7 +399,7 @@ def run_variant(script, variant, args):
         require_weights(setup.backbone)  # before loading any data
     if setup.protocol == "reality-check":
         return _run_reality_check(variant, setup, runs, args, pretrained)
-    return _run_standard(variant, setup, runs, args, pretrained)
+    return _run_standard(variant, setup, runs, args, pretrained), None
 
 
 def _iterations(setup, num_items, smoke):
@@ -469,36 +471,70 @@ def _run_standard(variant, setup, runs, args, pretrained):
     return results
 
 
-def _run_reality_check(variant, setup, runs, args, pretrained):
-    """The Reality Check rows through the experiment runner (`runner.run`, what `pml-rank
-    bench` runs), with the setup as the budget."""
-    from . import runner
-    from .budget import resolve
-
-    budget = resolve(
-        variant.dataset,
+def reality_check_budget(dataset, setup, pretrained, iterations_per_epoch=None):
+    """The runner's budget of a Reality Check setup: the reality-check preset with every
+    field of the setup in its place. Raises `BudgetError` for a field the runner cannot
+    honour (an embedding layer learning rate factor, a learning rate drop): refused, never
+    ignored."""
+    if setup.embedder_lr_factor != 1.0:
+        raise BudgetError("embedder_lr_factor", f"{setup.embedder_lr_factor}: the Reality Check runner has none")
+    if setup.lr_drop is not None:
+        raise BudgetError("lr_drop", f"{setup.lr_drop}: the Reality Check runner has no learning rate drop")
+    return resolve(
+        dataset,
         "reality-check",
         trunk="small-cnn" if setup.backbone == "tiny" else setup.backbone,
         random_init=not pretrained,
         embedding_size=setup.embedding_size,
         epochs=setup.epochs,
+        iterations_per_epoch=iterations_per_epoch,
         batch_size=setup.batch_size,
+        optimizer=setup.optimizer,
         lr=setup.lr,
+        weight_decay=setup.weight_decay,
         patience=setup.patience,
         image_size=setup.image_size,
         resize=setup.resize,
+        augmentation=setup.augmentation,
         freeze_batchnorm=setup.freeze_batchnorm,
     )
+
+
+def check_runs_match_rows(runs, setup):
+    """Raises `MissingComponentError` for a run whose miner, sampler or samples per class
+    differ from the runner's row of its loss (`recipes`): the runner trains the row."""
+    for run in runs:
+        if run.untrained:
+            continue
+        recipe = recipes.recipes([run.loss])[run.loss]
+        miner = type(recipe.make_miner()).__name__ if recipe.make_miner else None
+        if (run.miner or None) and (run.miner.removeprefix("pml:") != miner) or (not run.miner and miner):
+            raise MissingComponentError(f"{run.label}: miner {run.miner} differs from the row's ({miner})")
+        mines = recipe.make_sampler is recipes.hard_negative_classes
+        if mines != (run.sampler == "hard_negative_class"):
+            raise MissingComponentError(f"{run.label}: sampler {run.sampler} differs from the row's ({recipe.batches})")
+        if recipe.per_class not in (None, 2) and recipe.per_class != setup.samples_per_class:
+            raise MissingComponentError(
+                f"{run.label}: {setup.samples_per_class} samples per class, the row takes {recipe.per_class}"
+            )
+
+
+def _run_reality_check(variant, setup, runs, args, pretrained):
+    """The Reality Check rows through the experiment runner (`runner.run`, what `pml-rank
+    bench` runs); returns ``(results, budget)``, the budget the runner trained with."""
+    check_runs_match_rows(runs, setup)
+    budget = reality_check_budget(variant.dataset, setup, pretrained)
     # The fold models of every trained run are kept in models_dir (`runner.models_folder`).
     place = runner.Place(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
     data = runner.check(budget, [r.loss for r in runs if not r.untrained], place)
-    train_items = len(data) // 2
-    budget["iterations_per_epoch"] = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4
+    # A fold trains on 3 of the 4 partitions of the training half.
+    iterations = _iterations(setup, len(data) // 2 * 3 // 4, args.smoke)
+    budget = reality_check_budget(variant.dataset, setup, pretrained, iterations)
     results = {}
     trained_runs = sum(not r.untrained for r in runs)
     with tqdm(
-        total=budget["iterations_per_epoch"] * setup.epochs * 4 * setup.repeats * trained_runs,
-        desc=f"{variant.dataset} 4-fold training",
+        total=iterations * setup.epochs * budget["num_folds"] * setup.repeats * trained_runs,
+        desc=f"{variant.dataset} {budget['num_folds']}-fold training",
         unit="it",
     ) as bar:
         for run in runs:
@@ -522,7 +558,7 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                 }
                 for kind in ("concatenated", "separated")
             }
-    return results
+    return results, budget
 
 
 # --------------------------------------------------------------------------- output
@@ -603,9 +639,10 @@ def format_result(script, variant, result, args):
     return "\n".join(lines)
 
 
-def write_result(script, variant, result, args):
-    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, the setup) and
-    a PNG beside it; returns the JSON path."""
+def write_result(script, variant, result, args, budget=None):
+    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, and what ours
+    trained with: the runner's `budget` on the Reality Check protocol, else the setup) and a
+    PNG beside it; returns the JSON path."""
     setup = effective_setup(variant.setup, args)
     path = Path(args.out) / f"reproduce-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -616,7 +653,7 @@ def write_result(script, variant, result, args):
         "metrics": list(variant.table.metrics),
         "paper_rows": variant.table.rows,
         "ours": result,
-        "setup": dataclasses.asdict(setup),
+        **({"setup": dataclasses.asdict(setup)} if budget is None else {"budget": budget, "repeats": setup.repeats}),
         "smoke": args.smoke,
         "seed": args.seed,
     }

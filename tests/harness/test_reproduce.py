@@ -371,3 +371,32 @@ def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(images[0]) in err and "Traceback" not in err
     assert not list((tmp_path / "out").iterdir())
+
+
+def test_reality_check_smoke_records_what_its_fold_models_trained_with(tmp_path):
+    """One truth: every setting the script's JSON records equals what each fold model's
+    experiment.json says it trained with, through the script as the README runs it."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS["reality_check"]), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "reproduce-reality_check-cub200-smoke.json").read_text())
+    assert "setup" not in written  # the script's declarations are not what trained
+    recorded = written["budget"]
+    experiments = list((tmp_path / "models-reality_check-cub200-smoke").rglob("experiment.json"))
+    assert experiments
+    for path in experiments:
+        trained = json.loads(path.read_text())["budget"]
+        assert trained == recorded, path
+
+
+def test_a_setup_field_the_runner_cannot_honour_is_refused():
+    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, lr_drop=(10, 0.1))
+    with pytest.raises(reproduce.BudgetError, match="lr_drop"):
+        reproduce.reality_check_budget("cub200", setup, pretrained=True)
+    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, weight_decay=0.25, optimizer="adam")
+    budget = reproduce.reality_check_budget("cub200", setup, pretrained=True)
+    assert budget["weight_decay"] == 0.25 and budget["optimizer"] == "adam"
