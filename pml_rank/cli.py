@@ -373,25 +373,9 @@ def add_budget_arguments(parser, command):
     return parser
 
 
-def build_parser():
-    from .harness.arguments import (
-        DEVICE_HELP,
-        ArgumentParser,
-        at_least,
-        device,
-        non_negative_int,
-        positive_int,
-    )
-
-    parser = ArgumentParser(
-        prog="pml-rank",
-        description="Rank- and AUC-based losses for pytorch-metric-learning.",
-    )
-    parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
-    p.set_defaults(run=_cmd_list)
+def _add_speed(commands):
+    """`pml-rank speed`'s options, its handler `_cmd_speed`."""
+    from .harness.arguments import DEVICE_HELP, at_least, device, non_negative_int, positive_int
 
     p = commands.add_parser(
         "speed",
@@ -449,6 +433,10 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_speed)
 
+
+def _add_bench(commands):
+    """`pml-rank bench`'s options, its handler `_cmd_bench`."""
+
     p = commands.add_parser(
         "bench",
         help="every registered loss and PML's baselines under the Reality Check protocol, on the embedded "
@@ -493,6 +481,11 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_bench)
 
+
+def _add_tune(commands):
+    """`pml-rank tune`'s options, its handler `_cmd_tune`."""
+    from .harness.arguments import non_negative_int
+
     p = commands.add_parser(
         "tune",
         help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
@@ -511,6 +504,22 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_tune)
 
+
+def build_parser():
+    """`pml-rank`'s parser: one subcommand per command, each declared by its `_add_*` function."""
+    from .harness.arguments import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="pml-rank",
+        description="Rank- and AUC-based losses for pytorch-metric-learning.",
+    )
+    parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
+    p.set_defaults(run=_cmd_list)
+    _add_speed(commands)
+    _add_bench(commands)
+    _add_tune(commands)
     return parser
 
 

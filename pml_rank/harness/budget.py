@@ -287,7 +287,7 @@ def add_setting_options(parser, command):
         if s.switch:
             parser.add_argument(s.flag, dest=s.key, action="store_const", const=True, help=s.help_text())
         else:
-            metavar = s.metavar or (None if s.choices else s.flag.removeprefix("--").upper())
+            metavar = s.metavar or (None if s.choices else s.flag.removeprefix("--").upper().replace("-", "_"))
             parser.add_argument(s.flag, dest=s.key, type=s.type, choices=s.choices, metavar=metavar, help=s.help_text())
     return parser
 
