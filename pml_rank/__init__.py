@@ -1,5 +1,6 @@
 """pml-rank: rank- and AUC-based metric-learning losses as pytorch-metric-learning
-components (AUC-BH, RaMBO, FastAP, N-pair-mc), discoverable through pluggy entry points.
+components (AUC-BH, RaMBO, FastAP, N-pair-mc, Smooth-AP, Recall@k surrogate, cross-batch
+memory), discoverable through pluggy entry points.
 
     from pml_rank import losses
     loss_func = losses.AUCLoss()   # instead of pytorch_metric_learning.losses.TripletMarginLoss()

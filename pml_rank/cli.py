@@ -332,7 +332,8 @@ def add_budget_arguments(parser, command):
     parser.add_argument(
         "--cache-dir",
         metavar="DIR",
-        help="where the generated glyphs are cached (default: $PML_RANK_CACHE when set, else ~/.cache/pml-rank)",
+        help="where the generated glyphs and the image checks are cached (default: $PML_RANK_CACHE when set, "
+        "else ~/.cache/pml-rank)",
     )
     parser.add_argument(
         "--device",

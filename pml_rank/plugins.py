@@ -110,8 +110,9 @@ class PluginWarning(UserWarning):
 
 
 class NameClashWarning(UserWarning):
-    """install() left a name alone because PML already defines it (and installed the
-    component under its alias instead, see `install`)."""
+    """install() left a name alone because PML already defines it, and installed the class
+    under its alias instead (or left the alias too, when another class holds it; see
+    `install`). Once per clash and process."""
 
 
 class PluginConflictError(RuntimeError):
@@ -286,47 +287,81 @@ registry = Registry()
 # install() puts a component whose name PML already uses under this prefix + its name.
 ALIAS_PREFIX = "PMLRank"
 
+# pml-rank's versions of PML classes, (kind, module, name): not plugin components (they make no
+# bench row and have no search space), but a pipeline that builds them by name must get ours.
+LIBRARY_CLASSES = [
+    ("losses", "pml_rank.losses", "CrossBatchMemory"),
+    ("samplers", "pml_rank.samplers", "HierarchicalBatchSampler"),
+]
+
+# (alias, class held there, class refused) already reported by install() in this process.
+_reported_held_aliases = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Installable:
+    name: str
+    kind: str
+    cls: type
+    origin: str  # where it comes from, for the warning
+    reachable: str  # where it stays reachable when PML's name is taken
+
+
+def _installables():
+    for c in registry.components():
+        yield _Installable(c.name, c.kind, c.cls, f"from {c.source}", f"pml_rank.registry.{c.kind}()[{c.name!r}]")
+    for kind, module_name, name in LIBRARY_CLASSES:
+        cls = getattr(importlib.import_module(module_name), name)
+        yield _Installable(name, kind, cls, "from pml-rank", f"{module_name}.{name}")
+
 
 def install():
-    """Make every registered component reachable from PML's own namespaces.
+    """Make every registered component, and pml-rank's versions of PML classes
+    (`LIBRARY_CLASSES`), reachable from PML's own namespaces.
 
     After ``pml_rank.install()``, ``pytorch_metric_learning.losses.AUCLoss`` is
     pml-rank's ``AUCLoss``, so pipelines that look classes up by name in PML's modules
-    find it. A name PML (or anything else) already defines is never replaced: the
-    component is installed under its alias, ``"PMLRank" + name`` (pml-rank's FastAP is
-    ``pytorch_metric_learning.losses.PMLRankFastAPLoss``), and a `NameClashWarning` says
-    so. Every component also stays reachable through ``pml_rank.registry``. Calling it
-    again is harmless.
+    find it. A name PML (or anything else) already defines is never replaced: the class
+    is installed under its alias, ``"PMLRank" + name`` (pml-rank's FastAP is
+    ``pytorch_metric_learning.losses.PMLRankFastAPLoss``, its cross-batch memory
+    ``PMLRankCrossBatchMemory``), and a `NameClashWarning` says so. An alias held by another
+    class is left to it, with a warning. Each clash warns once per process: calling
+    ``install()`` again installs nothing new and stays quiet. Every component also stays
+    reachable through ``pml_rank.registry``.
 
     Returns ``{"installed": [...], "clashes": [...]}`` with dotted names; an alias
     installed for a clash is among the installed names.
     """
     report = {"installed": [], "clashes": []}
-    for component in registry.components():
-        namespace = KINDS[component.kind].namespace
+    for item in _installables():
+        namespace = KINDS[item.kind].namespace
         module = importlib.import_module(namespace)
-        dotted = f"{namespace}.{component.name}"
-        existing = getattr(module, component.name, None)
-        if existing is component.cls:
+        dotted = f"{namespace}.{item.name}"
+        existing = getattr(module, item.name, None)
+        if existing is item.cls:
             continue
         if existing is None:
-            setattr(module, component.name, component.cls)
+            setattr(module, item.name, item.cls)
             report["installed"].append(dotted)
             continue
         report["clashes"].append(dotted)
-        alias = ALIAS_PREFIX + component.name
+        alias = ALIAS_PREFIX + item.name
         taken = getattr(module, alias, None)
+        if taken is item.cls:  # installed by an earlier call, which warned
+            continue
         if taken is None:
-            setattr(module, alias, component.cls)
+            setattr(module, alias, item.cls)
             report["installed"].append(f"{namespace}.{alias}")
-        where = (
-            f"installed as {namespace}.{alias} instead"
-            if taken in (None, component.cls)
-            else f"not installed ({namespace}.{alias} is {_qualname(taken)} too)"
-        )
+            where = f"installed as {namespace}.{alias} instead"
+        else:
+            held = (f"{namespace}.{alias}", taken, item.cls)
+            if held in _reported_held_aliases:
+                continue
+            _reported_held_aliases.add(held)
+            where = f"not installed ({namespace}.{alias} is {_qualname(taken)} too)"
         warnings.warn(
-            f"pml-rank: {dotted} already exists ({_qualname(existing)}); {_qualname(component.cls)} "
-            f"from {component.source} is {where}. Also: pml_rank.registry.{component.kind}()[{component.name!r}].",
+            f"pml-rank: {dotted} already exists ({_qualname(existing)}); {_qualname(item.cls)} {item.origin} "
+            f"is {where}. Also: {item.reachable}.",
             NameClashWarning,
             stacklevel=2,
         )

@@ -156,6 +156,17 @@ def test_trainer_takes_the_same_step_as_metric_loss_only():
             torch.testing.assert_close(a, b)
 
 
+def test_trainer_logs_the_loss_metric_loss_only_logs_whatever_its_weight():
+    for weight in (1.0, 0.3):
+        logged = {}
+        for trainer_class, extra in ((MetricLossOnly, {}), (LargeBatchMetricLossOnly, {"chunk_size": 5})):
+            record = lambda trainer: logged.setdefault(trainer_class, {k: float(v) for k, v in trainer.losses.items()})
+            _train_one_step(trainer_class, weight, end_of_iteration_hook=record, **extra)
+        expected = logged[MetricLossOnly]
+        assert expected["metric_loss"] > 0  # something to learn
+        assert logged[LargeBatchMetricLossOnly] == pytest.approx(expected)
+
+
 def test_trainer_warns_about_batchnorm_in_training_mode():
     data, labels = batch(n=16, per_class=4)
     trunk = torch.nn.Sequential(torch.nn.Linear(DIM_IN, 8), torch.nn.BatchNorm1d(8)).double()

@@ -1,12 +1,14 @@
 """The plugin system: discovery through entry points, install() into PML's namespaces,
 and what happens with broken or clashing plugins."""
 
+import json
 import subprocess
 import sys
 import warnings
 
 import pytest
 import pytorch_metric_learning
+import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
 
@@ -117,6 +119,64 @@ def test_a_clashing_name_is_installed_under_its_alias(uninstall):
     assert "pytorch_metric_learning.losses.PMLRankFastAPLoss" in report["installed"]
     assert pml_losses.FastAPLoss is PMLFastAPLoss
     assert pml_losses.PMLRankFastAPLoss is pml_rank.losses.FastAPLoss
+
+
+def test_install_twice_warns_once_per_clash():
+    """In a fresh process, as a user meets it: the first call warns once for each name PML
+    already has (the aliases are by design), the second call is quiet."""
+    code = """if True:
+        import json, warnings
+        import pml_rank
+        calls = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                report = pml_rank.install()
+            calls.append({**report, "warnings": [str(w.message) for w in caught]})
+        print(json.dumps(calls))
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    first, second = json.loads(result.stdout)
+    assert "pytorch_metric_learning.losses.CrossBatchMemory" in first["clashes"]
+    assert len(first["warnings"]) == len(first["clashes"])
+    for dotted, message in zip(first["clashes"], first["warnings"]):
+        namespace, name = dotted.rsplit(".", 1)
+        assert message.startswith(f"pml-rank: {dotted} already exists") and f"{namespace}.PMLRank{name}" in message
+    assert second == {"installed": [], "clashes": first["clashes"], "warnings": []}
+
+
+def test_install_never_replaces_an_alias_held_by_another_class(uninstall):
+    class Foreign(pml_losses.BaseMetricLossFunction):
+        pass
+
+    pml_losses.PMLRankFastAPLoss = Foreign
+    uninstall.append("pytorch_metric_learning.losses.PMLRankFastAPLoss")
+    with pytest.warns(NameClashWarning, match=r"FastAPLoss.*not installed \(.*PMLRankFastAPLoss is .*Foreign too\)"):
+        report = pml_rank.install()
+    uninstall.extend(report["installed"])
+    assert pml_losses.PMLRankFastAPLoss is Foreign
+    assert "pytorch_metric_learning.losses.PMLRankFastAPLoss" not in report["installed"]
+    assert "pytorch_metric_learning.losses.FastAPLoss" in report["clashes"]
+    # Reported once: a second call leaves it alone quietly.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NameClashWarning)
+        pml_rank.install()
+    assert pml_losses.PMLRankFastAPLoss is Foreign
+
+
+def test_a_pipeline_building_cross_batch_memory_by_name_gets_ours(uninstall):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NameClashWarning)
+        uninstall.extend(pml_rank.install()["installed"])
+    # PML's own refuses pml-rank's losses; ours, under the alias, takes them.
+    with pytest.raises(Exception, match="not supported"):
+        pml_losses.CrossBatchMemory(pml_losses.AUCLoss(), embedding_size=8)
+    memory = pml_losses.PMLRankCrossBatchMemory(pml_losses.AUCLoss(), embedding_size=8, memory_size=16)
+    assert type(memory) is pml_rank.losses.CrossBatchMemory
+    embeddings, labels = torch.randn(8, 8, requires_grad=True), torch.arange(4).repeat(2)
+    memory(embeddings, labels).backward()
+    assert embeddings.grad.abs().sum() > 0
+    assert pytorch_metric_learning.samplers.HierarchicalBatchSampler is pml_rank.samplers.HierarchicalBatchSampler
 
 
 def test_a_config_pipeline_builds_our_fastap_by_name(uninstall):

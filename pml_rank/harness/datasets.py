@@ -15,6 +15,7 @@ data sets are map-style, as torch's `DataLoader` and PML's trainers take them.
 """
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -56,21 +57,48 @@ def needs_data_root(name):
     return name in DATASET_NAMES and name != "glyphs"
 
 
+def data_root_missing(name):
+    """The `DataError` for a papers' data set named without --data-root: what goes where."""
+    from .data import real
+
+    layout = real.DATASETS[name].layout
+    return DataError(
+        f"--dataset {name} reads its images from --data-root: <data-root>/{layout.folder}/ holds "
+        f"{', '.join(layout.required)}. {layout.download} Every layout: section "
+        '"Real data sets and the papers\' tables" of examples/README.md.'
+    )
+
+
 class ImageFolder:
     """A folder with one subfolder per class. Items are ``(PIL image, label)``; ``labels``
     is an int64 array, ``classes`` the folder names (label k is ``classes[k]``), ``paths``
-    the files. A set whose images are all grayscale stays single-channel (``channels``)."""
+    the files. A set whose images are all grayscale stays single-channel (``channels``).
 
-    def __init__(self, root, transform=None):
+    Every image is decoded in full here, before any training (`images.image_modes`, its
+    checks remembered in `cache_dir`): the first bad file (empty, truncated, not an image,
+    a broken symbolic link) raises `DataError` naming it. Images in subfolders of a class
+    folder belong to that class; hidden files and folders (``.ipynb_checkpoints``) are
+    ignored, and images left out (hidden, or beside the class folders) are counted in
+    ``ignored``, one line each, logged as a warning."""
+
+    def __init__(self, root, transform=None, cache_dir=None):
+        from .images import GRAYSCALE_MODES, ImageReadError, image_modes
+
         root = Path(root)
-        folders = sorted(p for p in root.iterdir() if p.is_dir())
+        folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
         if len(folders) < 2:
             raise DataError(
                 f"folder:{root}: needs one subfolder per class and at least 2 classes, found {len(folders)}"
             )
         self.root, self.classes, self.paths, labels = root, [], [], []
+        left_out = {"hidden": [], "loose": [], "not an image": []}
+        for entry in sorted(root.iterdir()):
+            if entry.name.startswith("."):
+                left_out["hidden"] += _images_under(entry) if entry.is_dir() else _images_in([entry])
+            elif not entry.is_dir():
+                left_out["loose"] += _images_in([entry])
         for folder in folders:
-            files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            files = _image_files(folder, left_out)
             if len(files) < 2:
                 raise DataError(
                     f"folder:{root}: class folder {folder} has {len(files)} image(s); every class needs 2 or more "
@@ -80,36 +108,77 @@ class ImageFolder:
             labels += [len(self.classes)] * len(files)
             self.classes.append(folder.name)
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.channels = 1 if all(mode in ("1", "L", "I", "I;16", "F") for mode in self._modes()) else 3
+        self.ignored = _ignored_lines(root, left_out)
+        for line in self.ignored:
+            logging.getLogger(__name__).warning("pml-rank: %s", line)
+        try:
+            modes, problems = image_modes(self.paths, cache_dir, desc=f"checking folder:{root}")
+        except ImageReadError as error:
+            raise DataError(f"folder:{root}: {error}") from None
+        if problems:
+            many = f" (1 of {len(problems)} unreadable images)" if len(problems) > 1 else ""
+            raise DataError(f"folder:{root}: {problems[0]}{many}: replace or delete the file")
+        self.channels = 1 if all(mode in GRAYSCALE_MODES for mode in modes) else 3
         self.transform = transform
-
-    def _modes(self):
-        from PIL import Image
-
-        from .data.real import _image_problem
-
-        for path in self.paths:
-            problem = _image_problem(path)
-            if problem is None:
-                try:
-                    with Image.open(path) as image:
-                        yield image.mode
-                    continue
-                except (OSError, SyntaxError, ValueError) as error:
-                    problem = f"cannot read image {path}: {error}"
-            raise DataError(f"{problem}: replace or delete the file")
 
     def __len__(self):
         return len(self.paths)
 
     def __getitem__(self, index):
-        from PIL import Image
+        from .images import open_8bit
 
-        with Image.open(self.paths[index]) as image:
-            image = image.convert("L" if self.channels == 1 else "RGB")
+        image = open_8bit(self.paths[index], "L" if self.channels == 1 else "RGB")
         if self.transform is not None:
             image = self.transform(image)
         return image, int(self.labels[index])
+
+
+def _images_in(paths):
+    return [path for path in paths if path.suffix.lower() in IMAGE_SUFFIXES]
+
+
+def _images_under(folder):
+    return _images_in(Path(top, name) for top, _, names in os.walk(folder) for name in names)
+
+
+def _image_files(folder, left_out):
+    """The files of `folder` and its subfolders with an image suffix, sorted, hidden ones
+    left out; symbolic links to folders followed (each folder once). Adds the hidden
+    images to ``left_out["hidden"]`` and files without an image suffix to
+    ``left_out["not an image"]``."""
+    files, seen = [], set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in [d for d in dirs if d.startswith(".")]:
+            left_out["hidden"] += _images_under(Path(top, name))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            path = Path(top, name)
+            if path.suffix.lower() not in IMAGE_SUFFIXES:
+                left_out["not an image"].append(path)
+            elif name.startswith("."):
+                left_out["hidden"].append(path)
+            else:
+                files.append(path)
+    return sorted(files)
+
+
+def _ignored_lines(root, left_out):
+    """One line per kind of file a folder data set leaves out, with a count and an example."""
+    reasons = {
+        "hidden": "image(s) in hidden files or folders (names starting with '.')",
+        "loose": "image(s) directly in the folder, outside every class folder",
+        "not an image": f"file(s) without an image suffix ({' '.join(IMAGE_SUFFIXES)})",
+    }
+    return [
+        f"folder:{root}: ignored {len(paths)} {reasons[kind]}, e.g. {min(paths)}"
+        for kind, paths in left_out.items()
+        if paths
+    ]
 
 
 class FirstClasses:
@@ -139,18 +208,18 @@ def _load(name, data_root, cache_dir, num_classes):
         dataset = load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
         dataset.channels = 1
         return dataset
+    from .data.glyphs import DEFAULT_CACHE_DIR
+
     if name.startswith(FOLDER_PREFIX):
-        dataset = ImageFolder(name[len(FOLDER_PREFIX) :])
+        dataset = ImageFolder(name[len(FOLDER_PREFIX) :], cache_dir=cache_dir or DEFAULT_CACHE_DIR)
     else:
         from .data import real
 
         if data_root is None:
-            raise DataError(
-                f"--dataset {name} reads its images from --data-root; {real.DATASETS[name].layout.download}"
-            )
+            raise data_root_missing(name)
         whole = "all" if name == "inshop" else "train+test"
         try:
-            dataset = real.load(name, data_root, whole)
+            dataset = real.load(name, data_root, whole, cache_dir=cache_dir or DEFAULT_CACHE_DIR)
         except (real.DataSetNotFoundError, real.ImageReadError) as error:
             raise DataError(str(error)) from None
         dataset.labels = np.asarray(dataset.labels, dtype=np.int64)

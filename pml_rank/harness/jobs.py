@@ -27,7 +27,8 @@ from pathlib import Path
 from . import runner
 from .budget import TRAINING_KEYS, training_key
 from .runner import digest
-from .storage import close_storage, open_storage
+from .storage import close_storage, open_storage, record_heartbeat_now
+from .workers import InterruptsBetweenTrials
 
 STUDY_NAME = "pml-rank bench"
 METRIC = "mean_average_precision_at_r"
@@ -199,6 +200,7 @@ class JobStore:
         finished = []
 
         def objective(trial):
+            record_heartbeat_now(trial)
             record = trial.user_attrs.get("job")
             if record is None:
                 raise _NoJob()
@@ -215,23 +217,25 @@ class JobStore:
             finished.append(record["key"])
             return float(outcome["run"]["concatenated"][METRIC])
 
-        while True:
-            states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
-            if TrialState.WAITING not in states:
-                if TrialState.RUNNING not in states:
-                    return len(finished)
-                time.sleep(poll)
-                with warnings.catch_warnings():  # a dead process's job: failed, queued again
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    optuna.storages.fail_stale_trials(self.study)
-                continue
-            # Optuna fails stale trials itself before each trial it starts.
-            try:
-                self.study.optimize(objective, n_trials=1, catch=(_Superseded, _NoJob))
-            except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-                # The trial was failed as stale while this process still ran it (a heartbeat
-                # missed under heavy load): its retry holds the job, this outcome is dropped.
-                continue
+        with InterruptsBetweenTrials() as interrupts:
+            while True:
+                interrupts.check()
+                states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
+                if TrialState.WAITING not in states:
+                    if TrialState.RUNNING not in states:
+                        return len(finished)
+                    time.sleep(poll)
+                    with warnings.catch_warnings():  # a dead process's job: failed, queued again
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        optuna.storages.fail_stale_trials(self.study)
+                    continue
+                # Optuna fails stale trials itself before each trial it starts.
+                try:
+                    self.study.optimize(interrupts.objective(objective), n_trials=1, catch=(_Superseded, _NoJob))
+                except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+                    # The trial was failed as stale while this process still ran it (a heartbeat
+                    # missed under heavy load): its retry holds the job, this outcome is dropped.
+                    continue
 
 
 class _QuietRecords:

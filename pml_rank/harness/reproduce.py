@@ -180,8 +180,8 @@ class Script:
         )
         p.add_argument(
             "--data-root",
-            help="folder holding the data sets, one folder each (README: "
-            "Real data sets); with --smoke, default: tiny generated copies",
+            help="folder holding the data sets, one folder each (examples/README.md: "
+            "Real data sets and the papers' tables); with --smoke, default: tiny generated copies",
         )
         p.add_argument(
             "--smoke",

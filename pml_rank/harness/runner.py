@@ -23,8 +23,8 @@ from PIL import Image
 
 from . import backbones, recipes
 from .budget import BudgetError, class_count, training_key
-from .datasets import DataError, image_transforms, load_dataset, needs_data_root
-from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol
+from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
+from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
 
 RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
@@ -109,6 +109,12 @@ def dataset_of(budget, place):
     return load_dataset(budget["dataset"], place.data_root, place.cache_dir, class_count(budget["num_classes"]))
 
 
+def transforms_of(budget, data):
+    """``(train, eval)`` image transforms of the budget for `data`, or None for the glyphs,
+    which are tensors already."""
+    return None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
+
+
 def check(budget, rows, place):
     """Everything that can refuse an experiment, before any training: the data set (files,
     images, classes with fewer than 2 images: `datasets.DataError`), the trunk's weights
@@ -119,7 +125,7 @@ def check(budget, rows, place):
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
     if needs_data_root(budget["dataset"]) and place.data_root is None:
-        raise DataError(f"--dataset {budget['dataset']} reads its images from --data-root DIR (README: Real data sets)")
+        raise data_root_missing(budget["dataset"])
     try:
         data = dataset_of(budget, place)
     except ValueError as error:
@@ -179,8 +185,7 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
     which appears only once the experiment is complete."""
     started = time.perf_counter()
     data = dataset_of(budget, place)
-    # The glyphs are tensors already; any image set goes through the budget's transforms.
-    transforms = None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
+    transforms = transforms_of(budget, data)
     if row == RAW_INPUT:
         raw = raw_input_accuracy(data, transforms[1] if transforms else None)
         seconds = time.perf_counter() - started
@@ -241,3 +246,17 @@ def load_models(folder, device="cpu"):
         c_f.load_dict_of_models(pair, best, str(fold / "models"), device, assert_success=True)
         models.append((pair["trunk"].to(device).eval(), pair["embedder"].to(device).eval()))
     return models
+
+
+def load_test_set(folder, data_root=None, cache_dir=None):
+    """The test set of the experiment saved in `folder` (a `models_folder`) exactly as `run`
+    evaluated its models: the test classes of the budget's data set, in the same order,
+    through the same evaluation transform; items ``(image tensor, label)``, ``labels`` an
+    array. A ``folder:`` data set is read from the path the bench recorded, the papers' from
+    `data_root`, the glyphs from `cache_dir`. Every image is checked as the bench does."""
+    budget = json.loads((Path(folder) / "experiment.json").read_text())["budget"]
+    if needs_data_root(budget["dataset"]) and data_root is None:
+        raise data_root_missing(budget["dataset"])
+    data = dataset_of(budget, Place(data_root=data_root, cache_dir=cache_dir))
+    _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
+    return test_set

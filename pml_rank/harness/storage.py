@@ -118,3 +118,13 @@ def close_storage(storage):
     engine = getattr(storage, "engine", None)
     if engine is not None:
         engine.dispose()
+
+
+def record_heartbeat_now(trial):
+    """Records `trial`'s first heartbeat before its work starts. Optuna's heartbeat thread may
+    not have run yet, and Optuna never fails a RUNNING trial that has no heartbeat: a process
+    killed before that first beat would leave its trial RUNNING for ever, and every other
+    process waiting for it."""
+    storage = trial.study._storage
+    if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
+        storage.record_heartbeat(trial._trial_id)

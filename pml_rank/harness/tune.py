@@ -40,9 +40,9 @@ from .budget import AUTO_PRESET, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
 from .runner import digest
-from .storage import DEFAULT_HEARTBEAT, StorageError, close_storage, open_storage, redact
+from .storage import DEFAULT_HEARTBEAT, StorageError, close_storage, open_storage, record_heartbeat_now, redact
 from .text_table import format_text_table
-from .workers import run_processes
+from .workers import InterruptsBetweenTrials, run_processes
 
 TUNED_FILE = "tuned.json"
 PRUNER_STARTUP_TRIALS = 6
@@ -223,6 +223,7 @@ def _objective(loss, space, config, place, target=None):
     import optuna
 
     def objective(trial):
+        record_heartbeat_now(trial)
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         if target is not None:
             _check_surplus(trial, target)
@@ -272,32 +273,34 @@ def run_worker(job):
     spaces = search_spaces()
     done = 0
     try:
-        for loss in job.losses:
-            target = target_trials(loss, job.trials)
-            study = open_study(loss, job.config, storage, job.prune)
-            objective = _objective(loss, spaces[loss], job.config, job.place, target)
-            while True:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
-                finished, running, waiting = counts(study)
-                if finished >= target:
-                    break
-                if finished + running >= target and not waiting:
-                    time.sleep(job.poll)  # the rest are running; wait in case one of them dies
-                    continue
-                asked = len(study.get_trials(deepcopy=False))
-                trial_runner = optuna.load_study(
-                    study_name=study.study_name,
-                    storage=storage,
-                    sampler=_sampler(job.config["seed"], asked),
-                    pruner=_pruner(job.prune),
-                )
-                try:
-                    trial_runner.optimize(objective, n_trials=1, catch=())
-                except SurplusTrial:
-                    continue
-                done += 1
+        with InterruptsBetweenTrials() as interrupts:
+            for loss in job.losses:
+                target = target_trials(loss, job.trials)
+                study = open_study(loss, job.config, storage, job.prune)
+                objective = interrupts.objective(_objective(loss, spaces[loss], job.config, job.place, target))
+                while True:
+                    interrupts.check()
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
+                    finished, running, waiting = counts(study)
+                    if finished >= target:
+                        break
+                    if finished + running >= target and not waiting:
+                        time.sleep(job.poll)  # the rest are running; wait in case one of them dies
+                        continue
+                    asked = len(study.get_trials(deepcopy=False))
+                    trial_runner = optuna.load_study(
+                        study_name=study.study_name,
+                        storage=storage,
+                        sampler=_sampler(job.config["seed"], asked),
+                        pruner=_pruner(job.prune),
+                    )
+                    try:
+                        trial_runner.optimize(objective, n_trials=1, catch=())
+                    except SurplusTrial:
+                        continue
+                    done += 1
     finally:
         close_storage(storage)
     return done

@@ -3,7 +3,9 @@ loop on a shared storage (`jobs.JobStore.work`, tune's trials), so a worker on t
 machine and one on another are alike. The calling process only shows progress."""
 
 import multiprocessing
+import signal
 import sys
+import threading
 import time
 
 
@@ -38,3 +40,48 @@ def run_processes(target, args_per_worker, progress, poll=1.0):
                 process.terminate()
                 process.join()
     return [p.exitcode for p in processes if p.exitcode not in (0, 130, -2)]
+
+
+class InterruptsBetweenTrials:
+    """Ctrl-C in a claim loop, so that no trial is left RUNNING: raised inside the objective
+    (whose trial Optuna then records as failed), held back while Optuna creates or records a
+    trial (an interrupt there would leave it RUNNING until its heartbeat goes stale) and raised
+    by `check()` once the trial is recorded. Only the main thread receives signals; elsewhere
+    this does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._inside = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        if self._inside:
+            raise KeyboardInterrupt
+
+    def objective(self, objective):
+        """`objective`, interruptible while it runs."""
+
+        def run(trial):
+            self.check()
+            self._inside = True
+            try:
+                return objective(trial)
+            finally:
+                self._inside = False
+
+        return run
+
+    def check(self):
+        """Raises the KeyboardInterrupt held back since the last trial, if any."""
+        if self.requested:
+            raise KeyboardInterrupt

@@ -310,3 +310,20 @@ def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path
     ]
     errors = [p.communicate(timeout=120)[1] for p in processes]
     assert [p.returncode for p in processes] == [0] * 6, "\n".join(errors)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_status_counts_a_running_job_as_running_until_it_completes(tmp_path):
+    store = jobs.JobStore(url_in(tmp_path), resolve("glyphs", **SMALL))
+    try:
+        every = [jobs.Job("pml:TripletMarginLoss", seed, {}) for seed in range(3)]
+        store.ensure(every)
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 0, "running": 0, "waiting": 3}}
+        trial = store.study.ask()  # a process claims the first waiting job
+        assert trial.user_attrs["job"]["key"] == every[0].key
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 0, "running": 1, "waiting": 2}}
+        assert store.status() == store.status(every)
+        store.study.tell(trial, 0.5)
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 1, "running": 0, "waiting": 2}}
+    finally:
+        store.close()

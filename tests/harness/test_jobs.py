@@ -17,10 +17,10 @@ optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs  # noqa: E402
 from pml_rank.harness.budget import resolve  # noqa: E402
+from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 ROWS = ["pml:TripletMarginLoss"]
-# Long enough that a job is still running when the test kills its process.
 TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
 BUDGET = resolve("glyphs", num_classes=24, epochs=2, iterations_per_epoch=8, batch_size=16)
 
@@ -36,8 +36,9 @@ def run(command, timeout=600):
     return result
 
 
-def trials(url):
-    study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=url)
+def trials(storage):
+    """The bench's job trials in `storage` (a URL or an open storage)."""
+    study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=storage)
     return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
 
 
@@ -61,34 +62,56 @@ def serial(tmp_path_factory, glyph_cache):
     return out
 
 
+def running_training_job(storage, pid):
+    """The key of the training job process `pid` is running according to `storage`, or None."""
+    try:
+        running = [t for t in trials(storage) if t.state.name == "RUNNING" and "worker" in t.user_attrs]
+    except KeyError:  # no study yet
+        return None
+    mine = [t for t in running if t.user_attrs["worker"].endswith(f":{pid}")]
+    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
+
+
+def freeze_mid_job(process, url, deadline=600):
+    """Stops `process`'s group with SIGSTOP while it runs a training job; returns that job's key.
+    The storage is read again once the process is frozen, so the job cannot end between the
+    read and the kill, however fast or slow the machine is."""
+    storage = open_storage(url)  # one connection: a read costs milliseconds, a job about a second
+    try:
+        stop = time.monotonic() + deadline
+        while time.monotonic() < stop:
+            if running_training_job(storage, process.pid) is not None:
+                os.killpg(process.pid, signal.SIGSTOP)
+                try:
+                    key = running_training_job(storage, process.pid)
+                except Exception:  # frozen while it held a write lock: let it go on and try again
+                    key = None
+                if key is not None:
+                    return key
+                os.killpg(process.pid, signal.SIGCONT)
+            time.sleep(0.02)
+    finally:
+        close_storage(storage)
+    raise AssertionError("the first process never started a training job")
+
+
 def kill_mid_job_then_finish(tmp_path, url, cache):
-    """Starts two bench processes on `url`, kills the first with SIGKILL while it runs a job,
-    lets the second finish, then reruns; returns (second's result, rerun's result, killed job)."""
+    """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
+    with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
+    killed job)."""
     first = subprocess.Popen(
         bench_command(tmp_path / "a", url, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    killed = None
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and killed is None:
-            try:
-                running = [t for t in trials(url) if t.state.name == "RUNNING" and "worker" in t.user_attrs]
-            except KeyError:  # no study yet
-                running = []
-            mine = [t for t in running if t.user_attrs["worker"].endswith(f":{first.pid}")]
-            if mine and mine[0].user_attrs["job"]["row"] in ROWS:
-                killed = mine[0].user_attrs["job"]["key"]
-            time.sleep(0.05)
-        assert killed is not None, "the first process never started a training job"
+        killed = freeze_mid_job(first, url)
         second = subprocess.Popen(
             bench_command(tmp_path / "b", url, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        time.sleep(0.5)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    out, err = second.communicate(timeout=600)
+    out, err = second.communicate(timeout=900)
     assert second.returncode == 0, out + err
     rerun = run(bench_command(tmp_path / "c", url, cache))
     return out, rerun.stdout, killed

@@ -6,6 +6,10 @@ and the data problems refused before any training."""
 import dataclasses
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,3 +245,75 @@ def test_a_dead_processs_partial_models_are_removed_a_live_ones_kept(tmp_path):
     mine = runner._start_partial_folder(final)
     assert mine.is_dir() and mine.name == f"seed0.partial-{host}-{os.getpid()}"
     assert live.is_dir() and not dead.exists()
+
+
+def write_colour_folder(root, num_classes=16, per_class=4, size=24):
+    """Colour photographs stand-ins: a colour per class plus noise, JPEG files."""
+    rng = np.random.default_rng(0)
+    for label in range(num_classes):
+        (root / f"class{label:02d}").mkdir(parents=True)
+        base = rng.integers(0, 256, 3)
+        for index in range(per_class):
+            pixels = np.clip(base + rng.integers(-60, 61, (size, size, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / f"class{label:02d}" / f"{index}.jpg")
+    return root
+
+
+def _readme_block(containing):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    return next(block for block in blocks if containing in block)
+
+
+def test_saved_models_on_a_folder_reproduce_the_table_with_the_bench_test_set(tmp_path, monkeypatch):
+    """`runner.load_test_set` gives the test set as the bench evaluated it (the folder's
+    test classes through the evaluation transform): with `load_models`, the bench's test
+    accuracies exactly; the README's example, run as written, prints the table row."""
+    from pml_rank.harness.evaluation import METRICS, compute_embeddings, concatenated_and_separated
+
+    folder = write_colour_folder(tmp_path / "photos")
+    cache = tmp_path / "cache"
+    tiny = ["--trunk", "small-cnn", "--image-size", "16", "--epochs", "2", "--iterations", "2", "--batch-size", "8"]
+    args = ["bench", "AUCLoss", "--dataset", f"folder:{folder}", *tiny, "--seeds", "2", "--workers", "1", "--untuned",
+            "--save-models", "--cache-dir", str(cache), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    measured = bench_rows(tmp_path / "out")["AUCLoss"]
+    saved = sorted((tmp_path / "out" / "models" / "AUCLoss").glob("*/seed*"))
+    assert [path.name for path in saved] == ["seed0", "seed1"]
+    for seed, path in enumerate(saved):
+        test_set = runner.load_test_set(path, cache_dir=cache)
+        image, _ = test_set[0]
+        assert isinstance(image, torch.Tensor) and image.shape == (3, 16, 16)
+        embeddings = [compute_embeddings(trunk, test_set, embedder)[0] for trunk, embedder in runner.load_models(path)]
+        scores = concatenated_and_separated(embeddings, test_set.labels)
+        for kind in ("concatenated", "separated"):
+            for metric, value in measured[seed][kind].items():
+                assert scores[kind][metric] == pytest.approx(value, abs=1e-6), (seed, kind, metric)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PML_RANK_CACHE", str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", _readme_block("load_test_set")], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    row, *printed = done.stdout.split()
+    means = [np.mean([run[kind][m] for run in measured]) for kind in ("concatenated", "separated") for m in METRICS]
+    assert row == "AUCLoss" and len(printed) == len(means) == 6
+    for shown, mean in zip(printed, means):  # the table's two decimals, rounded from equal values
+        assert float(shown) == pytest.approx(100 * mean, abs=0.0051)
+
+
+@pytest.mark.parametrize("dataset", ["cub200", "cars196", "sop", "inshop"])
+def test_a_papers_data_set_without_data_root_says_what_goes_where(dataset, tmp_path, capsys):
+    from pml_rank.harness.data import real
+
+    layout = real.DATASETS[dataset].layout
+    args = ["bench", "AUCLoss", "--dataset", dataset, "--trunk", "small-cnn", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"--data-root: <data-root>/{layout.folder}/ holds" in err and layout.download in err
+    assert all(name in err for name in layout.required)
+    section = re.search(r'section "([^"]+)" of (\S+\.md)', err)
+    headings = (Path(__file__).parents[2] / section[2]).read_text().splitlines()
+    assert f"## {section[1]}" in headings  # the section it points to exists
+    assert not (tmp_path / "out" / "bench.db").exists()

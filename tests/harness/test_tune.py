@@ -120,6 +120,33 @@ def test_example_plugins_search_space_is_used(tmp_path, glyph_cache):
     assert (tmp_path / "tune.db").exists()  # the default storage: SQLite in --out
 
 
+def a_trial_finished_and_another_drew_its_parameters(url):
+    """A trial has finished and another is running with its parameters drawn (a trial killed
+    before it draws them would be retried with fresh ones)."""
+    try:
+        trials = trials_of(url, "pml:TripletMarginLoss")
+    except KeyError:  # the study does not exist yet
+        return False
+    return len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials)
+
+
+def freeze_when(process, condition, deadline=600):
+    """Stops `process`'s group with SIGSTOP once `condition()` holds, checked again while the
+    process is frozen, so that it still holds when the test acts, however fast the machine."""
+    stop = time.monotonic() + deadline
+    while time.monotonic() < stop:
+        if condition():
+            os.killpg(process.pid, signal.SIGSTOP)
+            try:
+                if condition():
+                    return
+            except Exception:  # frozen while it held a write lock: let it go on and try again
+                pass
+            os.killpg(process.pid, signal.SIGCONT)
+        time.sleep(0.1)
+    pytest.fail("the condition never held")
+
+
 def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache):
     url = f"sqlite:///{tmp_path / 't.db'}"
     args = [
@@ -127,7 +154,7 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
         "tune",
         "pml:TripletMarginLoss",
         "--trials",
-        "2",
+        "50",  # more than it can finish before the test acts, however fast the machine
         "--workers",
         "1",
         "--heartbeat",
@@ -143,27 +170,18 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                trials = trials_of(url, "pml:TripletMarginLoss")
-            except KeyError:  # the study does not exist yet
-                trials = []
-            # a trial killed before it draws its parameters would be retried with fresh ones
-            if len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials):
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("no second trial drew its parameters")
+        freeze_when(process, lambda: a_trial_finished_and_another_drew_its_parameters(url))
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the command and its worker, mid-trial
         process.wait()
-    assert "RUNNING" in states(trials_of(url, "pml:TripletMarginLoss"))
+    trials = trials_of(url, "pml:TripletMarginLoss")
+    assert "RUNNING" in states(trials)
+    target = len(finished(trials)) + 1
 
     run_tune(
         "pml:TripletMarginLoss",
         "--trials",
-        "2",
+        str(target),
         "--workers",
         "1",
         "--heartbeat",
@@ -176,7 +194,7 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
         cache=glyph_cache,
     )
     trials = trials_of(url, "pml:TripletMarginLoss")
-    assert len(finished(trials)) == 2 and "RUNNING" not in states(trials)
+    assert len(finished(trials)) == target and "RUNNING" not in states(trials)
     failed = [t for t in trials if t.state.name == "FAIL"]
     assert len(failed) == 1
     retried = [t for t in trials if t.system_attrs.get("failed_trial") == failed[0].number]
@@ -203,7 +221,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache, s
         str(glyph_cache),
     ]
     process = start_interruptible(args)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
             if finished(trials_of(url, "pml:TripletMarginLoss")):

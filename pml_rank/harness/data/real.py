@@ -12,17 +12,19 @@ One ``data_root`` holds every data set, each in the folder its archive extracts 
 CUB-200-2011, Cars-196 and Stanford Online Products are PML's own dataset classes
 (`pytorch_metric_learning.datasets`, which also fix the splits: CUB classes 1-100 train /
 101-200 test, Cars 1-98 / 99-196, SOP the Ebay_train / Ebay_test lists); pml-rank adds the
-layout check, RGB conversion (CUB and Cars contain grayscale images) and CUB's bounding-box
-crops. In-shop Clothes is pml-rank's own, on PML's `BaseDataset`: the ``train`` / ``query`` /
-``gallery`` partition of ``list_eval_partition.txt``.
+layout check, a full decode of every image before any training, RGB conversion (CUB and
+Cars contain grayscale images) and CUB's bounding-box crops. In-shop Clothes is
+pml-rank's own, on PML's `BaseDataset`: the ``train`` / ``query`` / ``gallery`` partition
+of ``list_eval_partition.txt``.
 """
 
 import dataclasses
 import os
 
-from PIL import Image
 from pytorch_metric_learning import datasets as pml_datasets
 from pytorch_metric_learning.datasets.base_dataset import BaseDataset
+
+from ..images import ImageReadError, image_modes, open_8bit
 
 
 class DataSetNotFoundError(FileNotFoundError):
@@ -131,70 +133,19 @@ INSHOP_LAYOUT = Layout(
 )
 
 
-class ImageReadError(OSError):
-    """An image of a data set cannot be read (unreadable, empty, truncated, not an image);
-    the message names the file."""
-
-
-# Bytes read from the end of each image when checking it: a complete JPEG ends with its
-# end-of-image marker, a complete PNG with its IEND chunk (a few trailing bytes allowed).
-_TAIL_BYTES = 1024
-_COMPLETE_ENDINGS = {b"\xff\xd8\xff": b"\xff\xd9", b"\x89PNG": b"IEND"}
-
-
-def _decode(path):
-    """Decodes the whole image; raises `ImageReadError` naming `path`."""
-    try:
-        with Image.open(path) as image:
-            image.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise ImageReadError(f"cannot read image {path}: {error}") from None
-
-
-def _image_problem(path):
-    """Why the image at `path` cannot be used, or None. Cheap: reads its first bytes and
-    its last kilobyte; only a file whose ending looks incomplete, or whose format is not
-    JPEG or PNG, is decoded in full to be sure."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            f.seek(max(os.fstat(f.fileno()).st_size - _TAIL_BYTES, 0))
-            tail = f.read()
-    except OSError as error:
-        return f"cannot read image {path}: {error.strerror or error}"
-    if not head:
-        return f"cannot read image {path}: the file is empty"
-    ending = next((end for start, end in _COMPLETE_ENDINGS.items() if head.startswith(start)), None)
-    if ending is not None and ending in tail:
-        return None
-    try:
-        _decode(path)
-    except ImageReadError as error:
-        return str(error)
-    return None
-
-
-def _check_images(layout, data_root, paths):
+def _check_images(layout, data_root, paths, cache_dir):
     """The lists name every image: report the absent ones (a partial extraction), then
-    the ones that cannot be read (truncated, empty, unreadable), before any training."""
+    decode every image in full (`images.image_modes`) and report the first that cannot be
+    read (truncated, empty, unreadable), before any training."""
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise DataSetNotFoundError(layout.explain(data_root, missing))
-    problems = [problem for problem in map(_image_problem, paths) if problem is not None]
+    _, problems = image_modes(paths, cache_dir, desc=f"checking {layout.title}")
     if problems:
-        more = f"\n... and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise ImageReadError(
-            f"{layout.title}: {len(problems)} of {len(paths)} images cannot be read "
-            f"(re-extract the archive):\n" + "\n".join(problems[:5]) + more
+            f"{layout.title}: {len(problems)} of {len(paths)} images cannot be read (re-extract the archive); "
+            f"the first: {problems[0]}"
         )
-
-
-def _open_rgb(path):
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise ImageReadError(f"cannot read image {path}: {error}") from None
 
 
 class _RGBItems:
@@ -203,7 +154,7 @@ class _RGBItems:
     boxes = None  # {index: (left, upper, right, lower)} when images are cropped
 
     def __getitem__(self, idx):
-        image = _open_rgb(self.paths[idx])
+        image = open_8bit(self.paths[idx], "RGB")
         if self.boxes is not None:
             image = image.crop(self.boxes[idx])
         label = self.labels[idx]
@@ -223,11 +174,11 @@ class CUB200(_RGBItems, pml_datasets.CUB):
 
     layout = CUB_LAYOUT
 
-    def __init__(self, root, split="train", transform=None, target_transform=None, cropped=False):
+    def __init__(self, root, split="train", transform=None, target_transform=None, cropped=False, cache_dir=None):
         self.layout.check(root, extra=("bounding_boxes.txt",) if cropped else ())
         self.cropped = cropped
         super().__init__(root, split=split, transform=transform, target_transform=target_transform, download=False)
-        _check_images(self.layout, root, self.paths)
+        _check_images(self.layout, root, self.paths, cache_dir)
         if cropped:
             self.boxes = self._read_boxes(root)
 
@@ -253,7 +204,7 @@ class Cars196(_RGBItems, pml_datasets.Cars196):
 
     layout = CARS_LAYOUT
 
-    def __init__(self, root, split="train", transform=None, target_transform=None):
+    def __init__(self, root, split="train", transform=None, target_transform=None, cache_dir=None):
         self.layout.check(root)
         super().__init__(
             self.layout.directory(root),
@@ -262,7 +213,7 @@ class Cars196(_RGBItems, pml_datasets.Cars196):
             target_transform=target_transform,
             download=False,
         )
-        _check_images(self.layout, root, self.paths)
+        _check_images(self.layout, root, self.paths, cache_dir)
 
 
 class StanfordOnlineProducts(_RGBItems, pml_datasets.StanfordOnlineProducts):
@@ -270,10 +221,10 @@ class StanfordOnlineProducts(_RGBItems, pml_datasets.StanfordOnlineProducts):
 
     layout = SOP_LAYOUT
 
-    def __init__(self, root, split="train", transform=None, target_transform=None):
+    def __init__(self, root, split="train", transform=None, target_transform=None, cache_dir=None):
         self.layout.check(root)
         super().__init__(root, split=split, transform=transform, target_transform=target_transform, download=False)
-        _check_images(self.layout, root, self.paths)
+        _check_images(self.layout, root, self.paths, cache_dir)
 
 
 class InShop(_RGBItems, BaseDataset):
@@ -283,7 +234,7 @@ class InShop(_RGBItems, BaseDataset):
 
     layout = INSHOP_LAYOUT
 
-    def __init__(self, root, split="train", transform=None, target_transform=None):
+    def __init__(self, root, split="train", transform=None, target_transform=None, cache_dir=None):
         self.layout.check(root)
         super().__init__(
             self.layout.directory(root),
@@ -292,7 +243,7 @@ class InShop(_RGBItems, BaseDataset):
             target_transform=target_transform,
             download=False,
         )
-        _check_images(self.layout, root, self.paths)
+        _check_images(self.layout, root, self.paths, cache_dir)
 
     def get_available_splits(self):
         return ["train", "query", "gallery", "all"]
@@ -329,8 +280,8 @@ class DataSetSpec:
     def layout(self):
         return self.cls.layout
 
-    def load(self, data_root, split, transform=None):
-        return self.cls(data_root, split=split, transform=transform, **self.options)
+    def load(self, data_root, split, transform=None, cache_dir=None):
+        return self.cls(data_root, split=split, transform=transform, cache_dir=cache_dir, **self.options)
 
 
 DATASETS = {
@@ -345,8 +296,10 @@ DATASETS = {
 }
 
 
-def load(name, data_root, split, transform=None):
-    """``load("cub200", "/data", "train")``: one split of a data set named in `DATASETS`."""
+def load(name, data_root, split, transform=None, cache_dir=None):
+    """``load("cub200", "/data", "train")``: one split of a data set named in `DATASETS`.
+    Every image is decoded once first (`ImageReadError` names the first bad one);
+    `cache_dir` remembers the images found good, so the next load only stats them."""
     if name not in DATASETS:
         raise ValueError(f"pml-rank: unknown data set {name!r}; known: {', '.join(DATASETS)}")
-    return DATASETS[name].load(data_root, split, transform)
+    return DATASETS[name].load(data_root, split, transform, cache_dir)
