@@ -169,7 +169,6 @@ def _cmd_bench(args):
     if note:
         print(f"note: {note}", file=sys.stderr)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
-    _warn(budget)
     try:
         result = bench.run_bench(
             list(contenders),
