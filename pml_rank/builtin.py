@@ -68,12 +68,41 @@ def _smooth_ap_space(trial):
     }
 
 
+def _supap_space(trial):
+    # τ a decade either side of the paper's 0.01; ρ from a gentle slope to ten times the
+    # paper's 100; δ from no sigmoid above the positive to four times the paper's 0.05.
+    return {
+        "temperature": trial.suggest_float("temperature", 1e-3, 0.1, log=True),
+        "rho": trial.suggest_float("rho", 1.0, 1000.0, log=True),
+        "delta": trial.suggest_float("delta", 0.0, 0.2),
+    }
+
+
+def _roadmap_space(trial):
+    # λ over [0, 1] (the paper's 0.5); the calibration's margins around its α = 0.9, β = 0.6.
+    return {
+        **_supap_space(trial),
+        "lambda_": trial.suggest_float("lambda_", 0.0, 1.0),
+        "pos_margin": trial.suggest_float("pos_margin", 0.5, 1.0),
+        "neg_margin": trial.suggest_float("neg_margin", 0.0, 0.9),
+    }
+
+
+def _pnp_space(trial):
+    # Defined with the pml:PNPLoss row (PML's PNPLoss, the same function): one space for
+    # both, in a module that imports no torch.
+    from .harness.baselines import pnp_space
+
+    return pnp_space(trial)
+
+
 @hookimpl
 def pml_rank_search_spaces():
     """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
     size and variant (and the recall loss's weighting), AUC's threshold step and sigmoid
     slope, FastAP's number of bins, N-pair's L2 weight, the Recall@k surrogate's two
-    temperatures and SiMix, Smooth-AP's temperature and query convention."""
+    temperatures and SiMix, Smooth-AP's temperature and query convention, SupAP's τ, ρ, δ
+    (and ROADMAP's λ and margins), PNP-D_q's τ and α."""
     return {
         "RaMBORecallLoss": lambda trial: _rambo_space(trial, recall=True),
         "RaMBOAPLoss": lambda trial: _rambo_space(trial, recall=False),
@@ -83,4 +112,7 @@ def pml_rank_search_spaces():
         "NPairsOVOLoss": _npairs_space,
         "RecallAtKSurrogateLoss": _recall_at_k_space,
         "SmoothAPLoss": _smooth_ap_space,
+        "SupAPLoss": _supap_space,
+        "ROADMAPLoss": _roadmap_space,
+        "PNPLoss": _pnp_space,
     }

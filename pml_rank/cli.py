@@ -16,6 +16,7 @@ from .harness.budget import (
     add_setting_options,
     given_settings,
 )
+from .harness.storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY
 
 # The small CNN's steps are too short to gain from more threads per worker process.
 DEFAULT_THREADS = 1
@@ -143,6 +144,8 @@ def _refused(error):
 def _cmd_bench(args):
     import os
 
+    if args.status and not args.list:
+        return _bench_status(args)
     bench = _harness("bench")
     from .harness import recipes, report, storage
 
@@ -164,8 +167,6 @@ def _cmd_bench(args):
         raise _refused(error) from None
     out = _prepare_out(args.out)
     url = args.storage or storage.default_url(out, bench.STORE_FILE)
-    if args.status:
-        return _bench_status(url)
     if note:
         print(f"note: {note}", file=sys.stderr)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
@@ -183,9 +184,18 @@ def _cmd_bench(args):
             devices=args.devices,
             threads=args.threads,
             heartbeat=args.heartbeat,
+            retry=args.storage_retry,
         )
     except refusals as error:
         raise _refused(error) from None
+    except Exception as error:
+        unavailable = storage.unavailable_in(error)
+        if unavailable is None:
+            raise
+        print(
+            f"pml-rank bench: {unavailable}; finished jobs are kept there and the same command resumes", file=sys.stderr
+        )
+        return 1
     except KeyboardInterrupt:
         print(
             f"\npml-rank bench: interrupted; finished jobs are kept in {storage.redact(url)} "
@@ -201,24 +211,31 @@ def _cmd_bench(args):
     return 0
 
 
-def _bench_status(url):
-    """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's bench."""
-    from .harness.jobs import JobStore
-    from .harness.storage import redact
+def _bench_status(args):
+    """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's bench,
+    reading only (no torch, no folder, file, table or study made); exit 1 when the storage
+    holds no bench."""
+    jobs = _harness("jobs")
+    from .harness.storage import StorageError, StorageUnavailable, check_url, default_url, redact
     from .harness.text_table import format_text_table
 
+    url = args.storage or default_url(args.out, jobs.STORE_FILE)
     try:
-        store = JobStore(url)
-    except _refusals() as error:
+        check_url(url)
+        benches = jobs.stored_status(url, args.storage_retry)
+    except StorageError as error:
         raise _refused(error) from None
-    try:
-        status = store.status()
-    finally:
-        store.close()
-    rows = [(row, c["done"], c["running"], c["waiting"]) for row, c in status.items()]
-    rows.append(("all", *(sum(r[i] for r in rows) for i in (1, 2, 3))))
-    print(f"bench in {redact(url)}")
-    print(format_text_table(("row", "done", "running", "waiting"), rows, align="lrrr"))
+    except StorageUnavailable as error:
+        print(f"pml-rank bench: {error}", file=sys.stderr)
+        return 1
+    if not benches:
+        print(f"pml-rank bench: no bench in this storage ({redact(url)})", file=sys.stderr)
+        return 1
+    for _, status in benches:
+        rows = [(row, c["done"], c["running"], c["waiting"]) for row, c in status.items()]
+        rows.append(("all", *(sum(r[i] for r in rows) for i in (1, 2, 3))))
+        print(f"bench in {redact(url)}")
+        print(format_text_table(("row", "done", "running", "waiting"), rows, align="lrrr"))
     return 0
 
 
@@ -271,6 +288,7 @@ def _cmd_tune(args):
             heartbeat=args.heartbeat,
             prune=not args.no_prune,
             command=command,
+            retry=args.storage_retry,
         )
     except storage.StorageError as error:
         raise UsageError(f"argument --storage: {error}") from None
@@ -298,7 +316,6 @@ def add_budget_arguments(parser, command):
     --device names something other than cpu."""
     from .harness import arguments
     from .harness.datasets import dataset_argument
-    from .harness.storage import DEFAULT_HEARTBEAT
 
     parser.add_argument(
         "--dataset",
@@ -364,6 +381,15 @@ def add_budget_arguments(parser, command):
         default=DEFAULT_HEARTBEAT,
         help="seconds between a running job's heartbeats; a job silent for twice this is "
         "taken up again by another process (default %(default)s)",
+    )
+    parser.add_argument(
+        "--storage-retry",
+        type=arguments.non_negative_float,
+        default=DEFAULT_RETRY,
+        metavar="SECONDS",
+        help="how long a storage call failing on a transient error (a database restarting, a dropped "
+        "connection, a locked SQLite file) is retried, with backoff, before the command gives up "
+        "(exit 1, finished jobs kept) (default %(default)s)",
     )
     parser.add_argument(
         "--workers",

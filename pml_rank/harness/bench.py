@@ -20,13 +20,12 @@ from tqdm import tqdm
 
 from . import recipes, runner
 from .budget import SHIPPED_PARAMS, TRAINING_KEYS, budget_warnings
+from .jobs import STORE_FILE as STORE_FILE  # the storage's file in --out, re-exported
 from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
 from .runner import RAW_INPUT, Place
-from .storage import check_url
+from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, check_url
 from .workers import run_processes
-
-STORE_FILE = "bench.db"
 
 
 class ParamsError(ValueError):
@@ -93,9 +92,9 @@ def bench_jobs(budget, rows, seeds, params):
     return jobs
 
 
-def _work(url, budget, place, threads, heartbeat):
+def _work(url, budget, place, threads, heartbeat, retry):
     torch.set_num_threads(threads)
-    store = JobStore(url, budget, heartbeat)
+    store = JobStore(url, budget, heartbeat, retry)
     try:
         store.work(place)
     finally:
@@ -114,26 +113,29 @@ def run_bench(
     workers=1,
     devices=None,
     threads=1,
-    heartbeat=20.0,
+    heartbeat=DEFAULT_HEARTBEAT,
+    retry=DEFAULT_RETRY,
     progress=True,
 ):
     """Runs (or resumes, or joins) the bench of `rows` at `budget` on the storage `url` and
     returns its `BenchResult` once every job is done. `workers` local processes (each on
     ``devices[i % len(devices)]`` when given) claim the jobs; with 1 this process works
-    itself. Raises `jobs.MismatchError` when the storage holds another bench, and the
-    errors of `runner.check` before any work."""
+    itself. A storage call failing on a transient error is retried for up to `retry` seconds.
+    Raises `jobs.MismatchError` when the storage holds another bench, and the errors of
+    `runner.check` before any work; `storage.StorageUnavailable` when the storage stayed
+    unreachable (finished jobs are kept)."""
     contenders = recipes.recipes(rows)
     params = params or {}
     row_params = {row: dict(params.get(row, {})) for row in contenders}
     # Before the data load: an unreachable storage, a stored bench of another budget or other
     # parameters. Bad data are refused before a storage file is made.
     check_url(url)
-    check_stored_bench(url, budget, row_params)
+    check_stored_bench(url, budget, row_params, retry)
     runner.check(budget, list(contenders), place)
     for line in budget_warnings(budget):  # after every refusal, before any training
         print(f"pml-rank bench: warning: {line}", file=sys.stderr)
     all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)
-    store = JobStore(url, budget, heartbeat)
+    store = JobStore(url, budget, heartbeat, retry)
     try:
         store.claim_rows(row_params)
         already = len(store.outcomes())
@@ -160,7 +162,7 @@ def run_bench(
                     dataclasses.replace(place, device=devices[i % len(devices)]) if devices else place
                     for i in range(workers)
                 ]
-                failed = run_processes(_work, [(url, budget, p, threads, heartbeat) for p in places], show)
+                failed = run_processes(_work, [(url, budget, p, threads, heartbeat, retry) for p in places], show)
                 if failed:
                     raise RuntimeError(f"pml-rank bench: {len(failed)} worker(s) failed (exit codes {failed})")
             show(force=True)

@@ -9,6 +9,8 @@ into the frozen `evaluation.TrainingConfig` its trainer takes.
 """
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -276,6 +278,11 @@ def training_key(budget):
     """The budget's `TRAINING_KEYS`: what a result depends on (a bench's identity, a
     study's, a saved experiment's)."""
     return {key: budget.get(key) for key in TRAINING_KEYS}
+
+
+def digest(value):
+    """A short hex digest of a JSON-able value (key order does not matter)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def add_setting_options(parser, command):

@@ -1,15 +1,20 @@
 """`pml-rank bench`'s jobs in an Optuna storage (`storage.py`), shared by any number of
 processes on any number of machines.
 
-One bench per storage: the study ``pml-rank bench`` holds one trial per (row, seed) job,
-enqueued with the job in its user attributes. A process claims a job by asking the study
-for a trial: Optuna hands each waiting trial to exactly one process (a row lock on
-PostgreSQL, a write transaction on SQLite). While the job runs, its trial sends heartbeats;
-when its process dies, the trial is failed once the heartbeat is stale and queued again by
-Optuna's retry callback, so another process (or a rerun) takes the job up. A finished
-job's outcome (accuracies, fold histories, seconds) is a user attribute of its complete
-trial. The bench's budget and each row's parameters are study attributes: a process with
-another budget or other parameters for a row is refused before any work.
+A bench is one study, named by the digest of its budget (`study_name`), holding one trial per
+(row, seed) job, enqueued with the job in its user attributes. The name is claimed when the
+study is made, atomically (the database refuses a second study of that name), so processes
+with different budgets never share a study, and so never a job, even when they start at the
+same moment. A process claims a job by asking the study for a trial: Optuna hands each
+waiting trial to exactly one process (a row lock on PostgreSQL, a write transaction on
+SQLite). While the job runs, its trial sends heartbeats; when its process dies, the trial is
+failed once the heartbeat is stale and queued again by Optuna's retry callback, so another
+process (or a rerun) takes the job up. A process paused past its heartbeat (SIGSTOP, a
+suspended machine) finds on resuming that its job was handed to another: it says so in one
+line and drops its result. A finished job's outcome (accuracies, fold histories, seconds) is
+a user attribute of its complete trial. The bench's budget and each row's parameters are
+study attributes: a process with another budget (while the storage holds a bench) or other
+parameters for a row is refused before any work.
 
 Two processes starting at the same moment may both enqueue a missing job. The lower trial
 number of a job wins: a process that claims a trial while a lower-numbered trial of the
@@ -20,18 +25,23 @@ same job is waiting, running or complete gives its trial up (it ends failed, mar
 import dataclasses
 import os
 import socket
+import sys
 import time
 import warnings
-from pathlib import Path
 
-from . import runner
-from .budget import TRAINING_KEYS, training_key
-from .runner import digest
-from .storage import close_storage, open_storage, record_heartbeat_now
+from .budget import TRAINING_KEYS, digest, training_key
+from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage, record_heartbeat_now
 from .workers import InterruptsBetweenTrials
 
-STUDY_NAME = "pml-rank bench"
+STORE_FILE = "bench.db"
+STUDY_PREFIX = "pml-rank bench "
 METRIC = "mean_average_precision_at_r"
+
+
+def study_name(budget):
+    """The name of the study holding the bench of `budget`: ``pml-rank bench <digest of its
+    training key>``."""
+    return STUDY_PREFIX + digest(training_key(budget))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +70,10 @@ class _NoJob(Exception):
     """The study handed out a fresh trial: no job was waiting any more."""
 
 
+class _Discarded(Exception):
+    """This process's trial was failed as stale and its job handed to another process."""
+
+
 def check_budget_matches(study_attrs, budget):
     """Raises `MismatchError` naming every budget key the stored bench (its study's user
     attributes) holds with another value."""
@@ -85,44 +99,107 @@ def check_params_match(study_attrs, row_params):
         )
 
 
-def check_stored_bench(url, budget, row_params):
-    """Refuses (`MismatchError`) a bench the storage at `url` holds with another budget or
-    other parameters, reading only (it makes no SQLite file and no study), so it runs before
-    the data set is loaded."""
-    import optuna
-    from sqlalchemy.engine import make_url
+def bench_studies(storage):
+    """The benches `storage` holds (Optuna's `FrozenStudy`s), oldest first."""
+    return [s for s in storage.get_all_studies() if s.study_name.startswith(STUDY_PREFIX)]
 
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
-        return
+
+def _check_no_other_bench(storage, budget):
+    """Raises `MismatchError` when `storage` holds benches and none of `budget`."""
+    benches = bench_studies(storage)
+    if benches and study_name(budget) not in {s.study_name for s in benches}:
+        check_budget_matches(benches[0].user_attrs, budget)
+        raise MismatchError(  # its budget is not recorded yet: it is being made at this moment
+            f"the storage holds a bench of another budget ({benches[0].study_name}); it is never overwritten: "
+            "choose another --out or --storage"
+        )
+
+
+def check_stored_bench(url, budget, row_params, retry=DEFAULT_RETRY):
+    """Refuses (`MismatchError`) a bench the storage at `url` holds with another budget or
+    other parameters, reading only (it makes no SQLite file, table or study), so it runs
+    before the data set is loaded."""
+    import optuna
+
     _quiet_optuna()
-    storage = open_storage(url, max_retry=None)
-    try:
-        attrs = optuna.load_study(study_name=STUDY_NAME, storage=storage).user_attrs
-    except KeyError:  # no bench there yet
+    storage = open_storage(url, retry=retry, read_only=True)
+    if storage is None:
         return
+    try:
+        _check_no_other_bench(storage, budget)
+        try:
+            attrs = optuna.load_study(study_name=study_name(budget), storage=storage).user_attrs
+        except KeyError:  # no bench there yet
+            return
     finally:
         close_storage(storage)
-    check_budget_matches(attrs, budget)
     check_params_match(attrs, row_params)
+
+
+def stored_status(url, retry=DEFAULT_RETRY):
+    """``[(study name, {row: {"done", "running", "waiting"}})]`` of every bench the storage at
+    `url` holds (normally one), reading only: [] when it holds none (it makes no SQLite
+    file, table or study)."""
+    import optuna
+
+    _quiet_optuna()
+    storage = open_storage(url, retry=retry, read_only=True)
+    if storage is None:
+        return []
+    try:
+        return [
+            (s.study_name, _status(optuna.load_study(study_name=s.study_name, storage=storage)))
+            for s in bench_studies(storage)
+        ]
+    finally:
+        close_storage(storage)
+
+
+def _job_trials(study, states=None):
+    return [t for t in study.get_trials(deepcopy=False, states=states) if "job" in t.user_attrs]
+
+
+def _status(study, jobs=None):
+    """``{row: {"done", "running", "waiting"}}`` over the jobs (default: every job the
+    study holds), each job counted once, in its most advanced state."""
+    from optuna.trial import TrialState
+
+    rank = {TrialState.COMPLETE: 3, TrialState.RUNNING: 2, TrialState.WAITING: 1}
+    state_of, row_of = {}, {}
+    for trial in _job_trials(study):
+        key = trial.user_attrs["job"]["key"]
+        row_of[key] = trial.user_attrs["job"]["row"]
+        state_of[key] = max(state_of.get(key, 0), rank.get(trial.state, 0))
+    if jobs is not None:
+        row_of = {job.key: job.row for job in jobs}
+    table = {}
+    for key, row in row_of.items():
+        counts = table.setdefault(row, {"done": 0, "running": 0, "waiting": 0})
+        name = {3: "done", 2: "running"}.get(state_of.get(key, 0), "waiting")
+        counts[name] += 1
+    return table
 
 
 class JobStore:
     """The bench's jobs in the storage at `url` (see the module's docstring)."""
 
-    def __init__(self, url, budget=None, heartbeat=20.0):
-        """`budget` None: only to read the storage's bench (`status`, `outcomes`)."""
+    def __init__(self, url, budget, heartbeat=DEFAULT_HEARTBEAT, retry=DEFAULT_RETRY):
+        """Joins the bench of `budget` in the storage at `url`, or makes it; raises
+        `MismatchError` when the storage holds a bench of another budget. A storage call
+        failing on a transient error is retried for up to `retry` seconds."""
         import optuna
 
         _quiet_optuna()
         self.url, self.budget = url, budget
-        self.storage = open_storage(url, heartbeat, max_retry=None)
-        self.study = optuna.create_study(study_name=STUDY_NAME, storage=self.storage, load_if_exists=True)
-        if budget is None:
-            return
-        check_budget_matches(self.study.user_attrs, budget)
-        if "budget" not in self.study.user_attrs:
-            self.study.set_user_attr("budget", training_key(budget))
+        self.storage = open_storage(url, heartbeat, max_retry=None, retry=retry)
+        try:
+            _check_no_other_bench(self.storage, budget)
+            self.study = optuna.create_study(study_name=study_name(budget), storage=self.storage, load_if_exists=True)
+            if "budget" not in self.study.user_attrs:
+                self.study.set_user_attr("budget", training_key(budget))
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
         close_storage(self.storage)
@@ -136,7 +213,7 @@ class JobStore:
             self.study.set_user_attr("params", {**stored, **row_params})
 
     def _trials(self, states=None):
-        return [t for t in self.study.get_trials(deepcopy=False, states=states) if "job" in t.user_attrs]
+        return _job_trials(self.study, states)
 
     def ensure(self, jobs):
         """Enqueues every job that has no waiting, running or complete trial; returns how many."""
@@ -162,23 +239,8 @@ class JobStore:
 
     def status(self, jobs=None):
         """``{row: {"done", "running", "waiting"}}`` over the jobs (default: every job the
-        storage holds), each job counted once, in its most advanced state."""
-        from optuna.trial import TrialState
-
-        rank = {TrialState.COMPLETE: 3, TrialState.RUNNING: 2, TrialState.WAITING: 1}
-        state_of, row_of = {}, {}
-        for trial in self._trials():
-            key = trial.user_attrs["job"]["key"]
-            row_of[key] = trial.user_attrs["job"]["row"]
-            state_of[key] = max(state_of.get(key, 0), rank.get(trial.state, 0))
-        if jobs is not None:
-            row_of = {job.key: job.row for job in jobs}
-        table = {}
-        for key, row in row_of.items():
-            counts = table.setdefault(row, {"done": 0, "running": 0, "waiting": 0})
-            name = {3: "done", 2: "running"}.get(state_of.get(key, 0), "waiting")
-            counts[name] += 1
-        return table
+        bench holds), each job counted once, in its most advanced state."""
+        return _status(self.study, jobs)
 
     def _superseded(self, trial_number, key):
         from optuna.trial import TrialState
@@ -197,9 +259,11 @@ class JobStore:
         import optuna
         from optuna.trial import TrialState
 
+        from . import runner
+
         finished = []
 
-        def objective(trial):
+        def run_job(trial):
             record_heartbeat_now(trial)
             record = trial.user_attrs.get("job")
             if record is None:
@@ -217,6 +281,21 @@ class JobStore:
             finished.append(record["key"])
             return float(outcome["run"]["concatenated"][METRIC])
 
+        def objective(trial):
+            try:
+                return run_job(trial)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Paused past its heartbeat (SIGSTOP, a suspended machine): the trial was failed
+                # as stale and its job queued again for another process.
+                job = trial.user_attrs.get("job", {})
+                print(
+                    f"pml-rank bench: job {job.get('row')} seed {job.get('seed')} (trial {trial.number}) was "
+                    "retried by another process; this result is discarded",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise _Discarded() from None
+
         with InterruptsBetweenTrials() as interrupts:
             while True:
                 interrupts.check()
@@ -231,10 +310,12 @@ class JobStore:
                     continue
                 # Optuna fails stale trials itself before each trial it starts.
                 try:
-                    self.study.optimize(interrupts.objective(objective), n_trials=1, catch=(_Superseded, _NoJob))
+                    self.study.optimize(
+                        interrupts.objective(objective), n_trials=1, catch=(_Superseded, _NoJob, _Discarded)
+                    )
                 except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-                    # The trial was failed as stale while this process still ran it (a heartbeat
-                    # missed under heavy load): its retry holds the job, this outcome is dropped.
+                    # Telling the outcome of a trial failed as stale (`_Discarded`, said above): its
+                    # retry holds the job.
                     continue
 
 
@@ -244,7 +325,9 @@ class _QuietRecords:
     @staticmethod
     def filter(record):
         message = record.getMessage()
-        quiet = ("_Superseded", "_NoJob", "KeyboardInterrupt", "SurplusTrial", "failed with value None")
+        quiet = ("_Superseded", "_NoJob", "_Discarded", "KeyboardInterrupt", "SurplusTrial", "failed with value None")
+        # Optuna's note before its fallback query; the storage says when it is unreachable.
+        quiet += ("Caught an error from sqlalchemy",)
         return not any(word in message for word in quiet)
 
 

@@ -9,7 +9,6 @@ experiment in the calling process.
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import torch
 from PIL import Image
 
 from . import backbones, recipes
-from .budget import BudgetError, class_count, training_key
+from .budget import BudgetError, class_count, digest, training_key
 from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
 from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
 
@@ -40,11 +39,6 @@ class Place:
     device: str = "cpu"
     loader_workers: int = 0
     models_dir: str | None = None  # keep each trained experiment's fold models and logs here
-
-
-def digest(value):
-    """A short hex digest of a JSON-able value (key order does not matter)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def models_folder(models_dir, budget, row, params, seed):

@@ -224,6 +224,23 @@ CASES = {
         default_sizes=(100_000, 1_000_000),
         underflow_scale=1e4,
     ),
+    # PML's PNPLoss builds B x B x B tensors (repeat, difference, sigmoid): capped at 512.
+    # The loop reference takes seconds per call at 1024: skipped above. Underflow case: τ
+    # ten times smaller (the clamp at ±50 is what keeps float32 off denormals).
+    "PNPLoss": SpeedCase(
+        ours=registered("PNPLoss"),
+        pml=pml_loss("PNPLoss", variant="Dq", alpha=4),
+        pml_max_size=512,
+        reference=function("harness.references.pnp.pnp_loss"),
+        reference_max_size=1024,
+        underflow_loss=registered("PNPLoss", anneal=1e-3),
+    ),
+    "ROADMAPLoss": SpeedCase(
+        ours=registered("ROADMAPLoss"),
+        reference=function("harness.references.roadmap.roadmap_loss"),
+        reference_max_size=1024,
+        underflow_loss=registered("ROADMAPLoss", temperature=1e-3),
+    ),
     "RaMBORecallLoss": SpeedCase(
         ours=registered("RaMBORecallLoss", memory_size=0),
         reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02),

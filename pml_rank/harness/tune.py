@@ -36,11 +36,19 @@ import warnings
 from pathlib import Path
 
 from . import recipes, runner
-from .budget import AUTO_PRESET, resolve, training_key
+from .budget import AUTO_PRESET, digest, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
-from .runner import digest
-from .storage import DEFAULT_HEARTBEAT, StorageError, close_storage, open_storage, record_heartbeat_now, redact
+from .storage import (
+    DEFAULT_HEARTBEAT,
+    DEFAULT_RETRY,
+    StorageError,
+    check_url,
+    close_storage,
+    open_storage,
+    record_heartbeat_now,
+    redact,
+)
 from .text_table import format_text_table
 from .workers import InterruptsBetweenTrials, run_processes
 
@@ -258,6 +266,7 @@ class TuneJob:
     heartbeat: float = DEFAULT_HEARTBEAT
     prune: bool = True
     poll: float = 1.0
+    retry: float = DEFAULT_RETRY
 
 
 def run_worker(job):
@@ -269,7 +278,7 @@ def run_worker(job):
 
     _quiet_optuna()
     torch.set_num_threads(job.threads)
-    storage = open_storage(job.storage, job.heartbeat)
+    storage = open_storage(job.storage, job.heartbeat, retry=job.retry)
     spaces = search_spaces()
     done = 0
     try:
@@ -439,20 +448,24 @@ def tune(
     prune=True,
     command=None,
     progress=True,
+    retry=DEFAULT_RETRY,
 ):
     """Runs `workers` processes until every loss's study holds `trials` finished trials,
     writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Worker i runs on
     ``devices[i % len(devices)]`` when `devices` are given. Ctrl-C stops the
     workers (their running trials are lost, finished ones kept) and still writes the outputs.
-    Raises `StorageError` when the storage cannot be opened, before any work."""
+    A storage call failing on a transient error is retried for up to `retry` seconds. Raises
+    `StorageError` when the storage cannot be opened, before any work, and
+    `StorageUnavailable` when it stayed unreachable (finished trials are kept)."""
     from tqdm import tqdm
 
     _quiet_optuna()
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    job = TuneJob(list(losses), trials, config, storage, place, threads, heartbeat, prune)
-    rdb = open_storage(storage, heartbeat)
+    job = TuneJob(list(losses), trials, config, storage, place, threads, heartbeat, prune, retry=retry)
+    check_url(storage)
+    rdb = open_storage(storage, heartbeat, retry=retry)
     try:
         studies = {loss: open_study(loss, config, rdb, prune) for loss in losses}  # created once, before the workers
     except Exception as error:

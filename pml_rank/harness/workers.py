@@ -8,21 +8,31 @@ import sys
 import threading
 import time
 
+from .storage import StorageUnavailable, unavailable_in
 
-def _main(target, args):
+
+def _main(target, args, gave_up):
     try:
         target(*args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as error:
+        unavailable = unavailable_in(error)
+        if unavailable is None:
+            raise
+        gave_up.put(str(unavailable))  # the calling process says it, once
+        sys.exit(1)
 
 
 def run_processes(target, args_per_worker, progress, poll=1.0):
     """Starts one spawned process per ``args`` in `args_per_worker`, each calling
     ``target(*args)``, and calls ``progress()`` every `poll` seconds until all have ended.
-    Ctrl-C lets them end (what finished is in the storage) and re-raises. Returns the
-    exit codes of the workers that failed."""
+    Ctrl-C lets them end (what finished is in the storage) and re-raises. Raises
+    `StorageUnavailable` when a worker gave up on the storage. Returns the exit codes of
+    the workers that failed otherwise."""
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_main, args=(target, args), daemon=False) for args in args_per_worker]
+    gave_up = context.SimpleQueue()
+    processes = [context.Process(target=_main, args=(target, args, gave_up), daemon=False) for args in args_per_worker]
     try:
         for process in processes:
             process.start()
@@ -39,6 +49,8 @@ def run_processes(target, args_per_worker, progress, poll=1.0):
             if process.is_alive():
                 process.terminate()
                 process.join()
+    if not gave_up.empty():
+        raise StorageUnavailable(gave_up.get())
     return [p.exitcode for p in processes if p.exitcode not in (0, 130, -2)]
 
 

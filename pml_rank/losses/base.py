@@ -4,6 +4,7 @@ from pytorch_metric_learning.losses import BaseMetricLossFunction
 from pytorch_metric_learning.reducers import BaseReducer
 from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch.autograd.function import once_differentiable
 
 from .._checks import check_embeddings, check_references, checked_constructor
 
@@ -124,3 +125,97 @@ def symmetrize_(matrix, block=128):
         upper.copy_(total)
         lower.copy_(total.T.contiguous())
     return matrix
+
+
+def positive_slots(positive):
+    """Each query's positives as columns of a padded [queries, most positives] matrix
+    (`columns`, 0 in the padding) with a mask of the real entries (`real`), and the
+    (query, positive) pairs by slot: ``[(slot, rows)]``, where slot a holds the a-th
+    positive of every query that has one, queries in order, so that one slot's work over
+    the references is at most queries x references."""
+    rows, columns = positive.nonzero(as_tuple=True)
+    counts = positive.sum(1)
+    slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
+    most = int(counts.max()) if len(rows) else 0
+    positive_columns = torch.zeros(len(positive), most, dtype=torch.long, device=rows.device)
+    positive_columns[rows, slot] = columns
+    real = torch.zeros_like(positive_columns, dtype=torch.bool)
+    real[rows, slot] = True
+    sizes = torch.bincount(slot, minlength=most).tolist()
+    slot_rows = rows[torch.argsort(slot, stable=True)].split(sizes)
+    return positive_columns, real, list(enumerate(slot_rows))
+
+
+class NegativesAboveFunction(torch.autograd.Function):
+    """For every query q and each of its positives i (the columns of `positive_columns`,
+    by `slots`, see `positive_slots`): Σ_{j negative} h(s_qj − s_qi) over the references
+    j that `negative` marks for q, as a [queries, most positives] tensor (0 in the
+    padding). `kernel` gives h elementwise (``kernel.value(x)``) and its derivative
+    (``kernel.slope(x)``), both free to overwrite x. The backward pass recomputes each
+    slot: memory stays a few queries x references matrices whatever the class sizes."""
+
+    @staticmethod
+    def forward(ctx, scores, positive_columns, negative, slots, kernel):
+        own = scores.gather(1, positive_columns)
+        counts = torch.zeros_like(own)
+        buffer = torch.empty_like(scores)
+        not_negative = ~negative
+        for slot, rows in slots:
+            values = kernel.value(_differences(scores, own, rows, slot, buffer))
+            counts[rows, slot] = values.masked_fill_(_rows_of(not_negative, rows), 0).sum(1)
+        ctx.save_for_backward(scores, positive_columns, negative)
+        ctx.slots, ctx.kernel = slots, kernel
+        return counts
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_counts):
+        scores, positive_columns, negative = ctx.saved_tensors
+        own = scores.gather(1, positive_columns)
+        grad_scores = torch.zeros_like(scores)
+        buffer = torch.empty_like(scores)
+        not_negative = ~negative
+        for slot, rows in ctx.slots:
+            slopes = ctx.kernel.slope(_differences(scores, own, rows, slot, buffer))
+            slopes.masked_fill_(_rows_of(not_negative, rows), 0).mul_(grad_counts[rows, slot].unsqueeze(1))
+            # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
+            if len(rows) == len(scores):
+                grad_scores += slopes
+            else:
+                grad_scores.index_add_(0, rows, slopes)
+            grad_scores.index_put_((rows, positive_columns[rows, slot]), -slopes.sum(1), accumulate=True)
+        return grad_scores, None, None, None, None
+
+
+def _rows_of(matrix, rows):
+    return matrix if len(rows) == len(matrix) else matrix[rows]  # rows is then 0, 1, ..., n - 1
+
+
+def _differences(scores, own, rows, slot, buffer):
+    """s_qj − s_qi for one slot's (query q, positive i) pairs over every reference j,
+    written into `buffer` (one buffer for every slot: a fresh matrix per slot costs more
+    in page faults than the subtraction that fills it)."""
+    out = buffer[: len(rows)]
+    if len(rows) == len(scores):
+        return torch.sub(scores, own[:, slot].unsqueeze(1), out=out)
+    return torch.index_select(scores, 0, rows, out=out).sub_(own[rows, slot].unsqueeze(1))
+
+
+def with_query_as_positive(distance, embeddings, ref_emb, scores, positive, negative):
+    """Scores and masks in which each query is one of its own positives: its column when
+    the references are the batch itself, otherwise an extra first column holding its
+    self-similarity under `distance`. Mutates `positive` and `negative`."""
+    if ref_emb is embeddings:
+        positive.fill_diagonal_(True)
+        negative.fill_diagonal_(False)
+        return scores, positive, negative
+    normalized = distance.maybe_normalize(embeddings)
+    self_scores = distance.pairwise_distance(normalized, normalized) ** distance.power
+    if not distance.is_inverted:
+        self_scores = -self_scores
+    first = torch.ones_like(positive[:, :1])
+    return (
+        torch.cat([self_scores.unsqueeze(1), scores], dim=1),
+        torch.cat([first, positive], dim=1),
+        torch.cat([~first, negative], dim=1),
+    )

@@ -20,7 +20,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
-from .base import RankLossBase, pair_masks
+from .base import RankLossBase, pair_masks, with_query_as_positive
 
 
 class SmoothAPLoss(RankLossBase):
@@ -72,30 +72,13 @@ class SmoothAPLoss(RankLossBase):
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         if self.include_query:
-            scores, positive, negative = self.with_query_as_positive(embeddings, ref_emb, scores, positive, negative)
+            scores, positive, negative = with_query_as_positive(
+                self.distance, embeddings, ref_emb, scores, positive, negative
+            )
         positive &= has_positive.unsqueeze(1)  # a query whose only positive is itself is left out
         ap = SmoothAPFunction.apply(scores, positive, negative, self.temperature)
         queries = torch.where(has_positive)[0]
         return {"loss": {"losses": 1 - ap[queries], "indices": queries, "reduction_type": "element"}}
-
-    def with_query_as_positive(self, embeddings, ref_emb, scores, positive, negative):
-        """Scores and masks in which each query is one of its own positives: its column
-        when the references are the batch itself, otherwise an extra first column
-        holding its self-similarity. Mutates `positive` and `negative`."""
-        if ref_emb is embeddings:
-            positive.fill_diagonal_(True)
-            negative.fill_diagonal_(False)
-            return scores, positive, negative
-        normalized = self.distance.maybe_normalize(embeddings)
-        self_scores = self.distance.pairwise_distance(normalized, normalized) ** self.distance.power
-        if not self.distance.is_inverted:
-            self_scores = -self_scores
-        first = torch.ones_like(positive[:, :1])
-        return (
-            torch.cat([self_scores.unsqueeze(1), scores], dim=1),
-            torch.cat([first, positive], dim=1),
-            torch.cat([~first, negative], dim=1),
-        )
 
 
 def _positive_slots(positive, scaled):

@@ -2,6 +2,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,51 +32,105 @@ def _pg_bin(name):
     return str(candidates[-1]) if candidates else None
 
 
-@pytest.fixture(scope="session")
-def postgres_url(tmp_path_factory):
-    """A PostgreSQL server of our own on 127.0.0.1 and a free port, stopped afterwards. As root,
-    initdb and the server run as the `postgres` user (initdb refuses root)."""
-    pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not (initdb and pg_ctl):
-        pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
-    prefix = []
-    if os.geteuid() == 0:
-        runuser = shutil.which("runuser")
-        try:
-            import pwd
+class PostgresServer:
+    """A PostgreSQL server of our own on 127.0.0.1 and a free port, in `root`, that a test may
+    stop and start again (`stop`, `start`). As root, initdb and the server run as the
+    `postgres` user (initdb refuses root). Skips the test when it cannot run one."""
 
-            user = pwd.getpwnam("postgres")
-        except KeyError:
-            user = None
-        if runuser is None or user is None:
-            pytest.skip("running as root, and no `postgres` user or runuser to start PostgreSQL as")
-        prefix = [runuser, "-u", "postgres", "--"]
-    root = tmp_path_factory.mktemp("postgres")
-    data, log = root / "data", root / "server.log"
-    if prefix:
-        os.chmod(root, 0o755)
-        for parent in [root, *root.parents]:  # postgres must reach its folder
-            if parent == Path("/"):
-                break
-            mode = parent.stat().st_mode
-            if not mode & 0o001:
-                os.chmod(parent, mode | 0o001)
-        os.chown(root, user.pw_uid, user.pw_gid)
-    port = _free_port()
-    subprocess.run(
-        [*prefix, initdb, "-D", str(data), "-U", "pmlrank", "--auth=trust", "-E", "UTF8"],
-        check=True,
-        capture_output=True,
-    )
-    started = subprocess.run(
-        [*prefix, pg_ctl, "-D", str(data), "-l", str(log), "-w", "-o", f"-h 127.0.0.1 -p {port} -k {root}", "start"],
-        capture_output=True,
-        text=True,
-    )
+    def __init__(self, root):
+        root.mkdir(parents=True, exist_ok=True)
+        pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
+        initdb, self.pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if not (initdb and self.pg_ctl):
+            pytest.skip("no PostgreSQL binaries (initdb, pg_ctl) on this machine")
+        self.prefix = []
+        if os.geteuid() == 0:
+            runuser = shutil.which("runuser")
+            try:
+                import pwd
+
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                user = None
+            if runuser is None or user is None:
+                pytest.skip("running as root, and no `postgres` user or runuser to start PostgreSQL as")
+            self.prefix = [runuser, "-u", "postgres", "--"]
+        self.root, self.data, self.log = root, root / "data", root / "server.log"
+        if self.prefix:
+            os.chmod(root, 0o755)
+            for parent in [root, *root.parents]:  # postgres must reach its folder
+                if parent == Path("/"):
+                    break
+                mode = parent.stat().st_mode
+                if not mode & 0o001:
+                    os.chmod(parent, mode | 0o001)
+            os.chown(root, user.pw_uid, user.pw_gid)
+        self.port = _free_port()
+        subprocess.run(
+            [*self.prefix, initdb, "-D", str(self.data), "-U", "pmlrank", "--auth=trust", "-E", "UTF8"],
+            check=True,
+            capture_output=True,
+        )
+        self.url = f"postgresql+psycopg://pmlrank:secret-password@127.0.0.1:{self.port}/postgres"
+
+    def start(self):
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.root}"
+        return subprocess.run(
+            [*self.prefix, self.pg_ctl, "-D", str(self.data), "-l", str(self.log), "-w", "-o", options, "start"],
+            capture_output=True,
+            text=True,
+        )
+
+    def stop(self, mode="immediate"):
+        subprocess.run([*self.prefix, self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"], capture_output=True)
+
+    def new_database(self, name):
+        """The URL of a new, empty database `name` on the server."""
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.url, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as connection:
+                connection.execute(text(f"CREATE DATABASE {name}"))
+        finally:
+            engine.dispose()
+        return self.url.rsplit("/", 1)[0] + "/" + name
+
+
+def started_postgres(root):
+    server = PostgresServer(root)
+    started = server.start()
     if started.returncode != 0:
-        pytest.skip(f"PostgreSQL did not start: {started.stderr} {log.read_text() if log.exists() else ''}")
+        log = server.log.read_text() if server.log.exists() else ""
+        pytest.skip(f"PostgreSQL did not start: {started.stderr} {log}")
+    return server
+
+
+def _server_folder():
+    # Outside pytest's base folder, which any pytest session starting on the machine makes
+    # private again (mode 0700), out of the `postgres` user's reach.
+    return Path(tempfile.mkdtemp(prefix="pml-rank-postgres-"))
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """The URL of a PostgreSQL server's `postgres` database, shared by the session's tests."""
+    root = _server_folder()
     try:
-        yield f"postgresql+psycopg://pmlrank:secret-password@127.0.0.1:{port}/postgres"
+        server = started_postgres(root)
+        yield server.url
+        server.stop()
     finally:
-        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_server():
+    """A PostgreSQL server of the test's own (`PostgresServer`), which it may stop and start."""
+    root = _server_folder()
+    try:
+        server = started_postgres(root)
+        yield server
+        server.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -65,7 +65,7 @@ def quiet_optuna():
 # ----------------------------------------------------------------------------- the rows
 
 
-def test_rows_are_the_papers_and_two_more_in_order():
+def test_rows_are_the_papers_and_three_more_in_order():
     paper = [
         "ContrastiveLoss",
         "TripletMarginLoss",
@@ -82,7 +82,7 @@ def test_rows_are_the_papers_and_two_more_in_order():
         "MultiSimilarityLoss",
         "SoftTripleLoss",
     ]
-    assert [b.loss for b in BASELINES.values()] == [*paper, "SmoothAPLoss", "NPairsLoss"]
+    assert [b.loss for b in BASELINES.values()] == [*paper, "SmoothAPLoss", "NPairsLoss", "PNPLoss"]
     assert [b.miner for b in BASELINES.values()].count("MultiSimilarityMiner") == 1
     for row, baseline in BASELINES.items():
         assert baseline.row == row

@@ -38,11 +38,13 @@ def complete_jobs(url):
 
     storage = open_storage(url)
     try:
-        try:
-            study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=storage)
-        except KeyError:
-            return []
-        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        trials = [
+            t
+            for bench_study in jobs.bench_studies(storage)
+            for t in optuna.load_study(study_name=bench_study.study_name, storage=storage).get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE,)
+            )
+        ]
         return [
             (t.user_attrs["job"]["key"], t.number, t.user_attrs["outcome"]) for t in trials if "job" in t.user_attrs
         ]

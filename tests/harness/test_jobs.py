@@ -38,7 +38,7 @@ def run(command, timeout=600):
 
 def trials(storage):
     """The bench's job trials in `storage` (a URL or an open storage)."""
-    study = optuna.load_study(study_name=jobs.STUDY_NAME, storage=storage)
+    study = optuna.load_study(study_name=jobs.study_name(BUDGET), storage=storage)
     return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
 
 

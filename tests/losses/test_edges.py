@@ -55,9 +55,10 @@ def test_embeddings_must_be_2d(name, shape):
 @pytest.mark.parametrize("name", NAMES)
 def test_do_nothing_reducer_returns_the_loss_dict(name):
     embeddings, labels = seeded_batch()
-    losses = make(name, reducer=DoNothingReducer())(embeddings, labels)
-    assert isinstance(losses, dict) and "loss" in losses
-    assert torch.is_tensor(losses["loss"]["losses"])
+    loss_func = make(name, reducer=DoNothingReducer())
+    losses = loss_func(embeddings, labels)
+    assert isinstance(losses, dict) and set(losses) == set(loss_func.sub_loss_names())  # "loss", or ROADMAP's three
+    assert all(torch.is_tensor(sub_loss["losses"]) for sub_loss in losses.values())
 
 
 def test_auc_leaves_out_self_pairs_when_ref_labels_is_labels():

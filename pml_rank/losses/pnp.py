@@ -1,0 +1,115 @@
+"""PNP loss: Li et al., "Rethinking the Optimization of Average Precision: Only Penalizing
+Negative Instances before Positive Ones is Enough" (AAAI 2022).
+
+For a query q and each of its positives i (q itself included, by its self-similarity),
+the number of negatives ranked above i is relaxed with a sigmoid of temperature τ
+(`anneal`):
+
+    N(i) = Σ_{j ∈ N_q} σ((s_qj − s_qi) / τ)
+
+and the loss of q is the mean over its positives of f(N(i)), where the variant chooses f:
+O: N; Ds: log(1 + N); Iu: (1 + N) log(1 + N); Ib: (bN − log(1 + bN)) / b²; Dq:
+1 − (1 + N)^−α (the mean of 1 − f is 1 − the mean of f). As in the authors' code, the
+sigmoid's argument is clamped to [−50, 50]: beyond, the value is constant (and float32
+never reaches the denormals of σ(−88) and below).
+"""
+
+import math
+
+import torch
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.utils import common_functions as c_f
+
+from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
+
+# Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
+SIGMOID_CLAMP = 50.0
+
+
+class ClampedSigmoid:
+    """h(x) = σ(clamp(x / τ, −50, 50)) and its derivative, for `NegativesAboveFunction`."""
+
+    def __init__(self, temperature):
+        self.temperature = temperature
+
+    def value(self, x):
+        return x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+
+    def slope(self, x):
+        # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
+        sigmoid = self.value(x)
+        return sigmoid.sub_(sigmoid.square()).div_(self.temperature)
+
+
+class PNPLoss(RankLossBase):
+    """PNP loss: the mean over each query's positives of a function of the relaxed number
+    of negatives ranked above them; 0 for a query with every positive above every negative.
+
+    Args:
+        b: the Ib variant's b.
+        alpha: the Dq variant's exponent α.
+        anneal: τ of the sigmoid, in the similarity's units (cosine by default).
+        variant: "O", "Ds", "Dq", "Iu" or "Ib" (PML's names; the paper's PNP-O, PNP-Dₛ,
+            PNP-D_q, PNP-Iᵤ, PNP-I_b). The default is the authors' recommended run
+            (PNP-D_q, α = 4); their code's parser defaults to O with α = 1, as PML does.
+
+    The same function as PML's `PNPLoss` (and the authors' code) where they apply, plus
+    `ref_emb`, an `indices_tuple` (each query's positives and negatives are its pairs),
+    any PML distance (a distance is negated into a score) and per-query losses for PML's
+    reducers ("element" reduction; MeanReducer, the default, gives the authors' mean).
+    Each query is one of its own positives by its self-similarity, as in the authors'
+    code: its column when the references are the batch, an extra one with `ref_emb`. A
+    query without another positive is left out.
+    """
+
+    VARIANTS = ("O", "Ds", "Dq", "Iu", "Ib")
+
+    def __init__(self, b: float = 2, alpha: float = 4, anneal: float = 0.01, variant: str = "Dq", **kwargs):
+        super().__init__(**kwargs)
+        if variant not in self.VARIANTS:
+            raise ValueError(f"PNPLoss: variant must be one of {', '.join(self.VARIANTS)}, got {variant!r}")
+        for name, value in (("b", b), ("alpha", alpha), ("anneal", anneal)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"PNPLoss: {name} must be a finite number > 0, got {value!r}")
+        self.b, self.alpha, self.anneal, self.variant = float(b), float(alpha), float(anneal), variant
+        self.add_to_recordable_attributes(list_of_names=["anneal"], is_stat=False)
+        self.add_to_recordable_attributes(list_of_names=["num_queries"], is_stat=True)
+
+    def get_default_distance(self):
+        return CosineSimilarity()
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+        has_positive = positive.any(1)
+        self.num_queries = int(has_positive.sum())
+        if self.num_queries == 0:
+            return self.zero_losses()
+        matrix = self.distance(embeddings, ref_emb)
+        scores = matrix if self.distance.is_inverted else -matrix
+        scores, positive, negative = with_query_as_positive(
+            self.distance, embeddings, ref_emb, scores, positive, negative
+        )
+        queries = torch.where(has_positive)[0]
+        if len(queries) < len(scores):
+            scores, positive, negative = scores[queries], positive[queries], negative[queries]
+        positive_columns, real, slots = positive_slots(positive)
+        above = NegativesAboveFunction.apply(scores, positive_columns, negative, slots, ClampedSigmoid(self.anneal))
+        per_positive = self.penalty(above).masked_fill(~real, 0)
+        losses = per_positive.sum(1) / real.sum(1)
+        if self.variant == "Dq":
+            losses = 1 - losses
+        return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
+
+    def penalty(self, above):
+        """f(N) of the variant (Dq: (1 + N)^−α, subtracted from 1 after the mean)."""
+        if self.variant == "O":
+            return above
+        if self.variant == "Ds":
+            return torch.log1p(above)
+        if self.variant == "Dq":
+            return (1 + above) ** -self.alpha
+        if self.variant == "Iu":
+            return (1 + above) * torch.log1p(above)
+        scaled = self.b * above  # Ib
+        return (scaled - torch.log1p(scaled)) / self.b**2

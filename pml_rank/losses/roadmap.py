@@ -1,0 +1,203 @@
+"""ROADMAP: Ramzi et al., "Robust and Decomposable Average Precision for Image Retrieval"
+(NeurIPS 2021).
+
+SupAP replaces the step function of a negative j ranked against a positive i of query q
+(x = s_qj − s_qi) by a bound that never vanishes above the positive:
+
+    H⁻(x) = σ(x / τ)                 x ≤ 0
+            start + σ(x / τ)         0 < x ≤ δ
+            ρ (x − δ) + offset       x > δ
+
+(the σ arguments clamped to [−50, 50] as in the authors' code), while positives keep
+the exact step H (1 at ties): with R⁺(i) = #{positives j: s_qj ≥ s_qi} (i included),
+
+    AP_q = (1 / |P|) Σ_{i ∈ P} R⁺(i) / (R⁺(i) + Σ_{j ∈ N} H⁻(s_qj − s_qi))
+
+and the SupAP loss of q is 1 − AP_q: only negatives carry a gradient. The calibration
+loss, on the same similarities, is the contrastive loss with pos_margin α = 0.9 and
+neg_margin β = 0.6, each of its two terms averaged over its non-zero pairs (the authors'
+`CalibrationLoss` is PML's `ContrastiveLoss` with those margins); ROADMAP is
+(1 − λ) L_SupAP + λ L_calibr.
+"""
+
+import math
+
+import torch
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, MultipleReducers
+from pytorch_metric_learning.utils import common_functions as c_f
+
+from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
+from .pnp import SIGMOID_CLAMP
+
+
+class SupAPBound:
+    """H⁻(x) (see the module's docstring) and its derivative, for `NegativesAboveFunction`."""
+
+    def __init__(self, temperature, rho, offset, delta, start):
+        self.temperature, self.rho, self.offset, self.delta, self.start = temperature, rho, offset, delta, start
+        self.jump = offset - start - 1 / (1 + math.exp(-max(min(delta / temperature, SIGMOID_CLAMP), -SIGMOID_CLAMP)))
+
+    def value(self, x):
+        # H⁻(x) = σ(min(x, δ) / τ) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ], with jump
+        # = offset − start − σ(δ/τ) (0 when H⁻ is continuous): elementwise passes only,
+        # no boolean indexing (a B x B nonzero costs more than the rest).
+        extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
+        if self.jump:
+            extra.add_(x > self.delta, alpha=self.jump)
+        if self.start:
+            extra.add_(x > 0, alpha=self.start)
+        # The clamp keeps float32 away from the denormals of σ(−88) and below.
+        values = x.clamp_(max=self.delta).div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        return values.add_(extra)
+
+    def slope(self, x):
+        beyond = x > self.delta
+        # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
+        sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        slopes = sigmoid.sub_(sigmoid.square()).div_(self.temperature)
+        return slopes.masked_fill_(beyond, self.rho)
+
+
+class SupAPLoss(RankLossBase):
+    """SupAP: 1 − the AP of each query with its negatives' ranks bounded by H⁻ (linear,
+    slope ρ, beyond δ above a positive) and its positives' ranks exact.
+
+    Args:
+        temperature: τ of the sigmoids, in the similarity's units (cosine by default).
+        rho: ρ, the slope beyond δ.
+        offset: H⁻ just beyond δ; None (the paper's and the authors' class default):
+            start + σ(δ/τ), which makes H⁻ continuous. Their configuration files say 1.44,
+            written for their first code's ρx + offset (6.44 here gives that function).
+        delta: δ, where the linear part starts (0: right above the positive).
+        start: H⁻'s jump at 0 (the authors' iNaturalist configuration uses 0 with offset 1).
+
+    Defaults: the authors' (τ, ρ, δ of config/loss/supap.yaml). Each query is one of
+    its own positives, by its self-similarity, as in the authors' code (its column when
+    the references are the batch, an extra one with `ref_emb`); a query without another
+    positive is left out. With `ref_emb` every reference counts; an `indices_tuple`
+    restricts each ranking to its pairs. Per-query losses go to PML's reducer ("element");
+    the default MeanReducer gives the authors' 1 − mAP.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.01,
+        rho: float = 100.0,
+        offset: float | None = None,
+        delta: float = 0.05,
+        start: float = 0.5,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        name = type(self).__name__
+        if not 0 < temperature < math.inf:
+            raise ValueError(f"{name}: temperature must be a finite number > 0, got {temperature!r}")
+        for parameter, value in (("rho", rho), ("delta", delta), ("start", start)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name}: {parameter} must be a finite number >= 0, got {value!r}")
+        if offset is not None and not math.isfinite(offset):
+            raise ValueError(f"{name}: offset must be a finite number or None, got {offset!r}")
+        self.temperature, self.rho, self.delta, self.start = float(temperature), float(rho), float(delta), float(start)
+        if offset is None:
+            offset = self.start + 1 / (1 + math.exp(-min(self.delta / self.temperature, SIGMOID_CLAMP)))
+        self.offset = float(offset)
+        self.add_to_recordable_attributes(list_of_names=["temperature", "rho", "delta"], is_stat=False)
+        self.add_to_recordable_attributes(list_of_names=["num_queries"], is_stat=True)
+
+    def get_default_distance(self):
+        return CosineSimilarity()
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb)}
+
+    def pairs(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        """The distance matrix and the positive and negative pair masks."""
+        positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+        return self.distance(embeddings, ref_emb), positive, negative
+
+    def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
+        """PML loss info of 1 − AP per query with a positive (0 when there is none)."""
+        has_positive = positive.any(1)
+        self.num_queries = int(has_positive.sum())
+        if self.num_queries == 0:
+            return self.zero_loss()
+        scores = matrix if self.distance.is_inverted else -matrix
+        scores, positive, negative = with_query_as_positive(
+            self.distance, embeddings, ref_emb, scores, positive.clone(), negative.clone()
+        )
+        queries = torch.where(has_positive)[0]
+        if len(queries) < len(scores):
+            scores, positive, negative = scores[queries], positive[queries], negative[queries]
+        positive_columns, real, slots = positive_slots(positive)
+        bound = SupAPBound(self.temperature, self.rho, self.offset, self.delta, self.start)
+        negatives_above = NegativesAboveFunction.apply(scores, positive_columns, negative, slots, bound)
+        rank_among_positives = _step_ranks(scores.detach().gather(1, positive_columns), real)
+        precision = rank_among_positives / (rank_among_positives + negatives_above)
+        ap = precision.masked_fill(~real, 0).sum(1) / real.sum(1)
+        return {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}
+
+
+def _step_ranks(positive_scores, real):
+    """R⁺: for each positive, how many of its query's positives (itself included) score at
+    least as high; `real` marks the entries of the padded [queries, most] matrix."""
+    padded = positive_scores.masked_fill(~real, -math.inf)
+    ascending = padded.sort(dim=1).values
+    at_least = padded.size(1) - torch.searchsorted(ascending, padded.contiguous(), side="left")
+    return at_least.to(positive_scores.dtype)
+
+
+class ROADMAPLoss(SupAPLoss):
+    """ROADMAP: (1 − λ) · SupAP + λ · the calibration loss, on the same similarities.
+
+    Args:
+        lambda_: λ, the calibration's weight (0: SupAP alone; 1: the calibration alone).
+        pos_margin, neg_margin: the calibration's α and β: positive pairs below α and
+            negative pairs above β are penalised linearly (for a distance, above and below).
+        temperature, rho, offset, delta, start: SupAP's (see `SupAPLoss`).
+
+    The authors' configuration (config/loss/roadmap.yaml) adds the two losses with
+    weight 1 each: twice this loss at λ = 0.5. Sub-losses: "ap_loss" (per query, default
+    MeanReducer) and the calibration's "pos_loss" and "neg_loss" (per pair, default
+    AvgNonZeroReducer, as PML's `ContrastiveLoss`); pairs are the pairs of `labels`
+    (self-pairs excluded), of `ref_emb`, or of `indices_tuple`.
+    """
+
+    def __init__(self, lambda_: float = 0.5, pos_margin: float = 0.9, neg_margin: float = 0.6, **kwargs):
+        super().__init__(**kwargs)
+        if not 0 <= lambda_ <= 1:
+            raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1], got {lambda_!r}")
+        for parameter, value in (("pos_margin", pos_margin), ("neg_margin", neg_margin)):
+            if not math.isfinite(value):
+                raise ValueError(f"ROADMAPLoss: {parameter} must be a finite number, got {value!r}")
+        self.lambda_, self.pos_margin, self.neg_margin = float(lambda_), float(pos_margin), float(neg_margin)
+        self.add_to_recordable_attributes(list_of_names=["lambda_", "pos_margin", "neg_margin"], is_stat=False)
+
+    def get_default_reducer(self):
+        return MultipleReducers({"pos_loss": AvgNonZeroReducer(), "neg_loss": AvgNonZeroReducer()}, MeanReducer())
+
+    def _sub_loss_names(self):
+        return ["ap_loss", "pos_loss", "neg_loss"]
+
+    def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
+        c_f.labels_required(labels)
+        matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
+        if torch.is_tensor(ap_loss["losses"]):
+            ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
+        pos_pairs, neg_pairs = positive.nonzero(as_tuple=True), negative.nonzero(as_tuple=True)
+        # PML's margin(x, y) is y − x for a similarity, x − y for a distance.
+        pos_losses = torch.relu(self.distance.margin(matrix[pos_pairs], self.pos_margin))
+        neg_losses = torch.relu(self.distance.margin(self.neg_margin, matrix[neg_pairs]))
+        return {
+            "ap_loss": ap_loss,
+            "pos_loss": self.pair_loss(pos_losses * self.lambda_, pos_pairs, "pos_pair"),
+            "neg_loss": self.pair_loss(neg_losses * self.lambda_, neg_pairs, "neg_pair"),
+        }
+
+    def pair_loss(self, losses, pairs, reduction_type):
+        if len(losses) == 0:
+            return self.zero_loss()
+        return {"losses": losses, "indices": pairs, "reduction_type": reduction_type}

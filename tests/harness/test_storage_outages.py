@@ -1,0 +1,322 @@
+"""The shared storage survives what databases do: a PostgreSQL server stopped (``pg_ctl stop
+-m fast``) and started again mid-bench, a worker paused (SIGSTOP) past its heartbeat,
+`--status` on a storage that holds no bench, and two processes of different budgets
+starting on one storage at the same moment."""
+
+import json
+import multiprocessing
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from pml_rank.harness import jobs  # noqa: E402
+from pml_rank.harness.budget import resolve  # noqa: E402
+
+PML_RANK = Path(sys.executable).parent / "pml-rank"
+ROW = "pml:TripletMarginLoss"
+# test_jobs.py's tiny bench: 5 jobs (raw input, untrained x 2 seeds, the row x 2 seeds).
+TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
+DEADLINE = 600  # seconds: generous, the machine may be loaded
+
+
+def bench_command(out, url, cache, *extra):
+    return [str(PML_RANK), "bench", ROW, *TINY, "--untuned", "--storage", url, "--out", str(out),
+            "--cache-dir", str(cache), *extra]  # fmt: skip
+
+
+def job_trials(url):
+    """Every job trial of the benches at `url` ([] before a bench is made, or while the
+    storage does not answer), read without making anything."""
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
+        return []
+    try:
+        storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
+    except Exception:
+        return []
+    try:
+        names = [s.study_name for s in storage.get_all_studies() if s.study_name.startswith("pml-rank bench")]
+        return [
+            t
+            for name in names
+            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+            if "job" in t.user_attrs
+        ]
+    except Exception:
+        return []
+    finally:
+        storage.engine.dispose()
+
+
+def wait_for(condition, what, process=None):
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"the bench ended before {what}: {process.communicate()}")
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+
+
+def training_job_running(url, pid=None):
+    return any(
+        t.state.name == "RUNNING"
+        and t.user_attrs["job"]["row"] == ROW
+        and (pid is None or t.user_attrs.get("worker", "").endswith(f":{pid}"))
+        for t in job_trials(url)
+    )
+
+
+def table(out):
+    """bench.json without the seconds a job took (which differ from run to run)."""
+    payload = json.loads((out / "bench.json").read_text())
+    payload.pop("total_seconds")
+    for row in payload["rows"]:
+        row.pop("seconds")
+    return payload
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory, glyph_cache):
+    """The bench run by one process on a storage of its own: what every other run must give."""
+    out = tmp_path_factory.mktemp("serial")
+    result = subprocess.run(
+        bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache, "--workers", "1"),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return table(out)
+
+
+def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server):
+    # Heartbeats every 3 s, stale after 6 s: the 15 s outage stops them for longer than that,
+    # and no job may be failed as stale for it.
+    url = postgres_server.new_database("outage")
+    bench = subprocess.Popen(
+        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--heartbeat", "3"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: training_job_running(url), "a training job runs", bench)
+        postgres_server.stop("fast")
+        time.sleep(15)  # the outage
+        assert postgres_server.start().returncode == 0
+        stdout, stderr = bench.communicate(timeout=DEADLINE)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 0, stdout + stderr
+    assert "Traceback" not in stderr and "unreachable" in stderr and "reachable again" in stderr, stderr
+    assert table(tmp_path) == serial
+    every = job_trials(url)
+    assert sorted(t.state.name for t in every) == ["COMPLETE"] * 5  # none failed as stale, none run twice
+
+
+def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
+    tmp_path, glyph_cache, serial, postgres_server
+):
+    url = postgres_server.new_database("gives_up")
+    bench = subprocess.Popen(
+        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--storage-retry", "5"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: training_job_running(url) and any(t.state.name == "COMPLETE" for t in job_trials(url)),
+            "a job is finished and a training job runs",
+            bench,
+        )
+        postgres_server.stop("fast")
+        stdout, stderr = bench.communicate(timeout=DEADLINE)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 1, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    (gave_up,) = [line for line in stderr.splitlines() if "unreachable for" in line]
+    assert "unreachable for 5 s (--storage-retry)" in gave_up and "finished jobs are kept" in gave_up
+    assert "secret-password" not in stdout + stderr
+    assert postgres_server.start().returncode == 0
+    kept = [t for t in job_trials(url) if t.state.name == "COMPLETE"]
+    assert kept
+    rerun = subprocess.run(
+        bench_command(tmp_path, url, glyph_cache, "--workers", "1"), capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"resumed: {len(kept)} finished job(s)" in rerun.stdout
+    assert table(tmp_path) == serial
+
+
+def _locked(path):
+    """Whether a process holds the SQLite file's write lock."""
+    connection = sqlite3.connect(path, timeout=0.1, isolation_level=None)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        connection.close()
+
+
+def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_path, glyph_cache, serial):
+    path = tmp_path / "shared.db"
+    url = f"sqlite:///{path}"
+    paused = subprocess.Popen(
+        bench_command(tmp_path / "a", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: training_job_running(url, paused.pid), "the first process trains", paused)
+        os.kill(paused.pid, signal.SIGSTOP)
+        while _locked(path):  # frozen inside a transaction: let it finish that first
+            os.kill(paused.pid, signal.SIGCONT)
+            time.sleep(0.05)
+            os.kill(paused.pid, signal.SIGSTOP)
+        (held,) = [t for t in job_trials(url) if t.state.name == "RUNNING"]
+        other = subprocess.run(
+            bench_command(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+        )
+        assert other.returncode == 0, other.stdout + other.stderr
+        os.kill(paused.pid, signal.SIGCONT)
+        stdout, stderr = paused.communicate(timeout=DEADLINE)
+    finally:
+        if paused.poll() is None:
+            os.kill(paused.pid, signal.SIGCONT)
+            paused.kill()
+    assert paused.returncode == 0, stdout + stderr
+    job = held.user_attrs["job"]
+    line = (
+        f"pml-rank bench: job {job['row']} seed {job['seed']} (trial {held.number}) was retried by another "
+        "process; this result is discarded"
+    )
+    assert stderr.count("retried by another process") == 1 and line in stderr, stderr
+    assert "Traceback" not in stderr and "UpdateFinishedTrialError" not in stderr, stderr
+    assert table(tmp_path / "a") == table(tmp_path / "b") == serial
+    attempts = sorted(t.state.name for t in job_trials(url) if t.user_attrs["job"]["key"] == job["key"])
+    assert attempts == ["COMPLETE", "FAIL"]
+
+
+def status(out, *storage):
+    command = [str(PML_RANK), "bench", "--status", *storage, "--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE)
+
+
+def test_status_on_an_empty_postgresql_database_creates_nothing(tmp_path, postgres_url):
+    from sqlalchemy import create_engine, inspect, text
+
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text("CREATE DATABASE status_empty"))
+    finally:
+        admin.dispose()
+    url = postgres_url.rsplit("/", 1)[0] + "/status_empty"
+    result = status(tmp_path / "out", "--storage", url)
+    assert result.returncode == 1 and "no bench in this storage" in result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "secret-password" not in result.stderr
+    engine = create_engine(url)
+    try:
+        assert inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()
+    assert not (tmp_path / "out").exists()
+
+
+def test_status_on_a_sqlite_file_that_does_not_exist_creates_nothing(tmp_path):
+    result = status(tmp_path / "out", "--storage", f"sqlite:///{tmp_path / 'typo.db'}")
+    assert result.returncode == 1 and "no bench in this storage" in result.stderr, result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []
+    result = status(tmp_path / "out")  # the storage in --out, a folder that does not exist
+    assert result.returncode == 1 and "no bench in this storage" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_status_imports_no_torch(tmp_path):
+    """--status only reads the storage: torch (seconds to import) is not loaded."""
+    url = f"sqlite:///{tmp_path / 'bench.db'}"
+    budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=1, batch_size=16)
+    store = jobs.JobStore(url, budget)
+    store.ensure([jobs.Job(ROW, 0), jobs.Job(ROW, 1)])
+    store.close()
+    probe = (
+        "import sys\n"
+        "from pml_rank import cli\n"
+        "code = cli.main(['bench', '--status', '--storage', sys.argv[1]])\n"
+        "print('torch' in sys.modules)\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True, timeout=DEADLINE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "False"
+    assert lines[2].split() == [ROW, "0", "0", "2"] and lines[3].split() == ["all", "0", "0", "2"]
+
+
+def _race(url, epochs, barrier, results, rounds):
+    """One of two racing processes: for each round's new storage, waits at the barrier, joins
+    or makes the bench of its budget (`epochs`) and works its jobs with a stand-in training
+    that records the epochs it ran with. The worst timing is forced: neither records its
+    budget before both have read the storage (or one was refused)."""
+    import optuna
+
+    from pml_rank.harness import jobs, runner
+
+    def run(budget, row, params, seed, *args, **kwargs):
+        return {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 0.0, "epochs": budget["epochs"]}
+
+    record = optuna.study.Study.set_user_attr
+
+    def set_user_attr(study, key, value):
+        if key == "budget":
+            barrier.wait()
+        record(study, key, value)
+
+    runner.run = run
+    optuna.study.Study.set_user_attr = set_user_attr
+    budget = resolve("glyphs", num_classes=24, epochs=epochs, iterations_per_epoch=1, batch_size=16)
+    for k in range(rounds):
+        barrier.wait()
+        try:
+            store = jobs.JobStore(f"{url}{k}", budget)
+        except jobs.MismatchError:
+            barrier.wait()  # where the other process records its budget
+            results.put((k, epochs, "refused"))
+            continue
+        try:
+            store.ensure([jobs.Job(ROW, seed) for seed in range(4)])
+            store.work(runner.Place(), poll=0.05)
+            results.put((k, epochs, sorted(o["epochs"] for o in store.outcomes().values())))
+        finally:
+            store.close()
+
+
+def test_two_budgets_starting_at_the_same_moment_never_share_a_job(tmp_path):
+    rounds = 3
+    url = f"sqlite:///{tmp_path / 'race.db'}"  # race.db0 to race.db2
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    processes = [context.Process(target=_race, args=(url, epochs, barrier, results, rounds)) for epochs in (1, 2)]
+    for process in processes:
+        process.start()
+    found = [results.get(timeout=DEADLINE) for _ in range(2 * rounds)]
+    for process in processes:
+        process.join(timeout=DEADLINE)
+    assert [p.exitcode for p in processes] == [0, 0]
+    for k, epochs, outcome in found:
+        # Refused (the other's bench was there first), or its own four jobs, trained with its own budget.
+        assert outcome == "refused" or outcome == [epochs] * 4, (k, epochs, outcome)
+    for k in range(rounds):
+        assert [o for r, _, o in found if r == k].count("refused") <= 1
