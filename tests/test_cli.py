@@ -2,6 +2,7 @@
 bad argument is refused before any work, in one line naming it, with exit status 2."""
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -160,7 +161,7 @@ def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
 
 
 def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
-    batch = budget.DEFAULTS["batch_size"]
+    batch = budget.GLYPHS["batch_size"]
     status, stderr, seconds = run(
         _entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path
     )
@@ -261,25 +262,18 @@ def _options(command):
 
 
 # The options a preset fills when they are not given (their argparse default is None).
-PRESET_FILLED = {
-    "trunk",
-    "random_init",
-    "freeze_batchnorm",
-    "embedding_size",
-    "epochs",
-    "iterations",
-    "batch_size",
-    "optimizer",
-    "lr",
-    "weight_decay",
-    "momentum",
-    "lr_schedule",
-    "patience",
-    "classes",
-    "image_size",
-    "augmentation",
-    "trials",
-}
+PRESET_FILLED = {setting.key for setting in budget.SETTINGS}
+
+
+def test_a_preset_value_is_written_once_and_help_and_resolve_follow_it(monkeypatch, capsys):
+    index = next(i for i, setting in enumerate(budget.SETTINGS) if setting.key == "lr")
+    changed = dataclasses.replace(budget.SETTINGS[index], reality_check=2.5e-5, glyphs=0.125)
+    monkeypatch.setattr(budget, "SETTINGS", (*budget.SETTINGS[:index], changed, *budget.SETTINGS[index + 1 :]))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(glyphs: 0.125; reality-check: 2.5e-05)" in printed
+    assert budget.resolve("sop")["lr"] == 2.5e-5 and budget.resolve("glyphs")["lr"] == 0.125
 
 
 @pytest.mark.parametrize("command", ["bench", "tune", "speed"])
@@ -317,11 +311,11 @@ def test_speed_help_sizes_are_the_sizes_speed_uses():
 
 
 def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
-    parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"))
+    parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"), "tune")
     args = parser.parse_args([])
-    assert all(getattr(args, dest, None) is None for dest in PRESET_FILLED - {"random_init"})
-    assert args.random_init is False and args.amp is False and args.preset == budget.AUTO_PRESET
-    assert args.threads == budget.DEFAULTS["threads"] and args.device == budget.DEFAULTS["device"]
+    assert all(getattr(args, dest, None) is None for dest in PRESET_FILLED)
+    assert args.preset == budget.AUTO_PRESET
+    assert args.threads == cli.DEFAULT_THREADS and args.device == "cpu"
     assert args.dataset == "glyphs" and args.cache_dir is None
     # Without options: the glyph budget on the glyphs, the Reality Check on an image data set.
     assert cli._budget(args) == budget.resolve("glyphs", "glyphs")
@@ -339,7 +333,7 @@ def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
         cli._budget(parser.parse_args(["--freeze-batchnorm", "no", "--preset", "reality-check"]))["freeze_batchnorm"]
         is False
     )
-    assert parser.parse_args(["--classes", "all"]).classes == "all"
+    assert parser.parse_args(["--classes", "all"]).num_classes == "all"
     assert parser.parse_args(["--classes", "30", "--lr-schedule", "constant"]).lr_schedule == "constant"
     for argv in (
         ["--epochs", "0"],

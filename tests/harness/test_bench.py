@@ -1,6 +1,7 @@
 """PML's trainer, tester and hooks as the evaluation code drives them, and `pml-rank bench`
 end to end on the embedded glyphs at a reduced budget."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,9 +10,16 @@ import torch
 
 from pml_rank.cli import main
 from pml_rank.harness import bench, recipes, report, runner
-from pml_rank.harness.budget import DEFAULTS, TRAINING_KEYS, class_count, minimum_classes, resolve
+from pml_rank.harness.budget import TRAINING_KEYS, class_count, minimum_classes, resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
-from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.harness.evaluation import (
+    METRICS,
+    Recipe,
+    TrainingConfig,
+    run_protocol,
+    test_set_and_folds,
+    train_model,
+)
 from pml_rank.harness.storage import default_url
 from pml_rank.plugins import registry
 
@@ -38,6 +46,11 @@ def run_glyph_bench(rows, folder, glyph_cache, seeds=1, threads=1, **budget):
     )
 
 
+def glyph_config(**budget):
+    """The glyph budget with `budget`'s changes, as the trainer takes it."""
+    return TrainingConfig.from_budget(resolve("glyphs", **budget))
+
+
 def triplet_loss():
     from pytorch_metric_learning.losses import TripletMarginLoss
 
@@ -48,18 +61,8 @@ def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyp
     folds, _ = test_set_and_folds(small_glyphs, num_folds=2)
     train_set, val_set = folds[0]
     torch.manual_seed(0)
-    result = train_model(
-        triplet_loss(),
-        train_set,
-        trunk=SmallCNN(),
-        val_set=val_set,
-        epochs=3,
-        iterations_per_epoch=4,
-        batch_size=16,
-        folder=tmp_path,
-        log_freq=1,
-        seed=0,
-    )
+    config = dataclasses.replace(glyph_config(epochs=3, iterations_per_epoch=4, batch_size=16), log_freq=1)
+    result = train_model(triplet_loss(), train_set, config, trunk=SmallCNN(), val_set=val_set, folder=tmp_path, seed=0)
     assert [entry["epoch"] for entry in result.history] == [1, 2, 3]
     for entry in result.history:
         assert set(METRICS) <= set(entry) and all(0 <= entry[m] <= 1 for m in METRICS)
@@ -78,7 +81,7 @@ def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyp
 def test_zero_epochs_leaves_the_network_untrained(small_glyphs):
     trunk = SmallCNN()
     before = {k: v.clone() for k, v in trunk.state_dict().items()}
-    result = train_model(triplet_loss(), small_glyphs, trunk=trunk, epochs=0)
+    result = train_model(triplet_loss(), small_glyphs, dataclasses.replace(glyph_config(), epochs=0), trunk=trunk)
     assert result.history == [] and not result.trunk.training
     assert all(torch.equal(before[k], v) for k, v in result.trunk.state_dict().items())
 
@@ -94,10 +97,7 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
         small_glyphs,
         Recipe(make_loss=triplet_loss, make_sampler=make_sampler),
         SmallCNN,
-        num_folds=4,
-        epochs=1,
-        iterations_per_epoch=2,
-        batch_size=16,
+        glyph_config(epochs=1, iterations_per_epoch=2, batch_size=16),
     )
     # The first 8 classes train and validate (two per partition), the other 8 are tested.
     assert seen == [set(range(8)) - {2 * k, 2 * k + 1} for k in range(4)]
@@ -207,7 +207,7 @@ def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
         name: [accuracies()] if name == runner.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names
     }
     histories = {name: [] if name == runner.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
-    config = dict(DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None)
+    config = dict(resolve("glyphs"), seeds=seeds, epochs=epochs, num_classes=None)
     return report.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names})
 
 
@@ -332,19 +332,17 @@ def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_
 
 
 def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
-    from pml_rank.harness.evaluation import lr_scheduler_factory
-
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = lr_scheduler_factory("cosine", 4)(optimizer)
+    scheduler = glyph_config(epochs=4, lr_schedule="cosine").make_lr_scheduler(optimizer)
     rates = []
     for _ in range(4):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([1.0, (1 + np.cos(np.pi / 4)) / 2, 0.5, (1 + np.cos(3 * np.pi / 4)) / 2])
-    assert lr_scheduler_factory("constant", 4) is None
+    assert glyph_config(lr_schedule="constant").make_lr_scheduler(optimizer) is None
     with pytest.raises(ValueError, match="linear"):
-        lr_scheduler_factory("linear", 4)
+        dataclasses.replace(glyph_config(), lr_schedule="linear").make_lr_scheduler(optimizer)
 
 
 def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
