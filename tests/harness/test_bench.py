@@ -107,8 +107,12 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
 
 
 def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
-    available = recipes.recipes()
+    available = recipes.recipes(recipes.available())
     assert set(registry.losses()) <= set(available)
+    # The default bench: every registered loss but the ablations (benched on request).
+    default = recipes.default_rows()
+    assert "SupAPLoss" in registry.losses() and "SupAPLoss" not in default and "ROADMAPLoss" in default
+    assert set(registry.losses()) - set(recipes.ABLATIONS) <= set(default)
     assert {"pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAPLoss", "pml:NPairsLoss"} <= set(available)
     for name, recipe in available.items():
         if name in registry.losses():
