@@ -160,6 +160,7 @@ def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_rejects_unknown_losses(capsys):
     assert main(["bench", "NoSuchLoss"]) == 2
     assert "NoSuchLoss" in capsys.readouterr().err
@@ -170,6 +171,7 @@ def pml_rank_losses():
     return [c.name for c in registry.components() if c.kind == "losses" and c.distribution == "pml-rank"]
 
 
+@pytest.mark.slow
 def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache, tmp_path):
     # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
     # the reduced budget is enough to learn something at all.
@@ -263,6 +265,7 @@ def test_json_records_the_configuration(tmp_path):
     assert json.loads(path.read_text())["config"] == result.config
 
 
+@pytest.mark.slow
 def test_run_bench_records_its_budget_and_trains_with_the_threads_it_is_given(glyph_cache, tmp_path, monkeypatch):
     threads_seen = []
     real_run = runner.run
@@ -326,6 +329,7 @@ def test_check_budget_refuses_batches_the_rows_cannot_make():
     recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
 
 
+@pytest.mark.slow
 def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache, tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("trained before refusing")
@@ -349,6 +353,7 @@ def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
         dataclasses.replace(glyph_config(), lr_schedule="linear").make_lr_scheduler(optimizer)
 
 
+@pytest.mark.slow
 def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
     def run(schedule):
         return run_glyph_bench(

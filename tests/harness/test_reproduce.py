@@ -128,6 +128,7 @@ def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_script_runs_from_the_command_line(name):
     """As the README says to run them: `python examples/<name>.py --help` from a clone."""
@@ -373,6 +374,7 @@ def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
     assert not list((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 def test_reality_check_smoke_records_what_its_fold_models_trained_with(tmp_path):
     """One truth: every setting the script's JSON records equals what each fold model's
     experiment.json says it trained with, through the script as the README runs it."""

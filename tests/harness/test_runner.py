@@ -22,7 +22,7 @@ from pml_rank.harness.budget import resolve
 from pml_rank.harness.data import load_glyphs, tiny_layouts
 from pml_rank.harness.datasets import ImageFolder
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 GLYPH_BUDGET = ["--classes", "24", "--epochs", "1", "--iterations", "3", "--batch-size", "16", "--seeds", "2"]
 

@@ -15,6 +15,8 @@ from PIL import Image
 
 from pml_rank.harness import budget, recipes
 
+pytestmark = pytest.mark.slow  # the command line's processes
+
 PML_RANK = Path(sys.executable).with_name("pml-rank")
 TINY = ["--trunk", "small-cnn", "--epochs", "1", "--iterations", "1", "--batch-size", "8", "--seeds", "1",
         "--workers", "1"]  # fmt: skip
