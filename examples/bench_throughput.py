@@ -18,10 +18,12 @@ import time
 import torch
 from pytorch_metric_learning import losses
 
-from pml_rank.harness.budget import DEFAULTS
+from pml_rank.harness.budget import resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
-from pml_rank.harness.evaluation import test_set_and_folds
-from pml_rank.harness.evaluation.training import default_sampler, lr_scheduler_factory, train_model
+from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
+from pml_rank.harness.evaluation.training import default_sampler, train_model
+
+DEFAULTS = resolve("glyphs")  # the glyph bench's budget
 
 
 def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
@@ -57,16 +59,13 @@ def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
 
 def bench_iteration_seconds(train_set, val_set, epochs, iterations):
     started = time.perf_counter()
+    config = TrainingConfig.from_budget(dict(DEFAULTS, epochs=epochs, iterations_per_epoch=iterations))
     train_model(
         losses.TripletMarginLoss(),
         train_set,
+        config,
         trunk=SmallCNN(embedding_size=DEFAULTS["embedding_size"]),
         val_set=val_set,
-        epochs=epochs,
-        batch_size=DEFAULTS["batch_size"],
-        iterations_per_epoch=iterations,
-        lr=DEFAULTS["lr"],
-        make_lr_scheduler=lr_scheduler_factory(DEFAULTS["lr_schedule"], epochs),
     )
     return (time.perf_counter() - started) / (epochs * iterations)
 

@@ -7,21 +7,19 @@ from pathlib import Path
 
 from . import __version__
 from .harness.budget import (
-    AUGMENTATIONS,
     AUTO_PRESET,
     DATASET_NAMES,
     DEFAULT_BASELINES,
-    DEFAULTS,
-    GLYPHS,
-    LR_SCHEDULES,
-    OPTIMIZERS,
     PRESETS,
     SPEED_DEFAULT_SIZES,
     SPEED_DEFAULT_SIZES_PER_LOSS,
-    TRUNKS,
-    minimum_classes,
+    add_setting_options,
+    given_settings,
 )
 from .harness.storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY
+
+# The small CNN's steps are too short to gain from more threads per worker process.
+DEFAULT_THREADS = 1
 
 # Everything that imports torch is imported inside the commands, so that --help and
 # argument errors answer at once.
@@ -92,29 +90,21 @@ def _cmd_speed(args):
 def _budget(args):
     """The effective budget of a bench or tune command line: the preset's values with every
     option given in their place."""
-    from .harness.budget import resolve
+    from .harness.budget import BudgetError, resolve
 
-    return resolve(
-        args.dataset,
-        args.preset,
-        trunk=args.trunk,
-        random_init=True if args.random_init else None,
-        freeze_batchnorm=args.freeze_batchnorm,
-        embedding_size=args.embedding_size,
-        epochs=args.epochs,
-        iterations_per_epoch=args.iterations,
-        batch_size=args.batch_size,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        momentum=args.momentum,
-        lr_schedule=args.lr_schedule,
-        patience=args.patience,
-        num_classes=args.classes,
-        image_size=args.image_size,
-        augmentation=args.augmentation,
-        amp=True if args.amp else None,
-    )
+    try:
+        budget = resolve(args.dataset, args.preset, **given_settings(args))
+    except BudgetError as error:
+        raise UsageError(str(error)) from None
+    return budget
+
+
+def _warn(budget):
+    """Prints what the budget will likely get wrong, before any training."""
+    from .harness.budget import budget_warnings
+
+    for line in budget_warnings(budget):
+        print(f"pml-rank: warning: {line}", file=sys.stderr)
 
 
 def _place(args):
@@ -135,9 +125,9 @@ def _refusals():
     """The errors a bench or tune refuses with, before any work: exit 2, one message."""
     from .harness.backbones import WeightsNotFoundError
     from .harness.bench import ParamsError
+    from .harness.budget import BudgetError
     from .harness.datasets import DataError
     from .harness.jobs import MismatchError
-    from .harness.recipes import BudgetError
     from .harness.storage import StorageError
 
     return (WeightsNotFoundError, ParamsError, DataError, MismatchError, BudgetError, StorageError)
@@ -186,7 +176,7 @@ def _cmd_bench(args):
             budget,
             url,
             place=_place(args),
-            seeds=args.seeds,
+            seeds=budget["seeds"],
             params=params,
             params_source=source,
             defaults_won=defaults_won,
@@ -283,10 +273,11 @@ def _cmd_tune(args):
     words = [storage.redact(a) if a == args.storage else a for a in args.argv]
     command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
+    _warn(config)
     try:
         result = tune.tune(
             list(contenders),
-            args.trials or config["trials"],
+            config["trials"],
             config,
             url,
             args.out,
@@ -315,19 +306,20 @@ def _cmd_tune(args):
 OUT_HELP = "folder for the results, created if missing and checked writable before any work (default: %(default)s)"
 
 
-def add_budget_arguments(parser):
-    """Adds the options of `pml-rank bench` and `tune` that define a run to `parser`: the
-    data set, the preset and every budget value (each overriding the preset's), and where
-    and how it runs. Types reject a bad value at parse time (one line naming the option,
-    exit status 2). Checks that depend on the rows or the data (the batch size against
-    samples per class, the number of classes, the files, the weights) run after parsing
-    and before any work. Imports no torch unless --device names something other than cpu."""
+def add_budget_arguments(parser, command):
+    """Adds the options of `pml-rank bench` or `tune` (`command`) that define a run to
+    `parser`: the data set, the preset, every setting of `budget.SETTINGS` (each
+    overriding the preset's value), and where and how it runs. Types reject a bad value at
+    parse time (one line naming the option, exit status 2). Checks that depend on the rows
+    or the data (the batch size against samples per class, the number of classes, the
+    files, the weights) run after parsing and before any work. Imports no torch unless
+    --device names something other than cpu."""
     from .harness import arguments
+    from .harness.datasets import dataset_argument
 
-    g = GLYPHS
     parser.add_argument(
         "--dataset",
-        type=arguments.dataset,
+        type=dataset_argument,
         default="glyphs",
         metavar="NAME",
         help=f"{', '.join(DATASET_NAMES)} (under --data-root) or folder:PATH (one subfolder of images per "
@@ -345,82 +337,11 @@ def add_budget_arguments(parser):
         help="the budget every other option overrides: glyphs (the default on the glyphs) or reality-check "
         "(the paper's protocol; the default on image data sets) (default: %(default)s)",
     )
-    parser.add_argument("--trunk", choices=TRUNKS, help=f"trunk (glyphs: {g['trunk']}; reality-check: bn-inception)")
-    parser.add_argument(
-        "--random-init",
-        action="store_true",
-        help="train an ImageNet trunk from scratch, no weights file needed (glyphs: always; reality-check: "
-        "the ImageNet weights from the torch cache)",
-    )
-    parser.add_argument(
-        "--freeze-batchnorm",
-        type=arguments.boolean,
-        metavar="yes|no",
-        help="keep the trunk's BatchNorm statistics fixed (reality-check: yes)",
-    )
-    parser.add_argument(
-        "--epochs", type=arguments.positive_int, help=f"epochs per fold model, >= 1 (glyphs: {g['epochs']})"
-    )
-    parser.add_argument(
-        "--iterations",
-        type=arguments.positive_int,
-        help=f"iterations per epoch, >= 1 (glyphs: {g['iterations_per_epoch']}; reality-check: 100)",
-    )
-    parser.add_argument(
-        "--patience",
-        type=arguments.positive_int,
-        help="stop a fold model after this many epochs without a better validation MAP@R (reality-check: 9, 39 on sop)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=arguments.positive_int,
-        help=f"batch size (both presets: {g['batch_size']}); a multiple of 4 and >= 8 for the m=4 rows, "
-        "even and >= 4 for the N-pair rows",
-    )
-    parser.add_argument(
-        "--classes",
-        type=arguments.class_count,
-        metavar="N",
-        help=f"use the first N classes of the data set, or 'all' (glyphs: {g['num_classes']}; reality-check: all). "
-        f"Half are for training, split over 4 folds: at batch size {g['batch_size']} the m=4 rows need N >= "
-        f"{minimum_classes(4, g['batch_size'])} and the N-pair rows N >= {minimum_classes(2, g['batch_size'])}",
-    )
-    parser.add_argument(
-        "--embedding-size",
-        type=arguments.positive_int,
-        help=f"embedding dimension, >= 1 (glyphs: {g['embedding_size']}; reality-check: 128)",
-    )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="glyphs: adam; reality-check: rmsprop")
-    parser.add_argument(
-        "--lr", type=arguments.positive_float, help=f"learning rate, > 0 (glyphs: {g['lr']:g}; reality-check: 1e-06)"
-    )
-    parser.add_argument(
-        "--weight-decay", type=arguments.non_negative_float, help="weight decay, >= 0 (glyphs: 0; reality-check: 1e-4)"
-    )
-    parser.add_argument(
-        "--momentum", type=arguments.non_negative_float, help="rmsprop/sgd momentum, >= 0 (reality-check: 0.9)"
-    )
-    parser.add_argument(
-        "--lr-schedule",
-        choices=LR_SCHEDULES,
-        help="cosine: anneal the learning rate to zero over the epochs; constant: keep it "
-        "(glyphs: cosine; reality-check: constant)",
-    )
-    parser.add_argument(
-        "--image-size",
-        type=arguments.at_least(16),
-        help="training crop and evaluation centre crop in pixels, >= 16 (reality-check: 227, resize 256)",
-    )
-    parser.add_argument(
-        "--augmentation",
-        choices=AUGMENTATIONS,
-        help="none: the images as they are (glyphs); random-resized-crop (reality-check); crop-flip",
-    )
-    parser.add_argument("--amp", action="store_true", help="automatic mixed precision, float16 on CUDA (default: off)")
+    add_setting_options(parser, command)
     parser.add_argument(
         "--threads",
         type=arguments.positive_int,
-        default=DEFAULTS["threads"],
+        default=DEFAULT_THREADS,
         help="torch CPU threads per worker process, >= 1 (default %(default)s: the small CNN's steps are too "
         "short to gain from more, and lose much when other processes compete for the cores)",
     )
@@ -433,7 +354,7 @@ def add_budget_arguments(parser):
     parser.add_argument(
         "--device",
         type=arguments.device,
-        default=DEFAULTS["device"],
+        default="cpu",
         help=f"torch device: {arguments.DEVICE_HELP} (default %(default)s)",
     )
     parser.add_argument(
@@ -478,25 +399,9 @@ def add_budget_arguments(parser):
     return parser
 
 
-def build_parser():
-    from .harness.arguments import (
-        DEVICE_HELP,
-        ArgumentParser,
-        at_least,
-        device,
-        non_negative_int,
-        positive_int,
-    )
-
-    parser = ArgumentParser(
-        prog="pml-rank",
-        description="Rank- and AUC-based losses for pytorch-metric-learning.",
-    )
-    parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
-    p.set_defaults(run=_cmd_list)
+def _add_speed(commands):
+    """`pml-rank speed`'s options, its handler `_cmd_speed`."""
+    from .harness.arguments import DEVICE_HELP, at_least, device, non_negative_int, positive_int
 
     p = commands.add_parser(
         "speed",
@@ -554,6 +459,10 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_speed)
 
+
+def _add_bench(commands):
+    """`pml-rank bench`'s options, its handler `_cmd_bench`."""
+
     p = commands.add_parser(
         "bench",
         help="every registered loss and PML's baselines under the Reality Check protocol, on the embedded "
@@ -570,14 +479,7 @@ def build_parser():
         action="store_true",
         help="show every row with its miner, batches and optimizer, and exit (default: run the bench)",
     )
-    add_budget_arguments(p)
-    p.add_argument(
-        "--seeds",
-        type=positive_int,
-        default=DEFAULTS["seeds"],
-        help="repeated runs (seeds 0 to N-1) for the 95%% confidence intervals, >= 1; "
-        "1 gives no interval (default %(default)s)",
-    )
+    add_budget_arguments(p, "bench")
     p.add_argument(
         "--out",
         default="pml-rank-results",
@@ -605,6 +507,11 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_bench)
 
+
+def _add_tune(commands):
+    """`pml-rank tune`'s options, its handler `_cmd_tune`."""
+    from .harness.arguments import non_negative_int
+
     p = commands.add_parser(
         "tune",
         help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
@@ -613,13 +520,8 @@ def build_parser():
         "on the training half of the classes. One study per (loss, data set, budget); rerunning resumes.",
     )
     p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
-    p.add_argument(
-        "--trials",
-        type=positive_int,
-        help="finished trials each study should hold, >= 1 (glyphs: 20; reality-check: 50); a rerun resumes to N",
-    )
     p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
-    add_budget_arguments(p)
+    add_budget_arguments(p, "tune")
     p.add_argument(
         "--seed", type=non_negative_int, default=0, help="seed of the sampler and of the fold models (default 0)"
     )
@@ -628,6 +530,22 @@ def build_parser():
     )
     p.set_defaults(run=_cmd_tune)
 
+
+def build_parser():
+    """`pml-rank`'s parser: one subcommand per command, each declared by its `_add_*` function."""
+    from .harness.arguments import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="pml-rank",
+        description="Rank- and AUC-based losses for pytorch-metric-learning.",
+    )
+    parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
+    p.set_defaults(run=_cmd_list)
+    _add_speed(commands)
+    _add_bench(commands)
+    _add_tune(commands)
     return parser
 
 

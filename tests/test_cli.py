@@ -2,6 +2,7 @@
 bad argument is refused before any work, in one line naming it, with exit status 2."""
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -103,12 +104,14 @@ BAD_ARGUMENTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,names", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
 def test_bad_argument_is_refused_before_any_work(argv, names, tmp_path):
     status, stderr, seconds = run(_entry_point() + argv + ["--out", str(tmp_path / "out")], tmp_path)
     assert_refused(status, stderr, seconds, *names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["bench", "speed"])
 def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
     if _cuda_available():
@@ -119,6 +122,7 @@ def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
     assert_refused(status, stderr, seconds, "--device", "cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
 def test_a_bench_storage_that_cannot_be_opened_is_refused_before_the_data_are_loaded(url, tmp_path):
     status, stderr, seconds = run(
@@ -128,6 +132,7 @@ def test_a_bench_storage_that_cannot_be_opened_is_refused_before_the_data_are_lo
     assert "secret" not in stderr
 
 
+@pytest.mark.slow
 def test_an_unknown_device_is_refused(tmp_path):
     status, stderr, seconds = run(
         _entry_point() + ["bench", "--device", "gpu0", "--out", str(tmp_path / "out")], tmp_path
@@ -135,6 +140,7 @@ def test_an_unknown_device_is_refused(tmp_path):
     assert_refused(status, stderr, seconds, "--device", "gpu0")
 
 
+@pytest.mark.slow
 def test_batch_size_refusal_says_what_each_kind_of_row_needs(tmp_path):
     status, stderr, seconds = run(
         _entry_point() + ["bench", "--batch-size", "3", "--out", str(tmp_path / "out")], tmp_path
@@ -142,6 +148,7 @@ def test_batch_size_refusal_says_what_each_kind_of_row_needs(tmp_path):
     assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "m=4 rows", "even", "N-pair rows")
 
 
+@pytest.mark.slow
 def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
     # 6 is even: the N-pair rows alone take it (and are refused for their too few classes instead).
     status, stderr, seconds = run(
@@ -159,8 +166,9 @@ def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
     assert_refused(status, stderr, seconds, "--batch-size", "multiple of 4", "pml:TripletMarginLoss")
 
 
+@pytest.mark.slow
 def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
-    batch = budget.DEFAULTS["batch_size"]
+    batch = budget.GLYPHS["batch_size"]
     status, stderr, seconds = run(
         _entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path
     )
@@ -193,6 +201,7 @@ def test_minimum_classes_follows_the_protocols_folds():
         assert budget.fold_training_classes(minimum - 1) < batch // per_class
 
 
+@pytest.mark.slow
 def test_out_that_is_a_file_is_refused_before_any_work(tmp_path):
     a_file = tmp_path / "results.txt"
     a_file.write_text("keep me")
@@ -204,6 +213,7 @@ def test_out_that_is_a_file_is_refused_before_any_work(tmp_path):
     assert a_file.read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_read_only_out_is_refused_before_any_work(tmp_path):
     folder = tmp_path / "read-only"
     folder.mkdir()
@@ -217,6 +227,7 @@ def test_read_only_out_is_refused_before_any_work(tmp_path):
         folder.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
     script = ROOT / "examples" / "auc_cub200.py"
     cases = [
@@ -233,6 +244,7 @@ def test_example_script_refuses_bad_arguments_before_any_work(tmp_path):
         assert_refused(status, stderr, seconds, *names)
 
 
+@pytest.mark.slow
 def test_help_and_argument_errors_import_no_torch():
     for argv, status in (
         (["--help"], 0),
@@ -261,25 +273,19 @@ def _options(command):
 
 
 # The options a preset fills when they are not given (their argparse default is None).
-PRESET_FILLED = {
-    "trunk",
-    "random_init",
-    "freeze_batchnorm",
-    "embedding_size",
-    "epochs",
-    "iterations",
-    "batch_size",
-    "optimizer",
-    "lr",
-    "weight_decay",
-    "momentum",
-    "lr_schedule",
-    "patience",
-    "classes",
-    "image_size",
-    "augmentation",
-    "trials",
-}
+PRESET_FILLED = {setting.key for setting in budget.SETTINGS}
+
+
+@pytest.mark.slow
+def test_a_preset_value_is_written_once_and_help_and_resolve_follow_it(monkeypatch, capsys):
+    index = next(i for i, setting in enumerate(budget.SETTINGS) if setting.key == "lr")
+    changed = dataclasses.replace(budget.SETTINGS[index], reality_check=2.5e-5, glyphs=0.125)
+    monkeypatch.setattr(budget, "SETTINGS", (*budget.SETTINGS[:index], changed, *budget.SETTINGS[index + 1 :]))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(glyphs: 0.125; reality-check: 2.5e-05)" in printed
+    assert budget.resolve("sop")["lr"] == 2.5e-5 and budget.resolve("glyphs")["lr"] == 0.125
 
 
 @pytest.mark.parametrize("command", ["bench", "tune", "speed"])
@@ -294,6 +300,7 @@ def test_every_option_help_shows_its_default(command):
             assert "default" in action.help, action.option_strings
 
 
+@pytest.mark.slow
 def test_help_states_the_constraints():
     bench = {a.option_strings[0]: a.help for a in _options("bench")}
     speed = {a.option_strings[0]: a.help for a in _options("speed")}
@@ -317,11 +324,11 @@ def test_speed_help_sizes_are_the_sizes_speed_uses():
 
 
 def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
-    parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"))
+    parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"), "tune")
     args = parser.parse_args([])
-    assert all(getattr(args, dest, None) is None for dest in PRESET_FILLED - {"random_init"})
-    assert args.random_init is False and args.amp is False and args.preset == budget.AUTO_PRESET
-    assert args.threads == budget.DEFAULTS["threads"] and args.device == budget.DEFAULTS["device"]
+    assert all(getattr(args, dest, None) is None for dest in PRESET_FILLED)
+    assert args.preset == budget.AUTO_PRESET
+    assert args.threads == cli.DEFAULT_THREADS and args.device == "cpu"
     assert args.dataset == "glyphs" and args.cache_dir is None
     # Without options: the glyph budget on the glyphs, the Reality Check on an image data set.
     assert cli._budget(args) == budget.resolve("glyphs", "glyphs")
@@ -339,7 +346,7 @@ def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
         cli._budget(parser.parse_args(["--freeze-batchnorm", "no", "--preset", "reality-check"]))["freeze_batchnorm"]
         is False
     )
-    assert parser.parse_args(["--classes", "all"]).classes == "all"
+    assert parser.parse_args(["--classes", "all"]).num_classes == "all"
     assert parser.parse_args(["--classes", "30", "--lr-schedule", "constant"]).lr_schedule == "constant"
     for argv in (
         ["--epochs", "0"],

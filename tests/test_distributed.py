@@ -19,6 +19,8 @@ from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
 import pml_rank
 
+pytestmark = pytest.mark.slow  # DDP processes
+
 WORLD_SIZE = 2
 PER_RANK = 12
 STEPS = 3

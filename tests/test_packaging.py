@@ -15,6 +15,8 @@ import pytest
 
 import pml_rank
 
+pytestmark = pytest.mark.slow  # builds the distributions
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The files the library and the bench read at run time.

@@ -75,6 +75,7 @@ def test_list_command_shows_every_component_kind_and_distribution(capsys):
         assert line.split()[1:3] == [KINDS[component.kind].singular, component.distribution]
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     bin_dir = __import__("pathlib").Path(sys.executable).parent
     result = subprocess.run([bin_dir / "pml-rank", "list"], capture_output=True, text=True, check=True)
@@ -121,6 +122,7 @@ def test_a_clashing_name_is_installed_under_its_alias(uninstall):
     assert pml_losses.PMLRankFastAPLoss is pml_rank.losses.FastAPLoss
 
 
+@pytest.mark.slow
 def test_install_twice_warns_once_per_clash():
     """In a fresh process, as a user meets it: the first call warns once for each name PML
     already has (the aliases are by design), the second call is quiet."""

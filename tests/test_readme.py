@@ -33,6 +33,7 @@ def test_the_readme_has_python_blocks_and_the_first_trains_and_evaluates():
     assert "trainers.MetricLossOnly" in first and "testers.GlobalEmbeddingSpaceTester" in first
 
 
+@pytest.mark.slow  # a Python process per block
 @pytest.mark.parametrize(
     "code", [pytest.param(code, id=f"{i}-{heading}") for i, (heading, code) in enumerate(python_blocks())]
 )

@@ -89,16 +89,6 @@ def boolean(text):
     raise argparse.ArgumentTypeError(f"must be yes or no, got {text!r}")
 
 
-def dataset(text):
-    """Type: a data set name or folder:PATH (the folder must exist); see `harness.datasets`."""
-    from .datasets import DataError, parse_dataset
-
-    try:
-        return parse_dataset(text)
-    except DataError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 DEVICE_HELP = "cpu, cuda, cuda:N (when torch sees a CUDA device) or mps (when torch sees one)"
 
 

@@ -11,6 +11,7 @@ ImageNet for a pretrained trunk, the Reality Check's "Pretrained" row).
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from . import recipes, runner
-from .budget import SHIPPED_PARAMS, TRAINING_KEYS
+from .budget import SHIPPED_PARAMS, TRAINING_KEYS, budget_warnings
 from .jobs import STORE_FILE as STORE_FILE  # the storage's file in --out, re-exported
 from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
@@ -131,6 +132,8 @@ def run_bench(
     check_url(url)
     check_stored_bench(url, budget, row_params, retry)
     runner.check(budget, list(contenders), place)
+    for line in budget_warnings(budget):  # after every refusal, before any training
+        print(f"pml-rank bench: warning: {line}", file=sys.stderr)
     all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)
     store = JobStore(url, budget, heartbeat, retry)
     try:

@@ -14,6 +14,7 @@ Importing this module imports no torch (the command line checks --dataset with i
 data sets are map-style, as torch's `DataLoader` and PML's trainers take them.
 """
 
+import argparse
 import logging
 import os
 from pathlib import Path
@@ -42,6 +43,14 @@ def parse_dataset(text):
     if text not in DATASET_NAMES:
         raise DataError(f"unknown data set {text!r}; available: {', '.join(DATASET_NAMES)}, folder:PATH")
     return text
+
+
+def dataset_argument(text):
+    """``--dataset``'s argparse type: `parse_dataset`, its error as argparse reports one."""
+    try:
+        return parse_dataset(text)
+    except DataError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def needs_data_root(name):
@@ -236,15 +245,16 @@ def load_dataset(name, data_root=None, cache_dir=None, num_classes=None):
 
 
 def image_transforms(budget, channels):
-    """``(train, eval)`` transforms for a budget's ``augmentation``: "none" (the image as
-    it is, as a tensor in [0, 1]: the glyphs' own form), "random-resized-crop" (Reality
+    """``(train, eval)`` transforms for a budget's ``augmentation``: "none" (eval's
+    transform for both; without an ``image_size``, the image as it is, as a tensor in
+    [0, 1]: the glyphs' own form), "random-resized-crop" (Reality
     Check: shorter side to ``resize``, a random crop of 16-100% of the area with aspect
     3/4-4/3 to ``image_size``, flip; eval: shorter side ``resize``, centre crop) or
     "crop-flip" (resize to ``resize`` square, random ``image_size`` crop, flip; eval: centre
     crop). Both but "none" normalise with ImageNet's statistics (their mean for one channel)."""
     from torchvision import transforms
 
-    if budget["augmentation"] == "none":
+    if budget["augmentation"] == "none" and budget["image_size"] is None:
         return transforms.ToTensor(), transforms.ToTensor()
     mean, std = (
         (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((np.mean(IMAGENET_MEAN),), (np.mean(IMAGENET_STD),))
@@ -257,6 +267,8 @@ def image_transforms(budget, channels):
     else:
         train = [transforms.Resize((resize, resize)), transforms.RandomCrop(size)]
         test = [transforms.Resize((resize, resize)), transforms.CenterCrop(size)]
+    if budget["augmentation"] == "none":
+        return transforms.Compose(test + tail), transforms.Compose(test + tail)
     return (
         transforms.Compose(train + [transforms.RandomHorizontalFlip()] + tail),
         transforms.Compose(test + tail),

@@ -13,11 +13,12 @@ learning rate of the loss's own optimizer (losses with parameters: proxies, clas
 
 import dataclasses
 import functools
+import math
 
 from ..plugins import registry
 from ..samplers import HardNegativeClassSampler
 from . import baselines
-from .budget import DEFAULT_BASELINES, class_count, fold_training_classes, minimum_classes
+from .budget import DEFAULT_BASELINES, NUM_FOLDS, BudgetError, class_count, fold_training_classes, minimum_classes
 from .evaluation import Recipe
 from .evaluation.training import default_sampler
 
@@ -98,8 +99,15 @@ def available():
     return [*sorted(registry.losses()), *baselines.BASELINES]
 
 
+# Registered losses that are another loss's ablation (SupAP is ROADMAP without its calibration):
+# benched on request, so that the default bench stays within its time.
+ABLATIONS = ("SupAPLoss",)
+
+
 def default_rows():
-    return [*sorted(registry.losses()), *DEFAULT_BASELINES]
+    """The rows of `pml-rank bench` without arguments: every registered loss but the
+    ablations, then the default baselines."""
+    return [*(name for name in sorted(registry.losses()) if name not in ABLATIONS), *DEFAULT_BASELINES]
 
 
 def recipes(names=None):
@@ -144,15 +152,6 @@ def default_params(row):
     return {}
 
 
-class BudgetError(ValueError):
-    """A budget the chosen rows cannot train with. ``option`` is the command-line option
-    at fault (``"--batch-size"``, ``"--classes"``); the message names it."""
-
-    def __init__(self, option, message):
-        super().__init__(f"argument {option}: {message}")
-        self.option = option
-
-
 def _rows_by_per_class(contenders):
     groups = {}
     for name, recipe in contenders.items():
@@ -165,7 +164,19 @@ def _group_name(per_class):
     return "the N-pair rows" if per_class == 2 else f"the m={per_class} rows"
 
 
-def check_budget(contenders, batch_size, num_classes=None, num_folds=4):
+def largest_batch_size(per_class_values, num_classes, num_folds=NUM_FOLDS):
+    """The largest batch size that rows of these samples per class can fill with every fold
+    model of `num_classes` classes, or None when there is none."""
+    step = math.lcm(*per_class_values)
+    fitting = [
+        batch
+        for batch in range(step, step * (num_classes + 1), step)
+        if all(batch >= 2 * m and minimum_classes(m, batch, num_folds) <= num_classes for m in per_class_values)
+    ]
+    return max(fitting, default=None)
+
+
+def check_budget(contenders, batch_size, num_classes=None, num_folds=NUM_FOLDS):
     """Raises `BudgetError` when `batch_size` or `num_classes` (None or "all": not known yet)
     cannot make the batches of the rows `contenders` (``{name: Recipe}``): the batch size
     must be a multiple of each row's samples per class and hold two classes or more, and
@@ -187,12 +198,14 @@ def check_budget(contenders, batch_size, num_classes=None, num_folds=4):
             f"{minimum[m]} for {_group_name(m)} ({', '.join(names)}), {batch_size // m} classes per batch"
             for m, names in groups.items()
         ]
+        fitting = largest_batch_size(list(groups), num_classes, num_folds)
+        advice = f"; --batch-size {fitting} fits {num_classes} classes" if fitting else ""
         raise BudgetError(
             "--classes",
             f"{num_classes} classes are too few at batch size {batch_size}: half of "
             f"the classes are for training and each of the {num_folds} fold models "
             f"trains on {fold_training_classes(num_classes, num_folds)} of them; "
-            f"the minimum is {'; '.join(needs)}",
+            f"the minimum is {'; '.join(needs)}{advice}",
         )
 
 

@@ -56,11 +56,12 @@ def format_table(result):
         "parameters",
     ]
     lines = [header]
+    behind = rows_not_above_untrained(summary)
     for row in result.rows:
         s = summary[row]
         lines.append(
             [
-                row,
+                f"{row} {NOT_ABOVE_UNTRAINED}" if row in behind else row,
                 *[_cell(*s["concatenated"][m]) for m in METRICS],
                 *[_cell(*s["separated"][m]) for m in METRICS],
                 f"{result.seconds[row]:.0f}",
@@ -76,6 +77,9 @@ def format_table(result):
         for line in lines
     ]
     c = result.config
+    images = ""
+    if c.get("image_size"):
+        images = f", {c['image_size']} px crops of a {c['resize']} px resize ({c['augmentation']})"
     patience = f", early stopping after {c['patience']} epochs without progress" if c["patience"] else ""
     title = (
         f"Reality Check protocol on {c['dataset']} (preset {c['preset']}): {c['num_folds']}-fold CV over the "
@@ -84,10 +88,31 @@ def format_table(result):
         f"{', frozen BatchNorm' if c['freeze_batchnorm'] else ''}, {c['epochs']} epochs x "
         f"{c['iterations_per_epoch']} iterations{patience}, batch {c['batch_size']}, "
         f"{c['optimizer']} lr {c['lr']:g} ({c['lr_schedule']}), embeddings {c['embedding_size']} "
-        f"(concatenated: {c['num_folds'] * c['embedding_size']}){', mixed precision' if c['amp'] else ''}. "
+        f"(concatenated: {c['num_folds'] * c['embedding_size']}){', mixed precision' if c['amp'] else ''}"
+        f"{images}. "
         f"Percent, mean ± 95% CI; {result.total_seconds:.0f} s of training and evaluation in all."
     )
-    return "\n".join([title, *text])
+    note = (
+        [f"{NOT_ABOVE_UNTRAINED} not above {UNTRAINED} (concatenated MAP@R): it learned nothing here"] if behind else []
+    )
+    return "\n".join([title, *text, *note])
+
+
+# Marks a trained row whose concatenated MAP@R is not above the untrained networks'.
+NOT_ABOVE_UNTRAINED = "(!)"
+
+
+def rows_not_above_untrained(summary):
+    """The trained rows of a `BenchResult.summary()` whose mean concatenated MAP@R is at or
+    below the untrained networks' (none without an untrained row)."""
+    if UNTRAINED not in summary:
+        return set()
+    floor = summary[UNTRAINED]["concatenated"]["mean_average_precision_at_r"][0]
+    return {
+        row
+        for row, s in summary.items()
+        if row not in (RAW_INPUT, UNTRAINED) and s["concatenated"]["mean_average_precision_at_r"][0] <= floor
+    }
 
 
 def describe_params(result, row):

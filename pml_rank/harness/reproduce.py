@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import arguments, datasets, outputs
+from . import arguments, datasets, outputs, recipes, runner
 from .backbones import BACKBONES, WeightsNotFoundError, build_models, require_weights
+from .budget import BudgetError, resolve
 from .components import MissingComponentError, component_class
 from .data.real import DATASETS, DataSetNotFoundError, ImageReadError
 from .data.tiny_layouts import make_all
@@ -33,12 +34,13 @@ from .evaluation import (
     METRICS,
     SHORT_NAMES,
     Recipe,
+    TrainingConfig,
     accuracy,
     compute_embeddings,
     summarize,
     train_model,
 )
-from .recipes import BudgetError, hard_negative_classes, m_per_class
+from .recipes import hard_negative_classes, m_per_class
 from .text_table import format_text_table
 
 # --------------------------------------------------------------------------- declarations
@@ -246,7 +248,7 @@ class Script:
                 if args.data_root is None:
                     raise DataSetNotFoundError(f"--data-root is required (or --smoke).\n{variant_data_help(variant)}")
                 args.models_dir = models_dir(self, variant, args)
-                result = run_variant(self, variant, args)
+                result, budget = run_variant(self, variant, args)
         except (
             MissingComponentError,
             DataSetNotFoundError,
@@ -258,7 +260,7 @@ class Script:
             print(f"{self.name}: {error}", file=sys.stderr)
             return 2
         print(format_result(self, variant, result, args))
-        path = write_result(self, variant, result, args)
+        path = write_result(self, variant, result, args, budget)
         print(f"written: {path} and {path.with_suffix('.png').name}")
         return 0
 
@@ -296,30 +298,28 @@ def image_transforms(setup):
     return datasets.image_transforms(dataclasses.asdict(setup), channels=3)
 
 
-def _optimizer_factory(setup, embedder=None):
-    """``make_optimizer(parameters, lr)`` for `train_model`: the paper's optimizer, weight
-    decay, and a larger learning rate for the embedding layer where the paper uses one
-    (`train_model` asks for the embedder's optimizer separately)."""
-    embedder_ids = {id(p) for p in embedder.parameters()} if embedder is not None else set()
-
-    def make_optimizer(parameters, lr):
-        parameters = list(parameters)
-        if parameters and all(id(p) in embedder_ids for p in parameters):
-            lr = lr * setup.embedder_lr_factor
-        if setup.optimizer == "rmsprop":
-            return torch.optim.RMSprop(parameters, lr=lr, weight_decay=setup.weight_decay)
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=setup.weight_decay)
-
-    return make_optimizer
-
-
-def _lr_scheduler_factory(setup):
-    """The paper's learning-rate drop as PML's trainer takes it: a `MultiStepLR` per
-    optimizer, stepped at the end of every epoch (None without a drop)."""
-    if setup.lr_drop is None:
-        return None
-    after_epoch, factor = setup.lr_drop
-    return lambda optimizer: torch.optim.lr_scheduler.MultiStepLR(optimizer, [after_epoch], gamma=factor)
+def standard_training(setup, iterations_per_epoch, device="cpu"):
+    """The `TrainingConfig` of a setup on the papers' standard protocol (one model trained
+    on the training classes): the paper's optimizer, weight decay, learning rate (times
+    ``embedder_lr_factor`` for the embedding layer) and drop."""
+    return TrainingConfig(
+        epochs=setup.epochs,
+        batch_size=setup.batch_size,
+        iterations_per_epoch=iterations_per_epoch,
+        optimizer=setup.optimizer,
+        lr=setup.lr,
+        weight_decay=setup.weight_decay,
+        momentum=0.0,
+        lr_schedule="constant",
+        patience=None,
+        freeze_batchnorm=setup.freeze_batchnorm,
+        amp=False,
+        embedding_size=setup.embedding_size,
+        num_folds=1,
+        device=device,
+        embedder_lr_factor=setup.embedder_lr_factor,
+        lr_drop=setup.lr_drop,
+    )
 
 
 # --------------------------------------------------------------------------- running
@@ -383,9 +383,10 @@ def selected_runs(script, variant, args):
 
 
 def run_variant(script, variant, args):
-    """Trains and measures every run of a variant; returns ``{run label: {metric: value
-    in %}}`` (Reality Check: ``{label: {"concatenated": {metric: (mean, ci)}, "separated":
-    ...}}``)."""
+    """Trains and measures every run of a variant; returns ``(results, budget)``: results
+    ``{run label: {metric: value in %}}`` (Reality Check: ``{label: {"concatenated":
+    {metric: (mean, ci)}, "separated": ...}}``) and the runner's budget (Reality Check;
+    None on the standard protocol)."""
     setup = effective_setup(variant.setup, args)
     runs = selected_runs(script, variant, args)
     for run in runs:  # fail before any training when a component is missing
@@ -398,7 +399,7 @@ def run_variant(script, variant, args):
         require_weights(setup.backbone)  # before loading any data
     if setup.protocol == "reality-check":
         return _run_reality_check(variant, setup, runs, args, pretrained)
-    return _run_standard(variant, setup, runs, args, pretrained)
+    return _run_standard(variant, setup, runs, args, pretrained), None
 
 
 def _iterations(setup, num_items, smoke):
@@ -419,6 +420,7 @@ def _run_standard(variant, setup, runs, args, pretrained):
         else spec.load(args.data_root, spec.reference_split, eval_transform)
     )
     iterations = _iterations(setup, len(train_set), args.smoke)
+    config = standard_training(setup, iterations, args.device)
     results = {}
     total = iterations * setup.epochs * sum(not r.untrained for r in runs)
     with tqdm(total=total, desc=f"{variant.dataset} training", unit="it") as bar:
@@ -439,20 +441,13 @@ def _run_standard(variant, setup, runs, args, pretrained):
             trained = train_model(
                 recipe.make_loss(),
                 train_set,
+                dataclasses.replace(config, epochs=0) if run.untrained else config,
                 trunk=models["trunk"],
                 embedder=models["embedder"],
                 miner=miner,
                 sampler=sampler,
-                epochs=0 if run.untrained else setup.epochs,
-                batch_size=setup.batch_size,
-                iterations_per_epoch=iterations,
-                make_optimizer=_optimizer_factory(setup, models["embedder"]),
-                lr=setup.lr,
-                device=args.device,
                 seed=args.seed,
                 on_iteration=lambda trainer: bar.update(1),
-                make_lr_scheduler=_lr_scheduler_factory(setup),
-                freeze_trunk_batchnorm=setup.freeze_batchnorm,
             )
             if not run.untrained:
                 save_weights(args.models_dir, run, trained)
@@ -476,36 +471,70 @@ def _run_standard(variant, setup, runs, args, pretrained):
     return results
 
 
-def _run_reality_check(variant, setup, runs, args, pretrained):
-    """The Reality Check rows through the experiment runner (`runner.run`, what `pml-rank
-    bench` runs), with the setup as the budget."""
-    from . import runner
-    from .budget import resolve
-
-    budget = resolve(
-        variant.dataset,
+def reality_check_budget(dataset, setup, pretrained, iterations_per_epoch=None):
+    """The runner's budget of a Reality Check setup: the reality-check preset with every
+    field of the setup in its place. Raises `BudgetError` for a field the runner cannot
+    honour (an embedding layer learning rate factor, a learning rate drop): refused, never
+    ignored."""
+    if setup.embedder_lr_factor != 1.0:
+        raise BudgetError("embedder_lr_factor", f"{setup.embedder_lr_factor}: the Reality Check runner has none")
+    if setup.lr_drop is not None:
+        raise BudgetError("lr_drop", f"{setup.lr_drop}: the Reality Check runner has no learning rate drop")
+    return resolve(
+        dataset,
         "reality-check",
         trunk="small-cnn" if setup.backbone == "tiny" else setup.backbone,
         random_init=not pretrained,
         embedding_size=setup.embedding_size,
         epochs=setup.epochs,
+        iterations_per_epoch=iterations_per_epoch,
         batch_size=setup.batch_size,
+        optimizer=setup.optimizer,
         lr=setup.lr,
+        weight_decay=setup.weight_decay,
         patience=setup.patience,
         image_size=setup.image_size,
         resize=setup.resize,
+        augmentation=setup.augmentation,
         freeze_batchnorm=setup.freeze_batchnorm,
     )
+
+
+def check_runs_match_rows(runs, setup):
+    """Raises `MissingComponentError` for a run whose miner, sampler or samples per class
+    differ from the runner's row of its loss (`recipes`): the runner trains the row."""
+    for run in runs:
+        if run.untrained:
+            continue
+        recipe = recipes.recipes([run.loss])[run.loss]
+        miner = type(recipe.make_miner()).__name__ if recipe.make_miner else None
+        if (run.miner or None) and (run.miner.removeprefix("pml:") != miner) or (not run.miner and miner):
+            raise MissingComponentError(f"{run.label}: miner {run.miner} differs from the row's ({miner})")
+        mines = recipe.make_sampler is recipes.hard_negative_classes
+        if mines != (run.sampler == "hard_negative_class"):
+            raise MissingComponentError(f"{run.label}: sampler {run.sampler} differs from the row's ({recipe.batches})")
+        if recipe.per_class not in (None, 2) and recipe.per_class != setup.samples_per_class:
+            raise MissingComponentError(
+                f"{run.label}: {setup.samples_per_class} samples per class, the row takes {recipe.per_class}"
+            )
+
+
+def _run_reality_check(variant, setup, runs, args, pretrained):
+    """The Reality Check rows through the experiment runner (`runner.run`, what `pml-rank
+    bench` runs); returns ``(results, budget)``, the budget the runner trained with."""
+    check_runs_match_rows(runs, setup)
+    budget = reality_check_budget(variant.dataset, setup, pretrained)
     # The fold models of every trained run are kept in models_dir (`runner.models_folder`).
     place = runner.Place(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
     data = runner.check(budget, [r.loss for r in runs if not r.untrained], place)
-    train_items = len(data) // 2
-    budget["iterations_per_epoch"] = _iterations(setup, train_items * 3 // 4, args.smoke)  # a fold trains on 3 of 4
+    # A fold trains on 3 of the 4 partitions of the training half.
+    iterations = _iterations(setup, len(data) // 2 * 3 // 4, args.smoke)
+    budget = reality_check_budget(variant.dataset, setup, pretrained, iterations)
     results = {}
     trained_runs = sum(not r.untrained for r in runs)
     with tqdm(
-        total=budget["iterations_per_epoch"] * setup.epochs * 4 * setup.repeats * trained_runs,
-        desc=f"{variant.dataset} 4-fold training",
+        total=iterations * setup.epochs * budget["num_folds"] * setup.repeats * trained_runs,
+        desc=f"{variant.dataset} {budget['num_folds']}-fold training",
         unit="it",
     ) as bar:
         for run in runs:
@@ -529,7 +558,7 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                 }
                 for kind in ("concatenated", "separated")
             }
-    return results
+    return results, budget
 
 
 # --------------------------------------------------------------------------- output
@@ -610,9 +639,10 @@ def format_result(script, variant, result, args):
     return "\n".join(lines)
 
 
-def write_result(script, variant, result, args):
-    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, the setup) and
-    a PNG beside it; returns the JSON path."""
+def write_result(script, variant, result, args, budget=None):
+    """Writes ``reproduce-<script>-<dataset>.json`` (ours, the paper's rows, and what ours
+    trained with: the runner's `budget` on the Reality Check protocol, else the setup) and a
+    PNG beside it; returns the JSON path."""
     setup = effective_setup(variant.setup, args)
     path = Path(args.out) / f"reproduce-{script.name}-{variant.dataset}{'-smoke' if args.smoke else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -623,7 +653,7 @@ def write_result(script, variant, result, args):
         "metrics": list(variant.table.metrics),
         "paper_rows": variant.table.rows,
         "ours": result,
-        "setup": dataclasses.asdict(setup),
+        **({"setup": dataclasses.asdict(setup)} if budget is None else {"budget": budget, "repeats": setup.repeats}),
         "smoke": args.smoke,
         "seed": args.seed,
     }

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import backbones, recipes
-from .budget import class_count, digest, training_key
+from .budget import BudgetError, class_count, digest, training_key
 from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
-from .evaluation import lr_scheduler_factory, raw_input_accuracy, run_protocol, test_set_and_folds
-from .evaluation.training import optimizer_factory
+from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
 
 RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
@@ -113,7 +113,7 @@ def check(budget, rows, place):
     """Everything that can refuse an experiment, before any training: the data set (files,
     images, classes with fewer than 2 images: `datasets.DataError`), the trunk's weights
     (`backbones.WeightsNotFoundError`) and the batch size and classes for the rows
-    (`recipes.BudgetError`). Returns the loaded data set."""
+    (`budget.BudgetError`). Returns the loaded data set."""
     contenders = recipes.recipes([r for r in rows if r not in (RAW_INPUT, UNTRAINED)])
     recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
@@ -126,9 +126,39 @@ def check(budget, rows, place):
         # load_glyphs says "num_classes", `FirstClasses` "--classes"; a `DataError` is about the files.
         if isinstance(error, DataError) or class_count(budget["num_classes"]) is None or "classes" not in str(error):
             raise
-        raise recipes.BudgetError("--classes", str(error).removeprefix("--classes ")) from None
+        raise BudgetError("--classes", str(error).removeprefix("--classes ")) from None
     recipes.check_budget(contenders, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
+    if budget["dataset"] != "glyphs" and budget["image_size"] is None:
+        _check_one_image_size(budget["dataset"], data)
     return data
+
+
+def _image_paths(data):
+    if hasattr(data, "paths"):
+        return list(data.paths)
+    if hasattr(data, "indices") and hasattr(data.dataset, "paths"):  # `datasets.FirstClasses`
+        return [data.dataset.paths[i] for i in data.indices]
+    return None
+
+
+def _check_one_image_size(dataset, data):
+    """Without an image size, images are used as they are and a batch stacks them: raises
+    `BudgetError` unless they all have one size (read from the files' headers)."""
+    paths = _image_paths(data)
+    advice = "give --image-size N (they are resized to N x 256/227 and centre-cropped to N)"
+    if paths is None:
+        raise BudgetError("--image-size", f"{dataset}'s photographs differ in size; {advice}")
+    sizes = {}
+    for path in paths:
+        with Image.open(path) as image:
+            sizes.setdefault(image.size, path)
+        if len(sizes) > 1:
+            (first, a), (second, b) = sizes.items()
+            raise BudgetError(
+                "--image-size",
+                f"the images differ in size ({first[0]}x{first[1]} {a}, {second[0]}x{second[1]} {b}) "
+                f"and no image size was given (the glyphs preset uses images as they are); {advice}",
+            )
 
 
 def rows_without_training(budget):
@@ -163,26 +193,15 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
     if place.models_dir is not None and epochs > 0 and not validation_only:
         final = models_folder(place.models_dir, budget, row, params, seed)
         partial = _start_partial_folder(final)
+    config = TrainingConfig.from_budget(budget, place.device, place.loader_workers)
     result = run_protocol(
         data,
         recipe,
         make_trunk,
+        dataclasses.replace(config, epochs=epochs),
         make_embedder=make_embedder,
         seed=seed,
-        epochs=epochs,
-        num_folds=budget["num_folds"],
-        batch_size=budget["batch_size"],
-        iterations_per_epoch=budget["iterations_per_epoch"],
-        make_optimizer=optimizer_factory(budget["optimizer"], budget["weight_decay"], budget["momentum"]),
-        lr=budget["lr"],
-        make_lr_scheduler=lr_scheduler_factory(budget["lr_schedule"], epochs),
-        patience=budget["patience"],
-        freeze_trunk_batchnorm=budget["freeze_batchnorm"],
-        amp=budget["amp"],
         transforms=transforms,
-        embedding_size=budget["embedding_size"],
-        device=place.device,
-        loader_workers=place.loader_workers,
         on_iteration=on_iteration,
         validation_only=validation_only,
         on_fold=on_fold,

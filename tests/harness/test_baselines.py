@@ -102,6 +102,7 @@ def test_the_old_bench_rows_keep_their_names():
         build(row, shipped[row]["params"])  # their tuned values are valid parameters of the rows
 
 
+@pytest.mark.slow
 def test_import_needs_neither_torch_nor_pml():
     code = (
         "import sys\n"

@@ -1,6 +1,7 @@
 """PML's trainer, tester and hooks as the evaluation code drives them, and `pml-rank bench`
 end to end on the embedded glyphs at a reduced budget."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,9 +10,16 @@ import torch
 
 from pml_rank.cli import main
 from pml_rank.harness import bench, recipes, report, runner
-from pml_rank.harness.budget import DEFAULTS, TRAINING_KEYS, class_count, minimum_classes, resolve
+from pml_rank.harness.budget import TRAINING_KEYS, class_count, minimum_classes, resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
-from pml_rank.harness.evaluation import METRICS, Recipe, run_protocol, test_set_and_folds, train_model
+from pml_rank.harness.evaluation import (
+    METRICS,
+    Recipe,
+    TrainingConfig,
+    run_protocol,
+    test_set_and_folds,
+    train_model,
+)
 from pml_rank.harness.storage import default_url
 from pml_rank.plugins import registry
 
@@ -38,6 +46,11 @@ def run_glyph_bench(rows, folder, glyph_cache, seeds=1, threads=1, **budget):
     )
 
 
+def glyph_config(**budget):
+    """The glyph budget with `budget`'s changes, as the trainer takes it."""
+    return TrainingConfig.from_budget(resolve("glyphs", **budget))
+
+
 def triplet_loss():
     from pytorch_metric_learning.losses import TripletMarginLoss
 
@@ -48,18 +61,8 @@ def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyp
     folds, _ = test_set_and_folds(small_glyphs, num_folds=2)
     train_set, val_set = folds[0]
     torch.manual_seed(0)
-    result = train_model(
-        triplet_loss(),
-        train_set,
-        trunk=SmallCNN(),
-        val_set=val_set,
-        epochs=3,
-        iterations_per_epoch=4,
-        batch_size=16,
-        folder=tmp_path,
-        log_freq=1,
-        seed=0,
-    )
+    config = dataclasses.replace(glyph_config(epochs=3, iterations_per_epoch=4, batch_size=16), log_freq=1)
+    result = train_model(triplet_loss(), train_set, config, trunk=SmallCNN(), val_set=val_set, folder=tmp_path, seed=0)
     assert [entry["epoch"] for entry in result.history] == [1, 2, 3]
     for entry in result.history:
         assert set(METRICS) <= set(entry) and all(0 <= entry[m] <= 1 for m in METRICS)
@@ -78,7 +81,7 @@ def test_train_model_logs_with_record_keeper_and_keeps_the_best_epoch(small_glyp
 def test_zero_epochs_leaves_the_network_untrained(small_glyphs):
     trunk = SmallCNN()
     before = {k: v.clone() for k, v in trunk.state_dict().items()}
-    result = train_model(triplet_loss(), small_glyphs, trunk=trunk, epochs=0)
+    result = train_model(triplet_loss(), small_glyphs, dataclasses.replace(glyph_config(), epochs=0), trunk=trunk)
     assert result.history == [] and not result.trunk.training
     assert all(torch.equal(before[k], v) for k, v in result.trunk.state_dict().items())
 
@@ -94,10 +97,7 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
         small_glyphs,
         Recipe(make_loss=triplet_loss, make_sampler=make_sampler),
         SmallCNN,
-        num_folds=4,
-        epochs=1,
-        iterations_per_epoch=2,
-        batch_size=16,
+        glyph_config(epochs=1, iterations_per_epoch=2, batch_size=16),
     )
     # The first 8 classes train and validate (two per partition), the other 8 are tested.
     assert seen == [set(range(8)) - {2 * k, 2 * k + 1} for k in range(4)]
@@ -107,8 +107,12 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
 
 
 def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
-    available = recipes.recipes()
+    available = recipes.recipes(recipes.available())
     assert set(registry.losses()) <= set(available)
+    # The default bench: every registered loss but the ablations (benched on request).
+    default = recipes.default_rows()
+    assert "SupAPLoss" in registry.losses() and "SupAPLoss" not in default and "ROADMAPLoss" in default
+    assert set(registry.losses()) - set(recipes.ABLATIONS) <= set(default)
     assert {"pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAPLoss", "pml:NPairsLoss"} <= set(available)
     for name, recipe in available.items():
         if name in registry.losses():
@@ -156,6 +160,7 @@ def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_rejects_unknown_losses(capsys):
     assert main(["bench", "NoSuchLoss"]) == 2
     assert "NoSuchLoss" in capsys.readouterr().err
@@ -166,6 +171,7 @@ def pml_rank_losses():
     return [c.name for c in registry.components() if c.kind == "losses" and c.distribution == "pml-rank"]
 
 
+@pytest.mark.slow
 def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache, tmp_path):
     # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
     # the reduced budget is enough to learn something at all.
@@ -207,7 +213,7 @@ def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
         name: [accuracies()] if name == runner.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names
     }
     histories = {name: [] if name == runner.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
-    config = dict(DEFAULTS, seeds=seeds, epochs=epochs, num_classes=None)
+    config = dict(resolve("glyphs"), seeds=seeds, epochs=epochs, num_classes=None)
     return report.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names})
 
 
@@ -259,6 +265,7 @@ def test_json_records_the_configuration(tmp_path):
     assert json.loads(path.read_text())["config"] == result.config
 
 
+@pytest.mark.slow
 def test_run_bench_records_its_budget_and_trains_with_the_threads_it_is_given(glyph_cache, tmp_path, monkeypatch):
     threads_seen = []
     real_run = runner.run
@@ -322,6 +329,7 @@ def test_check_budget_refuses_batches_the_rows_cannot_make():
     recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
 
 
+@pytest.mark.slow
 def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_cache, tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("trained before refusing")
@@ -332,21 +340,20 @@ def test_run_bench_refuses_more_classes_than_the_data_has_before_training(glyph_
 
 
 def test_cosine_schedule_anneals_the_learning_rate_to_zero_over_the_epochs():
-    from pml_rank.harness.evaluation import lr_scheduler_factory
-
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = lr_scheduler_factory("cosine", 4)(optimizer)
+    scheduler = glyph_config(epochs=4, lr_schedule="cosine").make_lr_scheduler(optimizer)
     rates = []
     for _ in range(4):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert rates == pytest.approx([1.0, (1 + np.cos(np.pi / 4)) / 2, 0.5, (1 + np.cos(3 * np.pi / 4)) / 2])
-    assert lr_scheduler_factory("constant", 4) is None
+    assert glyph_config(lr_schedule="constant").make_lr_scheduler(optimizer) is None
     with pytest.raises(ValueError, match="linear"):
-        lr_scheduler_factory("linear", 4)
+        dataclasses.replace(glyph_config(), lr_schedule="linear").make_lr_scheduler(optimizer)
 
 
+@pytest.mark.slow
 def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
     def run(schedule):
         return run_glyph_bench(

@@ -1,7 +1,8 @@
-"""`pml-rank bench` on a shared storage, through the console script: several processes on
-one SQLite file or one PostgreSQL server share the jobs of one bench, a process killed with
-SIGKILL mid-job loses only that job, a rerun does no work, every job is in the storage once,
-and the outputs equal a serial run's."""
+"""The bench's jobs in an Optuna storage (`jobs.JobStore`): parallel workers give the serial
+results, a finished job is kept and never trained again, a bench of another budget or
+other parameters is refused before any work, every job is in the store once, and the
+outputs rebuilt from the store are the same files; --params, through the console script
+where it matters."""
 
 import json
 import os
@@ -9,243 +10,331 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-optuna = pytest.importorskip("optuna")
-
-from pml_rank.harness import jobs  # noqa: E402
-from pml_rank.harness.budget import resolve  # noqa: E402
-from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
+from pml_rank.harness import bench, jobs, report, runner, storage
+from pml_rank.harness.budget import resolve
+from pml_rank.harness.storage import close_storage, default_url, open_storage
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-ROWS = ["pml:TripletMarginLoss"]
-TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
-BUDGET = resolve("glyphs", num_classes=24, epochs=2, iterations_per_epoch=8, batch_size=16)
+TINY = ["--classes", "24", "--epochs", "1", "--iterations", "2", "--batch-size", "16"]
+# The in-process benches: 2 fold models of 1 epoch x 2 iterations on 16 classes.
+SMALL = dict(num_classes=16, batch_size=8, epochs=1, iterations_per_epoch=2, num_folds=2)
 
 
-def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--workers", "1", "--heartbeat", "1",
-            "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
+def url_in(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    return default_url(folder, bench.STORE_FILE)
 
 
-def run(command, timeout=600):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
+def complete_jobs(url):
+    """``[(job key, trial number, outcome)]`` of the complete trials of the bench at `url`
+    ([] before the bench has created its study)."""
+    import optuna
+    from optuna.trial import TrialState
 
-
-def trials(storage):
-    """The bench's job trials in `storage` (a URL or an open storage)."""
-    study = optuna.load_study(study_name=jobs.study_name(BUDGET), storage=storage)
-    return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
-
-
-def without_timings(folder):
-    """bench.json and bench.csv without the seconds a job took (which differ from run to run)."""
-    payload = json.loads((folder / "bench.json").read_text())
-    payload.pop("total_seconds")
-    for row in payload["rows"]:
-        row.pop("seconds")
-    csv = [
-        ",".join(line.split(",")[:5] + line.split(",")[6:]) for line in (folder / "bench.csv").read_text().splitlines()
-    ]
-    return payload, csv
-
-
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory, glyph_cache):
-    """The same bench run by one process on a storage of its own: what every shared run must give."""
-    out = tmp_path_factory.mktemp("serial")
-    run(bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache))
-    return out
-
-
-def running_training_job(storage, pid):
-    """The key of the training job process `pid` is running according to `storage`, or None."""
+    storage = open_storage(url)
     try:
-        running = [t for t in trials(storage) if t.state.name == "RUNNING" and "worker" in t.user_attrs]
-    except KeyError:  # no study yet
-        return None
-    mine = [t for t in running if t.user_attrs["worker"].endswith(f":{pid}")]
-    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
-
-
-def freeze_mid_job(process, url, deadline=600):
-    """Stops `process`'s group with SIGSTOP while it runs a training job; returns that job's key.
-    The storage is read again once the process is frozen, so the job cannot end between the
-    read and the kill, however fast or slow the machine is."""
-    storage = open_storage(url)  # one connection: a read costs milliseconds, a job about a second
-    try:
-        stop = time.monotonic() + deadline
-        while time.monotonic() < stop:
-            if running_training_job(storage, process.pid) is not None:
-                os.killpg(process.pid, signal.SIGSTOP)
-                try:
-                    key = running_training_job(storage, process.pid)
-                except Exception:  # frozen while it held a write lock: let it go on and try again
-                    key = None
-                if key is not None:
-                    return key
-                os.killpg(process.pid, signal.SIGCONT)
-            time.sleep(0.02)
+        trials = [
+            t
+            for bench_study in jobs.bench_studies(storage)
+            for t in optuna.load_study(study_name=bench_study.study_name, storage=storage).get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE,)
+            )
+        ]
+        return [
+            (t.user_attrs["job"]["key"], t.number, t.user_attrs["outcome"]) for t in trials if "job" in t.user_attrs
+        ]
     finally:
         close_storage(storage)
-    raise AssertionError("the first process never started a training job")
 
 
-def kill_mid_job_then_finish(tmp_path, url, cache):
-    """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
-    with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
-    killed job)."""
-    first = subprocess.Popen(
-        bench_command(tmp_path / "a", url, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        killed = freeze_mid_job(first, url)
-        second = subprocess.Popen(
-            bench_command(tmp_path / "b", url, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    out, err = second.communicate(timeout=900)
-    assert second.returncode == 0, out + err
-    rerun = run(bench_command(tmp_path / "c", url, cache))
-    return out, rerun.stdout, killed
+@pytest.fixture
+def count_runs(monkeypatch):
+    """Counts `runner.run`'s calls (the jobs this process trains); ``count_runs.fail_after
+    = n`` makes the call after the n-th raise KeyboardInterrupt, as Ctrl-C would."""
+
+    class Counting:
+        calls = []
+        fail_after = None
+
+    real_run = runner.run
+
+    def run(budget, row, params, seed, *args, **kwargs):
+        if Counting.fail_after is not None and len(Counting.calls) >= Counting.fail_after:
+            raise KeyboardInterrupt
+        Counting.calls.append((row, seed))
+        return real_run(budget, row, params, seed, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", run)
+    return Counting
 
 
-def check_shared_run(tmp_path, url, serial):
-    every = trials(url)
-    complete = [t for t in every if t.state.name == "COMPLETE"]
-    keys = [t.user_attrs["job"]["key"] for t in complete]
-    assert len(keys) == len(set(keys)) == 1 + 2 + 2  # raw input, untrained x 2, the row x 2 seeds: once each
-    assert not [t for t in every if t.state.name in ("RUNNING", "WAITING")]
-    for folder in ("b", "c"):
-        assert without_timings(tmp_path / folder) == without_timings(serial)
-    # Rebuilt from the same storage, the PNG is the same file, bit for bit.
-    assert (tmp_path / "b" / "bench.png").read_bytes() == (tmp_path / "c" / "bench.png").read_bytes()
-
-
-def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial):
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
-    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
-    check_shared_run(tmp_path, url, serial)
-    assert "resumed: 5 finished job(s)" in rerun
-    # The killed job failed when its heartbeat went stale and ran again, to completion, once.
-    attempts = [t for t in trials(url) if t.user_attrs["job"]["key"] == killed]
-    assert sorted(t.state.name for t in attempts) == ["COMPLETE", "FAIL"]
-
-
-def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url):
-    url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("CREATE DATABASE bench_jobs"))
-    finally:
-        engine.dispose()
-    url = url.rsplit("/", 1)[0] + "/bench_jobs"
-    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
-    check_shared_run(tmp_path, url, serial)
-    assert "secret-password" not in out + rerun
-
-
-def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial):
-    url = f"sqlite:///{serial / 'bench.db'}"
-    status = run([str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--status", "--storage", url,
-                  "--out", str(tmp_path)])  # fmt: skip
-    lines = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[2:]}
-    assert lines["pml:TripletMarginLoss"] == ["2", "0", "0"] and lines["all"] == ["5", "0", "0"]
-    other = bench_command(tmp_path, url, glyph_cache, "--epochs", "3")
-    result = subprocess.run(other, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "epochs 2 there, 3 now" in result.stderr and "Traceback" not in result.stderr
-    # The parameters of a row are part of the bench too.
-    params = tmp_path / "tuned.json"
-    params.write_text(json.dumps({"pml:TripletMarginLoss": {"params": {"margin": 0.2}}}))
-    result = subprocess.run(
-        [c for c in bench_command(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", str(params)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def small_bench(rows, url, glyph_cache, seeds=2, params=None, workers=1, **budget):
+    return bench.run_bench(
+        rows,
+        resolve("glyphs", **{**SMALL, **budget}),
+        url,
+        runner.Place(cache_dir=glyph_cache),
+        seeds=seeds,
+        params=params,
+        workers=workers,
+        progress=False,
     )
-    assert result.returncode == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in result.stderr
 
 
-@pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
-def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache):
-    result = subprocess.run(bench_command(tmp_path, url, glyph_cache), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
-    assert "secret" not in result.stdout + result.stderr
-    assert not (tmp_path / "bench.json").exists()
+@pytest.mark.slow
+def test_parallel_jobs_give_exactly_the_serial_results(glyph_cache, tmp_path):
+    kwargs = dict(seeds=2, params={"RaMBORecallLoss": {"lambda_val": 4.0, "memory_size": 0}})
+    rows = ["pml:TripletMarginLoss", "RaMBORecallLoss"]
+    serial = small_bench(rows, url_in(tmp_path / "serial"), glyph_cache, workers=1, **kwargs)
+    parallel = small_bench(rows, url_in(tmp_path / "parallel"), glyph_cache, workers=2, **kwargs)
+    assert serial.rows == parallel.rows
+    for row in serial.rows:
+        assert serial.runs[row] == parallel.runs[row], row
+        assert serial.histories[row] == parallel.histories[row], row
+    assert parallel.params["RaMBORecallLoss"] == {"lambda_val": 4.0, "memory_size": 0}
+    assert parallel.sources["RaMBORecallLoss"] == "tuned" and parallel.sources["pml:TripletMarginLoss"] == "defaults"
 
 
-def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch):
-    """Two processes that enqueue the same job at once: the lower trial number runs it, the
-    other trial gives up, and the job's outcome is stored once."""
-    from pml_rank.harness import runner
+@pytest.mark.slow
+def test_a_finished_bench_reruns_without_training_and_rebuilds_the_same_outputs(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    first = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    # raw input once, then the untrained row and the triplet row for each seed
+    expected = [(runner.RAW_INPUT, 0), (runner.UNTRAINED, 0), (runner.UNTRAINED, 1)]
+    expected += [("pml:TripletMarginLoss", 0), ("pml:TripletMarginLoss", 1)]
+    assert sorted(count_runs.calls) == sorted(expected) and first.resumed == 0
+    count_runs.calls.clear()
 
-    url = f"sqlite:///{tmp_path / 'dup.db'}"
-    store = jobs.JobStore(url, BUDGET)
-    job = jobs.Job("pml:TripletMarginLoss", 0, {})
-    for _ in range(2):  # what two racing processes could leave behind
-        store.study.enqueue_trial({}, user_attrs={"job": job.record()})
-    calls = []
-    monkeypatch.setattr(
-        runner, "run", lambda *a, **k: calls.append(a) or {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 1}
-    )
+    again = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    assert count_runs.calls == [] and again.resumed == len(expected)
+    paths = {name: report.write_all(result, tmp_path / name) for name, result in (("a", first), ("b", again))}
+    for a, b in zip(paths["a"], paths["b"]):
+        assert a.name == b.name and a.read_bytes() == b.read_bytes(), a.name
+    assert report.format_table(first) == report.format_table(again)
+    keys = Counter(key for key, _, _ in complete_jobs(url))
+    assert len(keys) == len(expected) and set(keys.values()) == {1}  # each job in the store once
+
+
+@pytest.mark.slow
+def test_an_interrupted_bench_keeps_its_finished_jobs_and_trains_only_the_rest(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    count_runs.fail_after = 3  # Ctrl-C in the fourth job
+    with pytest.raises(KeyboardInterrupt):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    kept = {key: outcome for key, _, outcome in complete_jobs(url)}
+    assert len(kept) == 3
+    done_first = list(count_runs.calls)
+
+    count_runs.calls.clear()
+    count_runs.fail_after = None
+    resumed = small_bench(["pml:TripletMarginLoss"], url, glyph_cache)
+    assert resumed.resumed == 3 and len(count_runs.calls) == 2
+    assert not set(done_first) & set(count_runs.calls)  # no finished job trained again
+    stored = complete_jobs(url)
+    keys = Counter(key for key, _, _ in stored)
+    assert len(keys) == 5 and set(keys.values()) == {1}
+    for key, _, outcome in stored:
+        if key in kept:
+            assert outcome == kept[key]
+    for row, seed in done_first:  # the kept outcomes are the ones reported, not recomputed
+        if row != runner.RAW_INPUT:
+            (outcome,) = [o for k, _, o in stored if k == jobs.Job(row, seed, {}).key]
+            assert resumed.runs[row][seed] == outcome["run"]
+
+
+@pytest.mark.slow
+def test_a_store_of_another_budget_is_refused_naming_the_difference(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    budget = resolve("glyphs", **SMALL)
+    jobs.JobStore(url, budget).close()
+    jobs.JobStore(url, dict(budget)).close()  # the same budget: accepted
+    for key, value in (("lr_schedule", "constant"), ("num_classes", "all"), ("dataset", "cub200"), ("epochs", 2)):
+        with pytest.raises(jobs.MismatchError, match=f"{key} {budget[key]!r} there, {value!r} now"):
+            jobs.JobStore(url, {**budget, key: value})
+    count_runs.fail_after = 0  # any training fails the test
+    with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
+    assert complete_jobs(url) == []
+
+
+@pytest.mark.slow
+def test_other_parameters_for_a_row_are_refused_naming_the_row(glyph_cache, tmp_path, count_runs):
+    url = url_in(tmp_path / "store")
+    rows = ["pml:TripletMarginLoss", "pml:ContrastiveLoss"]
+    store = jobs.JobStore(url, resolve("glyphs", **SMALL))
     try:
-        assert store.work(runner.Place(cache_dir=str(glyph_cache)), poll=0.1) == 1
-        assert len(calls) == 1 and list(store.outcomes()) == [job.key]
-        states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(url))
-        assert states == [(0, "COMPLETE", False), (1, "FAIL", True)]
-        assert store.ensure([job]) == 0  # done: never enqueued again
+        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}, "pml:ContrastiveLoss": {}})
+        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})  # the same: accepted
+        store.claim_rows({"AUCLoss": {}})  # a row the bench did not have: added
+        with pytest.raises(jobs.MismatchError) as error:
+            store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}})
     finally:
         store.close()
+    assert "pml:TripletMarginLoss" in str(error.value) and "0.2" in str(error.value)
+    assert "ContrastiveLoss" not in str(error.value) and "AUCLoss" not in str(error.value)
+    count_runs.fail_after = 0  # refused before any work
+    with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
+        small_bench(rows, url, glyph_cache, params={"pml:TripletMarginLoss": {"margin": 0.3}})
 
 
-def _claim_all(url, queue):
-    import warnings
+@pytest.mark.slow
+def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_path, monkeypatch):
+    url = url_in(tmp_path / "store")
+    budget = resolve("glyphs", **SMALL)
+    store = jobs.JobStore(url, budget)
+    store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})
+    store.close()
 
-    from pml_rank.harness.storage import close_storage, open_storage
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data set was loaded")
 
-    warnings.simplefilter("ignore")
-    storage = open_storage(url)
-    study = optuna.load_study(study_name="claims", storage=storage)
-    mine = []
-    while any(t.state.name == "WAITING" for t in study.get_trials(deepcopy=False)):
-        trial = study.ask()
-        if "n" in trial.user_attrs:
-            mine.append(trial.user_attrs["n"])
-        study.tell(trial, 0.0)
-    close_storage(storage)
-    queue.put(mine)
+    monkeypatch.setattr(runner, "dataset_of", no_data)
+    with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
+    with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
+        small_bench(["pml:TripletMarginLoss"], url, glyph_cache, params={"pml:TripletMarginLoss": {"margin": 0.3}})
+    # The read-only check makes nothing where there is no bench yet.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    jobs.check_stored_bench(default_url(fresh, bench.STORE_FILE), budget, {})
+    assert list(fresh.iterdir()) == []
 
 
-def test_two_processes_never_claim_the_same_waiting_trial_on_sqlite(tmp_path):
-    """SQLite ignores SELECT ... FOR UPDATE: the storage begins its transactions with BEGIN
-    IMMEDIATE, so Optuna's read-then-write claim of a waiting trial holds across processes."""
-    import multiprocessing
+@pytest.mark.slow
+def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache, start_interruptible):
+    out = tmp_path / "out"
+    url = default_url(out, bench.STORE_FILE)
+    args = [
+        str(PML_RANK),
+        "bench",
+        "pml:TripletMarginLoss",
+        "--seeds",
+        "3",
+        "--workers",
+        "1",
+        "--untuned",
+        *TINY,
+        "--cache-dir",
+        str(glyph_cache),
+        "--out",
+        str(out),
+    ]
 
-    from pml_rank.harness.storage import close_storage, open_storage
+    def triplet_jobs():
+        if not (out / bench.STORE_FILE).exists():
+            return []
+        return [(key, outcome) for key, _, outcome in complete_jobs(url) if key.startswith("pml:TripletMarginLoss|")]
 
-    url = f"sqlite:///{tmp_path / 'claims.db'}"
-    storage = open_storage(url)
-    study = optuna.create_study(study_name="claims", storage=storage)
-    for n in range(60):
-        study.enqueue_trial({}, user_attrs={"n": n})
-    close_storage(storage)
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    workers = [context.Process(target=_claim_all, args=(url, queue)) for _ in range(2)]
-    for w in workers:
-        w.start()
-    claimed = queue.get(timeout=300) + queue.get(timeout=300)
-    for w in workers:
-        w.join()
-    assert sorted(claimed) == list(range(60))  # each once
+    process = start_interruptible(args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not triplet_jobs():
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    kept = triplet_jobs()
+    assert process.returncode == 130 and "resumes" in stderr, stdout + stderr
+    assert 1 <= len(kept) < 3
+
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # the raw input, the untrained row's 3 seeds and the kept runs
+    assert f"resumed: {4 + len(kept)} finished job(s)" in result.stdout
+    payload = json.loads((out / "bench.json").read_text())
+    (triplet,) = [row for row in payload["rows"] if row["row"] == "pml:TripletMarginLoss"]
+    assert len(triplet["runs"]) == 3
+    for key, outcome in kept:  # the stored runs are the ones reported, not recomputed
+        assert triplet["runs"][int(key.rsplit("|", 1)[1])] == outcome["run"]
+    keys = Counter(key for key, _, _ in complete_jobs(url))
+    assert len(keys) == 7 and set(keys.values()) == {1}
+
+    changed = subprocess.run(
+        [*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert changed.returncode == 2 and "another budget" in changed.stderr
+    assert "epochs 1 there, 2 now" in changed.stderr
+    assert (out / "bench.json").read_text() == json.dumps(payload, indent=1)  # nothing overwritten
+
+
+@pytest.mark.slow
+def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph_cache):
+    tuned = tmp_path / "tuned.json"
+    params = {"lambda_val": 4.0, "margin": 0.05, "memory_size": 0, "weighting": "loglog"}
+    tuned.write_text(json.dumps({"RaMBORecallLoss": {"params": params, "value": 0.5, "trials": 20, "study": "s"}}))
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [
+            str(PML_RANK),
+            "bench",
+            "--params",
+            str(tuned),
+            "RaMBORecallLoss",
+            "pml:TripletMarginLoss",
+            "--seeds",
+            "1",
+            "--workers",
+            "1",
+            *TINY,
+            "--cache-dir",
+            str(glyph_cache),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tuned (tuned.json): lambda_val=4" in result.stdout
+    rows = {row["row"]: row for row in json.loads((out / "bench.json").read_text())["rows"]}
+    assert rows["RaMBORecallLoss"]["params"] == params
+    assert rows["RaMBORecallLoss"]["params_source"] == "tuned (tuned.json)"
+    assert rows["pml:TripletMarginLoss"]["params_source"] == "defaults"
+    assert "params_source" in (out / "bench.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path):
+    # Each process imports first, then opens the storage at one agreed moment: they race to
+    # create its tables, as several `pml-rank bench` commands started together do.
+    url = default_url(tmp_path, "new.db")  # new.db0 to new.db3
+    start = time.time() + 5
+    script = (  # storage.py alone, without pml_rank's package (and torch): the processes start faster
+        "import importlib.util, sys, time\n"
+        "spec = importlib.util.spec_from_file_location('storage', sys.argv[3])\n"
+        "storage = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(storage)\n"
+        "import optuna, sqlalchemy\n"
+        "for k in range(4):  # four new storages, each opened by every process at one moment\n"
+        "    time.sleep(max(0.0, float(sys.argv[2]) + k - time.time()))\n"
+        "    storage.close_storage(storage.open_storage(sys.argv[1] + str(k)))\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, url, str(start), storage.__file__], stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in processes]
+    assert [p.returncode for p in processes] == [0] * 6, "\n".join(errors)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_status_counts_a_running_job_as_running_until_it_completes(tmp_path):
+    store = jobs.JobStore(url_in(tmp_path), resolve("glyphs", **SMALL))
+    try:
+        every = [jobs.Job("pml:TripletMarginLoss", seed, {}) for seed in range(3)]
+        store.ensure(every)
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 0, "running": 0, "waiting": 3}}
+        trial = store.study.ask()  # a process claims the first waiting job
+        assert trial.user_attrs["job"]["key"] == every[0].key
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 0, "running": 1, "waiting": 2}}
+        assert store.status() == store.status(every)
+        store.study.tell(trial, 0.5)
+        assert store.status(every) == {"pml:TripletMarginLoss": {"done": 1, "running": 0, "waiting": 2}}
+    finally:
+        store.close()

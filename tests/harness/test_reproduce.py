@@ -1,6 +1,7 @@
 """The example scripts that reproduce the papers' tables and their machinery
 (`pml_rank.harness.reproduce`)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -127,6 +128,7 @@ def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_every_script_runs_from_the_command_line(name):
     """As the README says to run them: `python examples/<name>.py --help` from a clone."""
@@ -139,7 +141,7 @@ def test_the_learning_rate_drop_is_a_pml_lr_scheduler():
     setup = load("auc_cub200").variants["cub200"].setup
     after_epoch, factor = setup.lr_drop
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = reproduce._lr_scheduler_factory(setup)(optimizer)
+    scheduler = reproduce.standard_training(setup, 1).make_lr_scheduler(optimizer)
     rates = []
     for _ in range(after_epoch + 2):  # PML's trainer steps it at the end of every epoch
         rates.append(optimizer.param_groups[0]["lr"])
@@ -207,6 +209,15 @@ class _Images(torch.utils.data.Dataset):
         return self.images[i], self.labels[i]
 
 
+def tiny_training(**changes):
+    """A tiny budget for the trainer: batches of 8, 2 iterations per epoch."""
+    from pml_rank.harness.budget import resolve
+    from pml_rank.harness.evaluation import TrainingConfig
+
+    budget = resolve("glyphs", batch_size=8, iterations_per_epoch=2, lr_schedule="constant", embedding_size=4)
+    return dataclasses.replace(TrainingConfig.from_budget(budget), **changes)
+
+
 @pytest.mark.parametrize("freeze", [False, True])
 def test_frozen_batchnorm_is_pmls_trainer_option(freeze):
     from pytorch_metric_learning.losses import ContrastiveLoss
@@ -217,19 +228,12 @@ def test_frozen_batchnorm_is_pmls_trainer_option(freeze):
     trunk = backbones.TinyTrunk()
     batchnorm = next(m for m in trunk.modules() if isinstance(m, torch.nn.BatchNorm2d))
     before = batchnorm.running_mean.clone()
-    train_model(
-        ContrastiveLoss(),
-        _Images(),
-        trunk=trunk,
-        epochs=1,
-        batch_size=8,
-        iterations_per_epoch=2,
-        freeze_trunk_batchnorm=freeze,
-    )
+    config = tiny_training(epochs=1, freeze_batchnorm=freeze)
+    train_model(ContrastiveLoss(), _Images(), config, trunk=trunk)
     assert torch.equal(batchnorm.running_mean, before) == freeze
 
 
-def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch():
+def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch(monkeypatch):
     from pytorch_metric_learning.losses import ContrastiveLoss
 
     from pml_rank.harness.evaluation import train_model
@@ -242,16 +246,9 @@ def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch():
         scheduler.step = lambda *a: (seen.append(optimizer.param_groups[0]["lr"]), step(*a))
         return scheduler
 
-    train_model(
-        ContrastiveLoss(),
-        _Images(),
-        trunk=backbones.TinyTrunk(),
-        epochs=3,
-        batch_size=8,
-        iterations_per_epoch=2,
-        make_lr_scheduler=make_lr_scheduler,
-        lr=1.0,
-    )
+    config = tiny_training(epochs=3, lr=1.0)
+    monkeypatch.setattr(type(config), "make_lr_scheduler", lambda self, optimizer: make_lr_scheduler(optimizer))
+    train_model(ContrastiveLoss(), _Images(), config, trunk=backbones.TinyTrunk())
     assert seen == [1.0, 1.0, pytest.approx(0.3)]
 
 
@@ -288,10 +285,13 @@ def test_embedding_layer_gets_its_learning_rate_factor():
         embedder_lr_factor=10,
         weight_decay=4e-4,
     )
+    from pml_rank.harness.evaluation.training import _optimized
+
     models = backbones.build_models("tiny", 4, pretrained=False)
-    make = reproduce._optimizer_factory(setup, models["embedder"])
-    assert make(models["trunk"].parameters(), 1e-3).param_groups[0]["lr"] == pytest.approx(1e-3)
-    embedder_optimizer = make(models["embedder"].parameters(), 1e-3)
+    config = reproduce.standard_training(setup, 1)
+    _, optimizers, _ = _optimized(config, models["trunk"], models["embedder"], torch.nn.Identity(), None, None)
+    assert optimizers["trunk_optimizer"].param_groups[0]["lr"] == pytest.approx(1e-3)
+    embedder_optimizer = optimizers["embedder_optimizer"]
     assert embedder_optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
     assert embedder_optimizer.param_groups[0]["weight_decay"] == 4e-4
 
@@ -372,3 +372,33 @@ def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(images[0]) in err and "Traceback" not in err
     assert not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.slow
+def test_reality_check_smoke_records_what_its_fold_models_trained_with(tmp_path):
+    """One truth: every setting the script's JSON records equals what each fold model's
+    experiment.json says it trained with, through the script as the README runs it."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS["reality_check"]), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr
+    written = json.loads((tmp_path / "reproduce-reality_check-cub200-smoke.json").read_text())
+    assert "setup" not in written  # the script's declarations are not what trained
+    recorded = written["budget"]
+    experiments = list((tmp_path / "models-reality_check-cub200-smoke").rglob("experiment.json"))
+    assert experiments
+    for path in experiments:
+        trained = json.loads(path.read_text())["budget"]
+        assert trained == recorded, path
+
+
+def test_a_setup_field_the_runner_cannot_honour_is_refused():
+    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, lr_drop=(10, 0.1))
+    with pytest.raises(reproduce.BudgetError, match="lr_drop"):
+        reproduce.reality_check_budget("cub200", setup, pretrained=True)
+    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, weight_decay=0.25, optimizer="adam")
+    budget = reproduce.reality_check_budget("cub200", setup, pretrained=True)
+    assert budget["weight_decay"] == 0.25 and budget["optimizer"] == "adam"

@@ -22,7 +22,7 @@ from pml_rank.harness.budget import resolve
 from pml_rank.harness.data import load_glyphs, tiny_layouts
 from pml_rank.harness.datasets import ImageFolder
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 GLYPH_BUDGET = ["--classes", "24", "--epochs", "1", "--iterations", "3", "--batch-size", "16", "--seeds", "2"]
 
@@ -159,7 +159,7 @@ def test_mixed_precision_trains_a_fold_model(glyph_cache):
 
 @pytest.mark.cuda
 def test_one_fold_model_trains_on_cuda(glyph_cache):
-    budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16, num_folds=2)
+    budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16)
     place = runner.Place(cache_dir=str(glyph_cache), device="cuda")
     outcome = runner.run(budget, "AUCLoss", {}, 0, place)
     assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
@@ -169,7 +169,7 @@ def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
     """A fold trains on the partitions it does not validate on: its classes are not 0 .. n - 1.
     The loss gets one weight per training class, and sees labels mapped to 0 .. n - 1 in order."""
     from pml_rank.harness import recipes
-    from pml_rank.harness.evaluation import run_protocol, test_set_and_folds
+    from pml_rank.harness.evaluation import TrainingConfig, run_protocol, test_set_and_folds
 
     recipe = recipes.recipes(["pml:NormalizedSoftmaxLoss"])["pml:NormalizedSoftmaxLoss"]
     made = []
@@ -190,10 +190,7 @@ def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
         data,
         dataclasses.replace(recipe, make_loss=make_loss),
         lambda: runner.model_factories(resolve("glyphs", embedding_size=8), 1)[0](),
-        epochs=1,
-        batch_size=8,
-        iterations_per_epoch=2,
-        embedding_size=8,
+        TrainingConfig.from_budget(resolve("glyphs", epochs=1, batch_size=8, iterations_per_epoch=2, embedding_size=8)),
         validation_only=True,
     )
     classes = [sorted(set(np.asarray(train_set.labels).tolist())) for train_set, _ in folds]

@@ -22,6 +22,7 @@ from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 # A connection the tests leave open (an Optuna storage never closed) fails the test that left it.
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("error::ResourceWarning"),
     pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning"),
 ]

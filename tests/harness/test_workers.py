@@ -1,14 +1,265 @@
-"""Ctrl-C in a claim loop: raised inside the objective, held back while Optuna creates or
-records a trial, so no trial is left RUNNING by an interrupt that lands at the wrong moment."""
+"""Processes sharing one storage. `pml-rank bench` through the console script: several processes on
+one SQLite file or one PostgreSQL server share the jobs of one bench, a process killed with
+SIGKILL mid-job loses only that job, a rerun does no work, every job is in the storage once,
+and the outputs equal a serial run's. Ctrl-C in a claim loop
+(`workers.InterruptsBetweenTrials`): raised inside the objective, held back while Optuna creates or
+records a trial, so no trial is left RUNNING."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 optuna = pytest.importorskip("optuna")
 
+from pml_rank.harness import jobs  # noqa: E402
+from pml_rank.harness.budget import resolve  # noqa: E402
+from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 from pml_rank.harness.workers import InterruptsBetweenTrials  # noqa: E402
+
+PML_RANK = Path(sys.executable).parent / "pml-rank"
+ROWS = ["pml:TripletMarginLoss"]
+TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
+BUDGET = resolve("glyphs", num_classes=24, epochs=2, iterations_per_epoch=8, batch_size=16)
+
+
+def bench_command(out, url, cache, *extra):
+    return [str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--workers", "1", "--heartbeat", "1",
+            "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
+
+
+def run(command, timeout=600):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def trials(storage):
+    """The bench's job trials in `storage` (a URL or an open storage)."""
+    study = optuna.load_study(study_name=jobs.study_name(BUDGET), storage=storage)
+    return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
+
+
+def without_timings(folder):
+    """bench.json and bench.csv without the seconds a job took (which differ from run to run)."""
+    payload = json.loads((folder / "bench.json").read_text())
+    payload.pop("total_seconds")
+    for row in payload["rows"]:
+        row.pop("seconds")
+    csv = [
+        ",".join(line.split(",")[:5] + line.split(",")[6:]) for line in (folder / "bench.csv").read_text().splitlines()
+    ]
+    return payload, csv
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory, glyph_cache):
+    """The same bench run by one process on a storage of its own: what every shared run must give."""
+    out = tmp_path_factory.mktemp("serial")
+    run(bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache))
+    return out
+
+
+def running_training_job(storage, pid):
+    """The key of the training job process `pid` is running according to `storage`, or None."""
+    try:
+        running = [t for t in trials(storage) if t.state.name == "RUNNING" and "worker" in t.user_attrs]
+    except KeyError:  # no study yet
+        return None
+    mine = [t for t in running if t.user_attrs["worker"].endswith(f":{pid}")]
+    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
+
+
+def freeze_mid_job(process, url, deadline=600):
+    """Stops `process`'s group with SIGSTOP while it runs a training job; returns that job's key.
+    The storage is read again once the process is frozen, so the job cannot end between the
+    read and the kill, however fast or slow the machine is."""
+    storage = open_storage(url)  # one connection: a read costs milliseconds, a job about a second
+    try:
+        stop = time.monotonic() + deadline
+        while time.monotonic() < stop:
+            if running_training_job(storage, process.pid) is not None:
+                os.killpg(process.pid, signal.SIGSTOP)
+                try:
+                    key = running_training_job(storage, process.pid)
+                except Exception:  # frozen while it held a write lock: let it go on and try again
+                    key = None
+                if key is not None:
+                    return key
+                os.killpg(process.pid, signal.SIGCONT)
+            time.sleep(0.02)
+    finally:
+        close_storage(storage)
+    raise AssertionError("the first process never started a training job")
+
+
+def kill_mid_job_then_finish(tmp_path, url, cache):
+    """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
+    with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
+    killed job)."""
+    first = subprocess.Popen(
+        bench_command(tmp_path / "a", url, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        killed = freeze_mid_job(first, url)
+        second = subprocess.Popen(
+            bench_command(tmp_path / "b", url, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    out, err = second.communicate(timeout=900)
+    assert second.returncode == 0, out + err
+    rerun = run(bench_command(tmp_path / "c", url, cache))
+    return out, rerun.stdout, killed
+
+
+def check_shared_run(tmp_path, url, serial):
+    every = trials(url)
+    complete = [t for t in every if t.state.name == "COMPLETE"]
+    keys = [t.user_attrs["job"]["key"] for t in complete]
+    assert len(keys) == len(set(keys)) == 1 + 2 + 2  # raw input, untrained x 2, the row x 2 seeds: once each
+    assert not [t for t in every if t.state.name in ("RUNNING", "WAITING")]
+    for folder in ("b", "c"):
+        assert without_timings(tmp_path / folder) == without_timings(serial)
+    # Rebuilt from the same storage, the PNG is the same file, bit for bit.
+    assert (tmp_path / "b" / "bench.png").read_bytes() == (tmp_path / "c" / "bench.png").read_bytes()
+
+
+@pytest.mark.slow
+def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
+    check_shared_run(tmp_path, url, serial)
+    assert "resumed: 5 finished job(s)" in rerun
+    # The killed job failed when its heartbeat went stale and ran again, to completion, once.
+    attempts = [t for t in trials(url) if t.user_attrs["job"]["key"] == killed]
+    assert sorted(t.state.name for t in attempts) == ["COMPLETE", "FAIL"]
+
+
+@pytest.mark.slow
+def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url):
+    url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("CREATE DATABASE bench_jobs"))
+    finally:
+        engine.dispose()
+    url = url.rsplit("/", 1)[0] + "/bench_jobs"
+    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
+    check_shared_run(tmp_path, url, serial)
+    assert "secret-password" not in out + rerun
+
+
+@pytest.mark.slow
+def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial):
+    url = f"sqlite:///{serial / 'bench.db'}"
+    status = run([str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--status", "--storage", url,
+                  "--out", str(tmp_path)])  # fmt: skip
+    lines = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[2:]}
+    assert lines["pml:TripletMarginLoss"] == ["2", "0", "0"] and lines["all"] == ["5", "0", "0"]
+    other = bench_command(tmp_path, url, glyph_cache, "--epochs", "3")
+    result = subprocess.run(other, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "epochs 2 there, 3 now" in result.stderr and "Traceback" not in result.stderr
+    # The parameters of a row are part of the bench too.
+    params = tmp_path / "tuned.json"
+    params.write_text(json.dumps({"pml:TripletMarginLoss": {"params": {"margin": 0.2}}}))
+    result = subprocess.run(
+        [c for c in bench_command(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", str(params)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
+def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache):
+    result = subprocess.run(bench_command(tmp_path, url, glyph_cache), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
+    assert "secret" not in result.stdout + result.stderr
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch):
+    """Two processes that enqueue the same job at once: the lower trial number runs it, the
+    other trial gives up, and the job's outcome is stored once."""
+    from pml_rank.harness import runner
+
+    url = f"sqlite:///{tmp_path / 'dup.db'}"
+    store = jobs.JobStore(url, BUDGET)
+    job = jobs.Job("pml:TripletMarginLoss", 0, {})
+    for _ in range(2):  # what two racing processes could leave behind
+        store.study.enqueue_trial({}, user_attrs={"job": job.record()})
+    calls = []
+    monkeypatch.setattr(
+        runner, "run", lambda *a, **k: calls.append(a) or {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 1}
+    )
+    try:
+        assert store.work(runner.Place(cache_dir=str(glyph_cache)), poll=0.1) == 1
+        assert len(calls) == 1 and list(store.outcomes()) == [job.key]
+        states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(url))
+        assert states == [(0, "COMPLETE", False), (1, "FAIL", True)]
+        assert store.ensure([job]) == 0  # done: never enqueued again
+    finally:
+        store.close()
+
+
+def _claim_all(url, queue):
+    import warnings
+
+    from pml_rank.harness.storage import close_storage, open_storage
+
+    warnings.simplefilter("ignore")
+    storage = open_storage(url)
+    study = optuna.load_study(study_name="claims", storage=storage)
+    mine = []
+    while any(t.state.name == "WAITING" for t in study.get_trials(deepcopy=False)):
+        trial = study.ask()
+        if "n" in trial.user_attrs:
+            mine.append(trial.user_attrs["n"])
+        study.tell(trial, 0.0)
+    close_storage(storage)
+    queue.put(mine)
+
+
+@pytest.mark.slow
+def test_two_processes_never_claim_the_same_waiting_trial_on_sqlite(tmp_path):
+    """SQLite ignores SELECT ... FOR UPDATE: the storage begins its transactions with BEGIN
+    IMMEDIATE, so Optuna's read-then-write claim of a waiting trial holds across processes."""
+    import multiprocessing
+
+    from pml_rank.harness.storage import close_storage, open_storage
+
+    url = f"sqlite:///{tmp_path / 'claims.db'}"
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="claims", storage=storage)
+    for n in range(60):
+        study.enqueue_trial({}, user_attrs={"n": n})
+    close_storage(storage)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_claim_all, args=(url, queue)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    claimed = queue.get(timeout=300) + queue.get(timeout=300)
+    for w in workers:
+        w.join()
+    assert sorted(claimed) == list(range(60))  # each once
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
 
 
 def interrupt_this_process():

@@ -2,12 +2,13 @@
 trainer, tester, hooks and `AccuracyCalculator`.
 
     from pml_rank.harness.evaluation import Recipe, run_protocol, summarize
-    result = run_protocol(dataset, Recipe(make_loss=losses.TripletMarginLoss), make_trunk)
+    config = TrainingConfig.from_budget(budget.resolve("glyphs"))
+    result = run_protocol(dataset, Recipe(make_loss=losses.TripletMarginLoss), make_trunk, config)
 
 Building blocks, usable on their own:
     class_disjoint_split, cross_validation_folds, class_partitions, LabelledSubset   (splits)
     accuracy, concatenate, concatenated_and_separated, mean_and_ci, METRICS, PML_NAMES (metrics)
-    train_model, compute_embeddings, make_record_keeper, default_sampler         (training)
+    TrainingConfig, train_model, compute_embeddings, make_record_keeper, default_sampler         (training)
 """
 
 from .metrics import METRICS, PML_NAMES, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated, mean_and_ci
@@ -22,10 +23,10 @@ from .protocol import (
 )
 from .splits import LabelledSubset, class_disjoint_split, class_partitions, cross_validation_folds
 from .training import (
+    TrainingConfig,
     TrainResult,
     compute_embeddings,
     default_sampler,
-    lr_scheduler_factory,
     make_record_keeper,
     make_tester,
     quiet_pml,
@@ -40,6 +41,7 @@ __all__ = [
     "LabelledSubset",
     "ProtocolResult",
     "Recipe",
+    "TrainingConfig",
     "TrainResult",
     "accuracy",
     "class_disjoint_split",
@@ -49,7 +51,6 @@ __all__ = [
     "concatenated_and_separated",
     "cross_validation_folds",
     "default_sampler",
-    "lr_scheduler_factory",
     "make_record_keeper",
     "make_tester",
     "mean_and_ci",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..budget import DEFAULTS
+from ..budget import NUM_FOLDS
 from ..datasets import Transformed
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
 from .splits import LabelledSubset, class_disjoint_split, cross_validation_folds
@@ -66,7 +66,7 @@ class ProtocolResult:
     seconds: float
 
 
-def test_set_and_folds(dataset, num_folds=4, transforms=None):
+def test_set_and_folds(dataset, num_folds=NUM_FOLDS, transforms=None):
     """``(folds, test_set)`` of the protocol for a dataset with a ``labels`` attribute:
     `folds` is a list of ``(train_set, val_set)`` pairs over the first half of the
     classes, `test_set` holds the second half. All are `LabelledSubset`s of `dataset`, or,
@@ -90,57 +90,38 @@ def test_set_and_folds(dataset, num_folds=4, transforms=None):
 test_set_and_folds.__test__ = False  # not a test, though pytest would collect it by its name
 
 
-def train_fold_model(
-    recipe,
-    make_trunk,
-    train_set,
-    val_set,
-    fold_seed,
-    *,
-    make_embedder=None,
-    epochs,
-    batch_size,
-    iterations_per_epoch=None,
-    device="cpu",
-    embedding_size=None,
-    **training,
-):
+def train_fold_model(recipe, make_trunk, train_set, val_set, fold_seed, config, *, make_embedder=None, **training):
     """One fold's model: seeds everything with `fold_seed`, builds ``make_trunk()`` (and
     ``make_embedder()``, default the identity), the recipe's loss (with the
-    ``recipe.loss_needs`` of `embedding_size` and the fold's number of training classes: its
-    class weights are the fold's classes alone, which the trainer maps to 0 .. n - 1), its sampler (given the
-    network, for samplers that mine with it) and trains with `training.train_model`,
-    validating on `val_set` every epoch; `training` holds `train_model`'s other keywords.
-    Returns its `TrainResult`."""
+    ``recipe.loss_needs`` of the config's embedding size and the fold's number of training
+    classes: its class weights are the fold's classes alone, which the trainer maps to
+    0 .. n - 1), its sampler (given the network, for samplers that mine with it) and trains
+    with `training.train_model` and `config` (a `TrainingConfig`), validating on `val_set`
+    every epoch; `training` holds `train_model`'s other keywords (``folder``,
+    ``on_iteration``). Returns its `TrainResult`."""
     seed_everything(fold_seed)
     trunk = make_trunk()
     embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
     sampler = None
-    if recipe.make_sampler is not None and epochs > 0:
+    if recipe.make_sampler is not None and config.epochs > 0:
         sampler = recipe.make_sampler(
             train_set,
-            batch_size=batch_size,
-            model=torch.nn.Sequential(trunk, embedder).to(device),
-            device=device,
-            iterations_per_epoch=iterations_per_epoch or max(len(train_set) // batch_size, 1),
+            batch_size=config.batch_size,
+            model=torch.nn.Sequential(trunk, embedder).to(config.device),
+            device=config.device,
+            iterations_per_epoch=config.iterations_per_epoch,
             seed=fold_seed,
         )
-    given = {"num_classes": len(np.unique(np.asarray(train_set.labels))), "embedding_size": embedding_size}
-    missing = [k for k in recipe.loss_needs if given.get(k) is None]
-    if missing:
-        raise ValueError(f"{recipe.name}: its loss needs {', '.join(missing)}")
+    given = {"num_classes": len(np.unique(np.asarray(train_set.labels))), "embedding_size": config.embedding_size}
     return train_model(
         recipe.make_loss(**{k: given[k] for k in recipe.loss_needs}),
         train_set,
+        config,
         trunk=trunk,
         embedder=embedder,
         miner=recipe.make_miner() if recipe.make_miner is not None else None,
         sampler=sampler,
         val_set=val_set,
-        epochs=epochs,
-        batch_size=batch_size,
-        iterations_per_epoch=iterations_per_epoch,
-        device=device,
         loss_lr=recipe.loss_lr,
         loss_weight_decay=recipe.loss_weight_decay,
         **training,
@@ -151,40 +132,25 @@ def run_protocol(
     dataset,
     recipe,
     make_trunk,
+    config,
     *,
     make_embedder=None,
-    num_folds=DEFAULTS["num_folds"],
     seed=0,
-    epochs=DEFAULTS["epochs"],
-    batch_size=DEFAULTS["batch_size"],
-    iterations_per_epoch=None,
-    make_optimizer=None,
-    lr=DEFAULTS["lr"],
-    device="cpu",
-    patience=None,
     folder=None,
     on_iteration=None,
-    make_lr_scheduler=None,
-    freeze_trunk_batchnorm=False,
-    amp=False,
-    loader_workers=0,
     transforms=None,
-    embedding_size=None,
     validation_only=False,
     on_fold=None,
-    quiet=True,
 ):
-    """One run of the protocol with one `Recipe`; returns a `ProtocolResult`.
+    """One run of the protocol with one `Recipe` and a `TrainingConfig`; returns a
+    `ProtocolResult`.
 
-    Trains `num_folds` models (``make_trunk()``, ``make_embedder()``, fresh for each fold,
-    seeded with ``seed * 1000 + fold``) with `training.train_model` and the shared budget
-    (`epochs`, `batch_size`, `iterations_per_epoch`, `make_optimizer`, `lr`,
-    `make_lr_scheduler`, `freeze_trunk_batchnorm`: see `train_model`), then measures
-    the test classes. ``epochs=0`` gives the untrained networks' accuracy. `folder`, when
-    given, keeps each fold's record-keeper logs and models in ``<folder>/fold<k>``.
-    `transforms`: ``(train, eval)`` image transforms (see `test_set_and_folds`).
-    `embedding_size`: for losses that need it (`Recipe.loss_needs`). `loader_workers`:
-    data-loading processes (image decoding) of the trainer and the tester.
+    Trains ``config.num_folds`` models (``make_trunk()``, ``make_embedder()``, fresh for
+    each fold, seeded with ``seed * 1000 + fold``) with `training.train_model`, then
+    measures the test classes. ``config.epochs`` 0 gives the untrained networks' accuracy.
+    `folder`, when given, keeps each fold's record-keeper logs and models in
+    ``<folder>/fold<k>``. `transforms`: ``(train, eval)`` image transforms (see
+    `test_set_and_folds`).
 
     ``validation_only=True`` is the tuning objective: the test classes are never embedded;
     ``concatenated`` and ``separated`` are then empty and ``per_model`` holds each fold
@@ -192,7 +158,7 @@ def run_protocol(
     called after each fold (it may raise to stop, e.g. `optuna.TrialPruned`).
     """
     started = time.perf_counter()
-    folds, test_set = test_set_and_folds(dataset, num_folds, transforms)
+    folds, test_set = test_set_and_folds(dataset, config.num_folds, transforms)
     test_embeddings, histories, best_epochs, best_validation = [], [], [], []
     labels = None
     for k, (train_set, val_set) in enumerate(folds):
@@ -202,22 +168,10 @@ def run_protocol(
             train_set,
             val_set,
             seed * 1000 + k,
+            config,
             make_embedder=make_embedder,
-            epochs=epochs,
-            batch_size=batch_size,
-            iterations_per_epoch=iterations_per_epoch,
-            make_optimizer=make_optimizer,
-            lr=lr,
-            device=device,
             folder=None if folder is None else f"{folder}/fold{k}",
-            patience=patience,
             on_iteration=on_iteration,
-            make_lr_scheduler=make_lr_scheduler,
-            freeze_trunk_batchnorm=freeze_trunk_batchnorm,
-            amp=amp,
-            loader_workers=loader_workers,
-            embedding_size=embedding_size,
-            quiet=quiet,
         )
         histories.append(result.history)
         best_epochs.append(result.best_epoch)
@@ -227,12 +181,12 @@ def run_protocol(
             on_fold(k, best_validation)
         if not validation_only:
             embeddings, labels = compute_embeddings(
-                result.trunk, test_set, result.embedder, device, loader_workers=loader_workers
+                result.trunk, test_set, result.embedder, config.device, loader_workers=config.loader_workers
             )
             test_embeddings.append(embeddings)
     if validation_only:
         return ProtocolResult({}, {}, best_validation, histories, best_epochs, time.perf_counter() - started)
-    scores = concatenated_and_separated(test_embeddings, labels, device=device)
+    scores = concatenated_and_separated(test_embeddings, labels, device=config.device)
     return ProtocolResult(
         scores["concatenated"],
         scores["separated"],

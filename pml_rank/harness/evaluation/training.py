@@ -28,7 +28,6 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-from ..budget import DEFAULTS
 from .metrics import METRICS
 
 VALIDATION_SPLIT = "val"
@@ -49,6 +48,73 @@ class TrainResult:
     history: list
     seconds: float
     folder: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """How one model trains: built once from a resolved budget (`from_budget`, its keys of
+    the same names) and passed unchanged down to PML's trainer; no layer re-defaults a
+    value. `device` and `loader_workers` say where it runs (not part of a result).
+
+    ``iterations_per_epoch``: batches per epoch. ``optimizer``: a name of
+    `budget.OPTIMIZERS`, with `weight_decay` and (RMSprop, SGD) `momentum`.
+    ``lr_schedule``: a name of `budget.LR_SCHEDULES`. ``patience``: stop after this many
+    epochs without a better validation MAP@R (None: never). ``freeze_batchnorm``: the
+    trunk's BatchNorm layers stay in eval mode (PML's ``freeze_trunk_batchnorm``).
+    ``amp``: mixed precision (`MixedPrecisionTrainer`). ``embedding_size``: for losses that
+    need it. ``num_folds``: the protocol's cross-validation folds.
+    ``embedder_lr_factor`` and ``lr_drop`` (after this epoch, multiply the learning rate by)
+    are the papers' standard-protocol setups (`reproduce`); a budget has neither.
+    """
+
+    epochs: int
+    batch_size: int
+    iterations_per_epoch: int
+    optimizer: str
+    lr: float
+    weight_decay: float
+    momentum: float
+    lr_schedule: str
+    patience: int | None
+    freeze_batchnorm: bool
+    amp: bool
+    embedding_size: int
+    num_folds: int
+    device: str = "cpu"
+    loader_workers: int = 0
+    embedder_lr_factor: float = 1.0
+    lr_drop: tuple | None = None
+    quiet: bool = True
+    log_freq: int = 10  # record-keeper logs the trainer's statistics every log_freq iterations
+
+    @classmethod
+    def from_budget(cls, budget, device="cpu", loader_workers=0):
+        """The configuration of a resolved budget (`budget.resolve`), run on `device`."""
+        given = {f.name: budget[f.name] for f in dataclasses.fields(cls) if f.name in budget}
+        return cls(**given, device=device, loader_workers=loader_workers)
+
+    def make_optimizer(self, parameters, lr):
+        """The configured optimizer over `parameters` at `lr`."""
+        if self.optimizer == "adam":
+            return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay)
+        if self.optimizer == "rmsprop":
+            return torch.optim.RMSprop(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum)
+        raise ValueError(f"unknown optimizer {self.optimizer!r}; available: adam, rmsprop, sgd")
+
+    def make_lr_scheduler(self, optimizer):
+        """The schedule PML's trainer steps after every epoch, or None: "cosine" anneals the
+        learning rate to zero over the epochs (the last of 10 trains at about 2% of it),
+        "constant" keeps it; `lr_drop` multiplies it once."""
+        if self.lr_drop is not None:
+            after_epoch, factor = self.lr_drop
+            return torch.optim.lr_scheduler.MultiStepLR(optimizer, [after_epoch], gamma=factor)
+        if self.lr_schedule == "cosine":
+            return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)
+        if self.lr_schedule == "constant":
+            return None
+        raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; available: cosine, constant")
 
 
 def seed_everything(seed):
@@ -150,30 +216,6 @@ def compute_embeddings(trunk, dataset, embedder=None, device="cpu", batch_size=2
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
 
-def lr_scheduler_factory(name, epochs):
-    """`train_model`'s ``make_lr_scheduler`` for a schedule of `budget.LR_SCHEDULES`:
-    "cosine" anneals the learning rate to zero over `epochs` epochs (the last epoch trains
-    at about 2% of it for 10 epochs), "constant" (None) keeps it."""
-    if name == "constant":
-        return None
-    if name == "cosine":
-        return lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
-    raise ValueError(f"unknown learning-rate schedule {name!r}; available: cosine, constant")
-
-
-def optimizer_factory(name="adam", weight_decay=0.0, momentum=0.0):
-    """`train_model`'s ``make_optimizer(parameters, lr)`` for an optimizer of
-    `budget.OPTIMIZERS`: Adam, RMSprop (the Reality Check's) or SGD, with `weight_decay` and
-    (RMSprop, SGD) `momentum`."""
-    if name == "adam":
-        return lambda params, lr: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "rmsprop":
-        return lambda params, lr: torch.optim.RMSprop(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
-    if name == "sgd":
-        return lambda params, lr: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, momentum=momentum)
-    raise ValueError(f"unknown optimizer {name!r}; available: adam, rmsprop, sgd")
-
-
 class MixedPrecisionTrainer(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` with automatic mixed precision: the forward pass and the loss
     under `torch.autocast` (float16 on CUDA, bfloat16 on the CPU), the backward pass
@@ -210,160 +252,147 @@ def default_sampler(labels, batch_size, m_per_class=4):
     return samplers.MPerClassSampler(labels, m=m_per_class, batch_size=batch_size, length_before_new_iter=length)
 
 
+def _optimized(config, trunk, embedder, loss_func, loss_lr, loss_weight_decay):
+    """``(models, optimizers, lr_schedulers)`` as PML's trainer takes them."""
+    models = {"trunk": trunk}
+    optimizers = {"trunk_optimizer": config.make_optimizer(trunk.parameters(), config.lr)}
+    # PML warns about a model without an optimizer; a parameterless embedder needs neither.
+    if any(True for _ in embedder.parameters()):
+        models["embedder"] = embedder
+        embedder_lr = config.lr * config.embedder_lr_factor
+        optimizers["embedder_optimizer"] = config.make_optimizer(embedder.parameters(), embedder_lr)
+    if any(True for _ in loss_func.parameters()):
+        group = {"params": list(loss_func.to(config.device).parameters())}
+        if loss_weight_decay is not None:
+            group["weight_decay"] = loss_weight_decay
+        optimizers["metric_loss_optimizer"] = config.make_optimizer([group], loss_lr or config.lr)
+    schedulers = {
+        f"{name[: -len('_optimizer')]}_scheduler_by_epoch": config.make_lr_scheduler(o)
+        for name, o in optimizers.items()
+    }
+    return models, optimizers, {name: scheduler for name, scheduler in schedulers.items() if scheduler is not None}
+
+
+class _EpochRecorder:
+    """PML's hooks plus what `train_model` keeps: every epoch's mean loss and validation
+    accuracies (``history``), validating on `val_set` with PML's tester after each epoch."""
+
+    def __init__(self, hooks, config, val_set, model_folder, on_iteration):
+        self.hooks, self.on_iteration, self.history, self.losses = hooks, on_iteration, [], []
+        self.tester = self.validate = None
+        if val_set is not None:
+            self.tester = make_tester(
+                config.device, end_of_testing_hook=hooks.end_of_testing_hook, loader_workers=config.loader_workers
+            )
+            self.validate = hooks.end_of_epoch_hook(
+                self.tester, {VALIDATION_SPLIT: val_set}, model_folder, patience=config.patience
+            )
+
+    def end_of_iteration(self, trainer):
+        self.hooks.end_of_iteration_hook(trainer)
+        loss = trainer.losses["total_loss"]
+        self.losses.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
+        if self.on_iteration is not None:
+            self.on_iteration(trainer)
+
+    def end_of_epoch(self, trainer):
+        entry = {"epoch": trainer.epoch, "loss": float(np.mean(self.losses)) if self.losses else 0.0}
+        self.losses.clear()
+        keep_going = True
+        if self.validate is not None:
+            keep_going = self.validate(trainer)
+            accuracies = self.tester.all_accuracies[VALIDATION_SPLIT]
+            entry.update({name: float(accuracies[f"{name}_level0"]) for name in METRICS})
+        self.history.append(entry)
+        return keep_going
+
+
 def train_model(
     loss_func,
     train_set,
+    config,
     *,
     trunk,
     embedder=None,
     miner=None,
     sampler=None,
     val_set=None,
-    epochs=DEFAULTS["epochs"],
-    batch_size=DEFAULTS["batch_size"],
-    iterations_per_epoch=None,
-    make_optimizer: Callable | None = None,
-    lr=DEFAULTS["lr"],
     loss_lr=None,
     loss_weight_decay=None,
-    device="cpu",
     folder=None,
-    patience=None,
     seed=None,
-    log_freq=10,
     on_iteration: Callable | None = None,
-    make_lr_scheduler: Callable | None = None,
-    freeze_trunk_batchnorm=False,
-    amp=False,
-    loader_workers=0,
-    quiet=True,
 ):
-    """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer and returns a
-    `TrainResult`.
+    """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer as `config` (a
+    `TrainingConfig`) says and returns a `TrainResult`.
 
     Args:
         loss_func: a PML loss (`BaseMetricLossFunction`), ours or PML's.
         train_set: a dataset of ``(input, label)`` items with a ``labels`` attribute; the
             loss sees its labels mapped in order to 0 .. n - 1 (PML's ``set_min_label_to_zero``).
+        config: the `TrainingConfig`; ``config.epochs`` 0 returns the models untouched
+            (the untrained row).
         trunk, embedder: the models; `embedder` defaults to the identity.
         miner: an optional PML miner, passed to the trainer as its tuple miner.
         sampler: a `Sampler` or `BatchSampler`; default `default_sampler` (4 per class).
         val_set: when given, PML's tester measures `METRICS` on it after every epoch
             (queries against the rest of `val_set`) and the best epoch by MAP@R is kept.
-        epochs: number of epochs; 0 returns the models untouched (the untrained row).
-        iterations_per_epoch: default ``len(train_set) // batch_size``.
-        make_optimizer: ``f(parameters, lr) -> torch.optim.Optimizer``; default Adam.
-            Losses with parameters of their own get an optimizer too (PML's
-            ``metric_loss_optimizer``), at `loss_lr` (default `lr`) with `loss_weight_decay`
-            (default: `make_optimizer`'s).
+        loss_lr, loss_weight_decay: losses with parameters of their own get an optimizer
+            too (PML's ``metric_loss_optimizer``), at `loss_lr` (default the config's lr)
+            with `loss_weight_decay` (default the config's).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
-        patience: stop after this many epochs without a better validation MAP@R.
         seed: seeds Python, numpy and torch first (`seed_everything`) when given.
-        log_freq: record-keeper logs the trainer's statistics every `log_freq` iterations.
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
-        make_lr_scheduler: ``f(optimizer) -> torch.optim.lr_scheduler.LRScheduler``, stepped
-            by PML's trainer at the end of every epoch, one for each model's optimizer.
-        freeze_trunk_batchnorm: PML's trainer option: the trunk's BatchNorm layers stay in
-            eval mode (fixed statistics), the Reality Check setting.
-        amp: automatic mixed precision (`MixedPrecisionTrainer`).
-        loader_workers: data-loading processes of the trainer and the validation tester.
-        quiet: silence PML's own progress bars and INFO logs.
     """
     if seed is not None:
         seed_everything(seed)
+    device = torch.device(config.device)
     embedder = torch.nn.Identity() if embedder is None else embedder
     trunk, embedder = trunk.to(device), embedder.to(device)
-    make_optimizer = make_optimizer or optimizer_factory()
-    if epochs == 0:
+    if config.epochs == 0:
         return TrainResult(trunk.eval(), embedder.eval(), 0, [], 0.0, folder)
     labels = np.asarray(train_set.labels)
-    sampler = default_sampler(labels, batch_size) if sampler is None else sampler
-    iterations_per_epoch = iterations_per_epoch or max(len(labels) // batch_size, 1)
-
-    models = {"trunk": trunk}
-    optimizers = {"trunk_optimizer": make_optimizer(trunk.parameters(), lr)}
-    # PML warns about a model without an optimizer; a parameterless embedder needs neither.
-    if any(True for _ in embedder.parameters()):
-        models["embedder"] = embedder
-        optimizers["embedder_optimizer"] = make_optimizer(embedder.parameters(), lr)
-    if any(True for _ in loss_func.parameters()):
-        group = {"params": list(loss_func.to(device).parameters())}
-        if loss_weight_decay is not None:
-            group["weight_decay"] = loss_weight_decay
-        optimizers["metric_loss_optimizer"] = make_optimizer([group], loss_lr or lr)
-    lr_schedulers = {}
-    if make_lr_scheduler is not None:
-        lr_schedulers = {
-            f"{name[: -len('_optimizer')]}_scheduler_by_epoch": make_lr_scheduler(optimizer)
-            for name, optimizer in optimizers.items()
-        }
-
+    sampler = default_sampler(labels, config.batch_size) if sampler is None else sampler
+    models, optimizers, lr_schedulers = _optimized(config, trunk, embedder, loss_func, loss_lr, loss_weight_decay)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        kept_folder = None if folder is None else str(folder)
         if folder is None:
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pml-rank-train-"))
-            kept_folder = None
-        else:
-            kept_folder = str(folder)
-        stack.enter_context(quiet_pml(quiet))
+        stack.enter_context(quiet_pml(config.quiet))
         record_keeper = make_record_keeper(folder)
         hooks = logging_presets.get_hook_container(
-            record_keeper, log_freq=log_freq, validation_split_name=VALIDATION_SPLIT
+            record_keeper, log_freq=config.log_freq, validation_split_name=VALIDATION_SPLIT
         )
         model_folder = str(Path(folder) / "models")
-        epoch_losses = []
-
-        def end_of_iteration(trainer):
-            hooks.end_of_iteration_hook(trainer)
-            loss = trainer.losses["total_loss"]
-            epoch_losses.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
-            if on_iteration is not None:
-                on_iteration(trainer)
-
-        history = []
-        if val_set is not None:
-            tester = make_tester(device, end_of_testing_hook=hooks.end_of_testing_hook, loader_workers=loader_workers)
-            validate = hooks.end_of_epoch_hook(tester, {VALIDATION_SPLIT: val_set}, model_folder, patience=patience)
-        else:
-            tester, validate = None, None
-
-        def end_of_epoch(trainer):
-            entry = {"epoch": trainer.epoch, "loss": float(np.mean(epoch_losses)) if epoch_losses else 0.0}
-            epoch_losses.clear()
-            keep_going = True
-            if validate is not None:
-                keep_going = validate(trainer)
-                accuracies = tester.all_accuracies[VALIDATION_SPLIT]
-                entry.update({name: float(accuracies[f"{name}_level0"]) for name in METRICS})
-            history.append(entry)
-            return keep_going
-
-        trainer = (MixedPrecisionTrainer if amp else trainers.MetricLossOnly)(
+        recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration)
+        trainer = (MixedPrecisionTrainer if config.amp else trainers.MetricLossOnly)(
             models=models,
             optimizers=optimizers,
             lr_schedulers=lr_schedulers,
-            freeze_trunk_batchnorm=freeze_trunk_batchnorm,
-            batch_size=batch_size,
+            freeze_trunk_batchnorm=config.freeze_batchnorm,
+            batch_size=config.batch_size,
             loss_funcs={"metric_loss": loss_func},
             mining_funcs={} if miner is None else {"tuple_miner": miner},
             dataset=train_set,
             # A fold's classes are not 0 .. n - 1: class-weight losses get n weights, not one
             # per class of the whole data set (the held-out ones would be extra negatives).
             set_min_label_to_zero=True,
-            dataset_labels=np.asarray(train_set.labels),
+            dataset_labels=labels,
             sampler=sampler,
-            iterations_per_epoch=iterations_per_epoch,
-            data_device=torch.device(device),
-            dataloader_num_workers=loader_workers,
-            end_of_iteration_hook=end_of_iteration,
-            end_of_epoch_hook=end_of_epoch,
+            iterations_per_epoch=config.iterations_per_epoch,
+            data_device=device,
+            dataloader_num_workers=config.loader_workers,
+            end_of_iteration_hook=recorder.end_of_iteration,
+            end_of_epoch_hook=recorder.end_of_epoch,
         )
-        trainer.train(num_epochs=epochs)
-        best_epoch = history[-1]["epoch"] if history else epochs
-        if validate is not None:
-            best_epoch, _ = hooks.get_best_epoch_and_accuracy(tester, VALIDATION_SPLIT)
-            hooks.load_latest_saved_models(trainer, model_folder, torch.device(device), best=True)
+        trainer.train(num_epochs=config.epochs)
+        history = recorder.history
+        best_epoch = history[-1]["epoch"] if history else config.epochs
+        if recorder.validate is not None:
+            best_epoch, _ = hooks.get_best_epoch_and_accuracy(recorder.tester, VALIDATION_SPLIT)
+            hooks.load_latest_saved_models(trainer, model_folder, device, best=True)
             embedder = trainer.models["embedder"]
         record_keeper.save_records()
     return TrainResult(

@@ -69,6 +69,7 @@ def _bench(args, tmp_path):
     return done.returncode, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_FILES)
 def test_a_bad_file_after_colour_images_is_refused_in_one_line_before_any_job(name, tmp_path):
     folder = write_colour_folder(tmp_path / "photos")
@@ -85,6 +86,7 @@ def test_a_bad_file_after_colour_images_is_refused_in_one_line_before_any_job(na
     assert not (out / "bench.json").exists() and not (out / "bench.db").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_paper_image_is_refused_in_one_line_before_any_job(tmp_path):
     root = tiny_layouts.make_all(tmp_path / "data", size=24, only=["cub200"])
     bad = Path(real.load("cub200", root, "test").paths[-1])

@@ -20,9 +20,11 @@ optuna = pytest.importorskip("optuna")
 from pml_rank.harness import jobs  # noqa: E402
 from pml_rank.harness.budget import resolve  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a PostgreSQL server and bench processes
+
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 ROW = "pml:TripletMarginLoss"
-# test_jobs.py's tiny bench: 5 jobs (raw input, untrained x 2 seeds, the row x 2 seeds).
+# test_workers.py's tiny bench: 5 jobs (raw input, untrained x 2 seeds, the row x 2 seeds).
 TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
 DEADLINE = 600  # seconds: generous, the machine may be loaded
 

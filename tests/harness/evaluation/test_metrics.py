@@ -190,6 +190,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 """
 
 
+@pytest.mark.slow
 def test_peak_memory_grows_with_the_queries_not_with_classes_times_references():
     # 12,000 points in 3,000 classes: PML's label comparison takes 36 million entries
     # (classes x references; its peak grows by 345 MB here). Ours holds k nearest
