@@ -3,6 +3,7 @@
 `--status` on a storage that holds no bench, and two processes of different budgets
 starting on one storage at the same moment."""
 
+import functools
 import json
 import multiprocessing
 import os
@@ -34,13 +35,21 @@ def bench_command(out, url, cache, *extra):
             "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
+@functools.cache
+def _reader(url):
+    """One storage per URL for the test's reads: a read then costs milliseconds, not the seconds
+    of opening a storage, so a poll sees a job that lasts a second however loaded the machine.
+    A connection the server closed (a restart) is replaced before use."""
+    return optuna.storages.RDBStorage(url, skip_table_creation=True, engine_kwargs={"pool_pre_ping": True})
+
+
 def job_trials(url):
     """Every job trial of the benches at `url` ([] before a bench is made, or while the
     storage does not answer), read without making anything."""
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
         return []
     try:
-        storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
+        storage = _reader(url)
     except Exception:
         return []
     try:
@@ -53,8 +62,6 @@ def job_trials(url):
         ]
     except Exception:
         return []
-    finally:
-        storage.engine.dispose()
 
 
 def wait_for(condition, what, process=None):
