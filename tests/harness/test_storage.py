@@ -3,7 +3,6 @@
 `--status` on a storage that holds no bench, and two processes of different budgets
 starting on one storage at the same moment."""
 
-import functools
 import json
 import multiprocessing
 import os
@@ -35,12 +34,25 @@ def bench_command(out, url, cache, *extra):
             "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
-@functools.cache
+_READERS = {}
+
+
 def _reader(url):
     """One storage per URL for the test's reads: a read then costs milliseconds, not the seconds
     of opening a storage, so a poll sees a job that lasts a second however loaded the machine.
     A connection the server closed (a restart) is replaced before use."""
-    return optuna.storages.RDBStorage(url, skip_table_creation=True, engine_kwargs={"pool_pre_ping": True})
+    if url not in _READERS:
+        _READERS[url] = optuna.storages.RDBStorage(url, skip_table_creation=True, engine_kwargs={"pool_pre_ping": True})
+    return _READERS[url]
+
+
+@pytest.fixture(autouse=True)
+def close_readers():
+    """Closes the test's reading connections (one left to the garbage collector warns elsewhere)."""
+    yield
+    for storage in _READERS.values():
+        storage.engine.dispose()
+    _READERS.clear()
 
 
 def job_trials(url):
