@@ -34,34 +34,13 @@ def bench_command(out, url, cache, *extra):
             "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
-_READERS = {}
-
-
-def _reader(url):
-    """One storage per URL for the test's reads: a read then costs milliseconds, not the seconds
-    of opening a storage, so a poll sees a job that lasts a second however loaded the machine.
-    A connection the server closed (a restart) is replaced before use."""
-    if url not in _READERS:
-        _READERS[url] = optuna.storages.RDBStorage(url, skip_table_creation=True, engine_kwargs={"pool_pre_ping": True})
-    return _READERS[url]
-
-
-@pytest.fixture(autouse=True)
-def close_readers():
-    """Closes the test's reading connections (one left to the garbage collector warns elsewhere)."""
-    yield
-    for storage in _READERS.values():
-        storage.engine.dispose()
-    _READERS.clear()
-
-
 def job_trials(url):
     """Every job trial of the benches at `url` ([] before a bench is made, or while the
     storage does not answer), read without making anything."""
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
         return []
     try:
-        storage = _reader(url)
+        storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
     except Exception:
         return []
     try:
@@ -74,6 +53,8 @@ def job_trials(url):
         ]
     except Exception:
         return []
+    finally:
+        storage.engine.dispose()
 
 
 def wait_for(condition, what, process=None):
