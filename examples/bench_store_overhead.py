@@ -36,7 +36,7 @@ def work(url, budget):
     runner.run = lambda *args, **kwargs: fake_outcome(budget)
     store = jobs.JobStore(url, budget)
     try:
-        store.work(runner.Place(), poll=0.05)
+        store.work(runner.Machine(), poll=0.05)
     finally:
         store.close()
 
@@ -48,8 +48,8 @@ def one_round(url, processes):
     all_jobs = bench.bench_jobs(budget, rows, 3, params)
     started = time.perf_counter()
     store = jobs.JobStore(url, budget)
-    store.claim_rows({row: dict(params.get(row, {})) for row in rows})
-    store.ensure(all_jobs)
+    store.record_row_params({row: dict(params.get(row, {})) for row in rows})
+    store.enqueue_missing(all_jobs)
     if processes == 1:
         work(url, budget)
     else:

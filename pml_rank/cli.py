@@ -107,12 +107,12 @@ def _warn(budget):
         print(f"pml-rank: warning: {line}", file=sys.stderr)
 
 
-def _place(args):
-    from .harness.runner import Place
+def _machine(args):
+    from .harness.runner import Machine
 
     device = args.devices[0] if args.devices else args.device
     models_dir = str(Path(args.out) / "models") if getattr(args, "save_models", False) else None
-    return Place(
+    return Machine(
         data_root=args.data_root,
         cache_dir=args.cache_dir,
         device=device,
@@ -156,12 +156,12 @@ def _cmd_bench(args):
         return 0
     budget = _budget(args)
     try:
-        contenders = recipes.recipes(args.losses or None)
+        row_recipes = recipes.rows(args.losses or None)
     except KeyError as error:
         raise UsageError(f"argument losses: {error.args[0]}") from None
     refusals = _refusals()
     try:
-        recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+        recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
         params, source, defaults_won, note = bench.choose_params(args.params, args.untuned, budget)
     except refusals as error:
         raise _refused(error) from None
@@ -172,10 +172,10 @@ def _cmd_bench(args):
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
     try:
         result = bench.run_bench(
-            list(contenders),
+            list(row_recipes),
             budget,
             url,
-            place=_place(args),
+            machine=_machine(args),
             seeds=budget["seeds"],
             params=params,
             params_source=source,
@@ -247,25 +247,25 @@ def _cmd_tune(args):
     from .harness import recipes, storage
 
     try:
-        contenders = recipes.recipes(args.losses or None)
+        row_recipes = recipes.rows(args.losses or None)
     except KeyError as error:
         raise UsageError(f"argument losses: {error.args[0]}") from None
     spaces = tune.search_spaces()
-    missing = [name for name in contenders if name not in spaces]
+    missing = [name for name in row_recipes if name not in spaces]
     if missing and args.losses:
         raise UsageError(
             f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
             "one with the pml_rank_search_spaces hook)"
         )
-    contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
-    config = _budget(args)
-    config["seed"] = args.seed
+    row_recipes = {name: recipe for name, recipe in row_recipes.items() if name in spaces}
+    budget = _budget(args)
+    budget["seed"] = args.seed
     refusals = _refusals()
     try:
-        recipes.check_budget(contenders, config["batch_size"], config["num_classes"], config["num_folds"])
+        recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
         from .harness import runner
 
-        runner.check(config, list(contenders), _place(args))
+        runner.check(budget, list(row_recipes), _machine(args))
     except refusals as error:
         raise _refused(error) from None
     args.out = str(_prepare_out(args.out))
@@ -273,16 +273,16 @@ def _cmd_tune(args):
     words = [storage.redact(a) if a == args.storage else a for a in args.argv]
     command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
     workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
-    _warn(config)
+    _warn(budget)
     try:
         result = tune.tune(
-            list(contenders),
-            config["trials"],
-            config,
+            list(row_recipes),
+            budget["trials"],
+            budget,
             url,
             args.out,
             workers=workers,
-            place=_place(args),
+            machine=_machine(args),
             devices=args.devices,
             threads=args.threads,
             heartbeat=args.heartbeat,

@@ -23,7 +23,7 @@ from .budget import SHIPPED_PARAMS, TRAINING_KEYS, budget_warnings
 from .jobs import STORE_FILE as STORE_FILE  # the storage's file in --out, re-exported
 from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
-from .runner import RAW_INPUT, Place
+from .runner import RAW_INPUT, Machine
 from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, check_url
 from .workers import run_processes
 
@@ -92,11 +92,11 @@ def bench_jobs(budget, rows, seeds, params):
     return jobs
 
 
-def _work(url, budget, place, threads, heartbeat, retry):
+def _work(url, budget, machine, threads, heartbeat, retry):
     torch.set_num_threads(threads)
     store = JobStore(url, budget, heartbeat, retry)
     try:
-        store.work(place)
+        store.work(machine)
     finally:
         store.close()
 
@@ -105,7 +105,7 @@ def run_bench(
     rows,
     budget,
     url,
-    place=Place(),
+    machine=Machine(),
     seeds=3,
     params=None,
     params_source=None,
@@ -124,22 +124,22 @@ def run_bench(
     Raises `jobs.MismatchError` when the storage holds another bench, and the errors of
     `runner.check` before any work; `storage.StorageUnavailable` when the storage stayed
     unreachable (finished jobs are kept)."""
-    contenders = recipes.recipes(rows)
+    row_recipes = recipes.rows(rows)
     params = params or {}
-    row_params = {row: dict(params.get(row, {})) for row in contenders}
+    row_params = {row: dict(params.get(row, {})) for row in row_recipes}
     # Before the data load: an unreachable storage, a stored bench of another budget or other
     # parameters. Bad data are refused before a storage file is made.
     check_url(url)
     check_stored_bench(url, budget, row_params, retry)
-    runner.check(budget, list(contenders), place)
+    runner.check(budget, list(row_recipes), machine)
     for line in budget_warnings(budget):  # after every refusal, before any training
         print(f"pml-rank bench: warning: {line}", file=sys.stderr)
-    all_jobs = bench_jobs(budget, list(contenders), seeds, row_params)
+    all_jobs = bench_jobs(budget, list(row_recipes), seeds, row_params)
     store = JobStore(url, budget, heartbeat, retry)
     try:
-        store.claim_rows(row_params)
+        store.record_row_params(row_params)
         already = len(store.outcomes())
-        store.ensure(all_jobs)
+        store.enqueue_missing(all_jobs)
         bar = tqdm(total=len(all_jobs), desc="pml-rank bench", unit="job", disable=not progress, dynamic_ncols=True)
         last = [0.0]
 
@@ -155,14 +155,14 @@ def run_bench(
         try:
             if workers <= 1:
                 torch.set_num_threads(threads)
-                here = place if not devices else dataclasses.replace(place, device=devices[0])
+                here = machine if not devices else dataclasses.replace(machine, device=devices[0])
                 store.work(here, on_iteration=lambda trainer: show(), on_job=lambda job: show(force=True))
             else:
-                places = [
-                    dataclasses.replace(place, device=devices[i % len(devices)]) if devices else place
+                machines = [
+                    dataclasses.replace(machine, device=devices[i % len(devices)]) if devices else machine
                     for i in range(workers)
                 ]
-                failed = run_processes(_work, [(url, budget, p, threads, heartbeat, retry) for p in places], show)
+                failed = run_processes(_work, [(url, budget, m, threads, heartbeat, retry) for m in machines], show)
                 if failed:
                     raise RuntimeError(f"pml-rank bench: {len(failed)} worker(s) failed (exit codes {failed})")
             show(force=True)
@@ -171,14 +171,14 @@ def run_bench(
         found = store.outcomes()
     finally:
         store.close()
-    return _result(budget, seeds, contenders, all_jobs, found, row_params, params_source, defaults_won, already)
+    return _result(budget, seeds, row_recipes, all_jobs, found, row_params, params_source, defaults_won, already)
 
 
-def _result(budget, seeds, contenders, all_jobs, found, row_params, params_source, defaults_won, resumed):
+def _result(budget, seeds, row_recipes, all_jobs, found, row_params, params_source, defaults_won, resumed):
     missing = [job for job in all_jobs if job.key not in found]
     if missing:
         raise RuntimeError(f"pml-rank bench: {len(missing)} job(s) did not finish, e.g. {missing[0].row}")
-    rows = [*runner.rows_without_training(budget), *contenders]
+    rows = [*runner.rows_without_training(budget), *row_recipes]
     runs, histories, seconds = {}, {}, {}
     for row in rows:
         outcomes = [found[job.key] for job in all_jobs if job.row == row]
@@ -186,13 +186,13 @@ def _result(budget, seeds, contenders, all_jobs, found, row_params, params_sourc
         histories[row] = [o["histories"] for o in outcomes] if row != RAW_INPUT else []
         seconds[row] = sum(o["seconds"] for o in outcomes)
     sources = {row: "" for row in rows}
-    for row in contenders:
+    for row in row_recipes:
         if row_params[row]:
             sources[row] = "defaults won the search" if row in defaults_won else (params_source or "tuned")
         else:
             sources[row] = "defaults"
-    batches = {row: contenders[row].batches if row in contenders else "" for row in rows}
-    config = {**{k: budget[k] for k in (*TRAINING_KEYS, "preset")}, "seeds": seeds}
+    batches = {row: row_recipes[row].batches if row in row_recipes else "" for row in rows}
+    recorded = {**{k: budget[k] for k in (*TRAINING_KEYS, "preset")}, "seeds": seeds}
     return BenchResult(
-        config, rows, runs, histories, seconds, batches, row_params, sources, min(resumed, len(all_jobs))
+        recorded, rows, runs, histories, seconds, batches, row_params, sources, min(resumed, len(all_jobs))
     )

@@ -29,13 +29,12 @@ import sys
 import time
 import warnings
 
-from .budget import TRAINING_KEYS, digest, training_key
+from .budget import MAP_AT_R, TRAINING_KEYS, digest, training_key
 from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage, record_heartbeat_now
 from .workers import InterruptsBetweenTrials
 
 STORE_FILE = "bench.db"
 STUDY_PREFIX = "pml-rank bench "
-METRIC = "mean_average_precision_at_r"
 
 
 def study_name(budget):
@@ -204,7 +203,7 @@ class JobStore:
     def close(self):
         close_storage(self.storage)
 
-    def claim_rows(self, row_params):
+    def record_row_params(self, row_params):
         """Records each row's parameters; raises `MismatchError` naming every row the storage
         holds with other parameters."""
         check_params_match(self.study.user_attrs, row_params)
@@ -215,7 +214,7 @@ class JobStore:
     def _trials(self, states=None):
         return _job_trials(self.study, states)
 
-    def ensure(self, jobs):
+    def enqueue_missing(self, jobs):
         """Enqueues every job that has no waiting, running or complete trial; returns how many."""
         from optuna.trial import TrialState
 
@@ -279,7 +278,7 @@ class JobStore:
             )
             trial.set_user_attr("outcome", outcome)
             finished.append(record["key"])
-            return float(outcome["run"]["concatenated"][METRIC])
+            return float(outcome["run"]["concatenated"][MAP_AT_R])
 
         def objective(trial):
             try:

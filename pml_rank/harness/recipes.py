@@ -1,4 +1,4 @@
-"""The contenders of `pml-rank bench` and `pml-rank tune`, as `evaluation.Recipe`s by row name.
+"""The rows of `pml-rank bench` and `pml-rank tune`, as `evaluation.Recipe`s by row name.
 
 Registered losses (pml-rank's and any plugin's, by their registry name) get their paper's
 miner and sampler from `PAPER_RECIPES`; any other registered loss trains with PML's
@@ -110,7 +110,7 @@ def default_rows():
     return [*(name for name in sorted(registry.losses()) if name not in ABLATIONS), *DEFAULT_BASELINES]
 
 
-def recipes(names=None):
+def rows(names=None):
     """``{row name: Recipe}`` for `names` (default: `default_rows`), in that order. Raises
     KeyError naming the unknown rows and the available ones."""
     names = default_rows() if names is None else list(names)
@@ -152,9 +152,9 @@ def default_params(row):
     return {}
 
 
-def _rows_by_per_class(contenders):
+def _rows_by_per_class(row_recipes):
     groups = {}
-    for name, recipe in contenders.items():
+    for name, recipe in row_recipes.items():
         if recipe.per_class:
             groups.setdefault(recipe.per_class, []).append(name)
     return dict(sorted(groups.items(), reverse=True))
@@ -176,13 +176,13 @@ def largest_batch_size(per_class_values, num_classes, num_folds=NUM_FOLDS):
     return max(fitting, default=None)
 
 
-def check_budget(contenders, batch_size, num_classes=None, num_folds=NUM_FOLDS):
+def check_budget(row_recipes, batch_size, num_classes=None, num_folds=NUM_FOLDS):
     """Raises `BudgetError` when `batch_size` or `num_classes` (None or "all": not known yet)
-    cannot make the batches of the rows `contenders` (``{name: Recipe}``): the batch size
+    cannot make the batches of the rows `row_recipes` (``{name: Recipe}``): the batch size
     must be a multiple of each row's samples per class and hold two classes or more, and
     every fold model must train on at least as many classes as a batch holds."""
     num_classes = class_count(num_classes)
-    groups = _rows_by_per_class(contenders)
+    groups = _rows_by_per_class(row_recipes)
     if any(batch_size % m or batch_size < 2 * m for m in groups):
         needs = [
             f"{'even' if m == 2 else f'a multiple of {m}'} and at least {2 * m} for {_group_name(m)} "
@@ -212,7 +212,7 @@ def check_budget(contenders, batch_size, num_classes=None, num_folds=NUM_FOLDS):
 def describe(names=None):
     """``[(row, miner, batches, optimizer)]`` for `pml-rank bench --list`."""
     lines = []
-    for name, recipe in recipes(names or available()).items():
+    for name, recipe in rows(names or available()).items():
         spec = baselines.BASELINES.get(name)
         miner = spec.miner if spec is not None else ("BatchHardMiner" if recipe.make_miner else "")
         learns = spec.loss_parameters if spec is not None else ""

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from . import outputs
+from .budget import MAP_AT_R
 from .components import PML_PREFIX
 from .evaluation import METRICS, SHORT_NAMES, summarize
 from .runner import RAW_INPUT, UNTRAINED
@@ -15,13 +16,15 @@ from .runner import RAW_INPUT, UNTRAINED
 
 @dataclasses.dataclass
 class BenchResult:
-    """Rows in order; ``runs[row]`` holds one ``{"concatenated", "separated"}`` dict per
-    seed, ``histories[row]`` the fold histories of every seed, ``seconds[row]`` the
-    training and evaluation time of the row (summed over seeds, whichever process ran
-    them), ``params[row]`` the loss's parameters and ``sources[row]`` where they came from
-    ("defaults", the tuned file, "defaults won the search")."""
+    """A bench's `budget` (its training keys, its preset and its seeds: the JSON's
+    ``"config"``) and its rows in order; ``runs[row]`` holds one ``{"concatenated",
+    "separated"}`` dict per seed, ``histories[row]`` the fold histories of every seed,
+    ``seconds[row]`` the training and evaluation time of the row (summed over seeds,
+    whichever process ran them), ``params[row]`` the loss's parameters and
+    ``sources[row]`` where they came from ("defaults", the tuned file, "defaults won the
+    search")."""
 
-    config: dict
+    budget: dict
     rows: list
     runs: dict
     histories: dict
@@ -76,7 +79,7 @@ def format_table(result):
         ).rstrip()
         for line in lines
     ]
-    c = result.config
+    c = result.budget
     images = ""
     if c.get("image_size"):
         images = f", {c['image_size']} px crops of a {c['resize']} px resize ({c['augmentation']})"
@@ -107,11 +110,11 @@ def rows_not_above_untrained(summary):
     below the untrained networks' (none without an untrained row)."""
     if UNTRAINED not in summary:
         return set()
-    floor = summary[UNTRAINED]["concatenated"]["mean_average_precision_at_r"][0]
+    floor = summary[UNTRAINED]["concatenated"][MAP_AT_R][0]
     return {
         row
         for row, s in summary.items()
-        if row not in (RAW_INPUT, UNTRAINED) and s["concatenated"]["mean_average_precision_at_r"][0] <= floor
+        if row not in (RAW_INPUT, UNTRAINED) and s["concatenated"][MAP_AT_R][0] <= floor
     }
 
 
@@ -163,7 +166,7 @@ def write_json(result, path):
         return {"mean": mean, "ci95": None if np.isnan(ci) else ci}
 
     payload = {
-        "config": result.config,
+        "config": result.budget,
         "total_seconds": result.total_seconds,
         "rows": [
             {
@@ -223,8 +226,8 @@ def bench_figure(result):
     from matplotlib.ticker import MaxNLocator
 
     summary = result.summary()
-    metric = "mean_average_precision_at_r"
-    c = result.config
+    metric = MAP_AT_R
+    c = result.budget
     fig, (bars, val, loss) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     y = np.arange(len(result.rows))
     any_ci, no_ci = False, []

@@ -506,7 +506,7 @@ def check_runs_match_rows(runs, setup):
     for run in runs:
         if run.untrained:
             continue
-        recipe = recipes.recipes([run.loss])[run.loss]
+        recipe = recipes.rows([run.loss])[run.loss]
         miner = type(recipe.make_miner()).__name__ if recipe.make_miner else None
         if (run.miner or None) and (run.miner.removeprefix("pml:") != miner) or (not run.miner and miner):
             raise MissingComponentError(f"{run.label}: miner {run.miner} differs from the row's ({miner})")
@@ -525,8 +525,8 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
     check_runs_match_rows(runs, setup)
     budget = reality_check_budget(variant.dataset, setup, pretrained)
     # The fold models of every trained run are kept in models_dir (`runner.models_folder`).
-    place = runner.Place(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
-    data = runner.check(budget, [r.loss for r in runs if not r.untrained], place)
+    machine = runner.Machine(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
+    data = runner.check(budget, [r.loss for r in runs if not r.untrained], machine)
     # A fold trains on 3 of the 4 partitions of the training half.
     iterations = _iterations(setup, len(data) // 2 * 3 // 4, args.smoke)
     budget = reality_check_budget(variant.dataset, setup, pretrained, iterations)
@@ -544,7 +544,7 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
                     runner.UNTRAINED if run.untrained else run.loss,
                     run.loss_kwargs,
                     args.seed + repeat,
-                    place,
+                    machine,
                     on_iteration=lambda trainer: bar.update(1),
                 )["run"]
                 for repeat in range(1 if run.untrained else setup.repeats)

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from . import backbones, recipes
+from .data import SmallCNN
 from .budget import BudgetError, class_count, digest, training_key
 from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
 from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
@@ -30,9 +31,10 @@ UNTRAINED = "untrained"
 
 
 @dataclasses.dataclass(frozen=True)
-class Place:
-    """Where an experiment's data come from and where it runs: not part of its result, so
-    several machines with other paths share one bench."""
+class Machine:
+    """What an experiment takes from the machine that runs it: where its data are read and
+    its models kept, its device and loader processes. Not part of its result, so several
+    machines with other paths share one bench."""
 
     data_root: str | None = None
     cache_dir: str | None = None
@@ -86,8 +88,6 @@ def model_factories(budget, channels, load_weights=True):
     ``load_weights=False``: the same networks without reading ImageNet weights."""
     name, size = budget["trunk"], budget["embedding_size"]
     if name == "small-cnn":
-        from .data import SmallCNN
-
         return (lambda: SmallCNN(embedding_size=size, in_channels=channels)), None
     features = backbones.BACKBONES[name].features
 
@@ -98,9 +98,9 @@ def model_factories(budget, channels, load_weights=True):
     return make_trunk, (lambda: torch.nn.Linear(features, size))
 
 
-def dataset_of(budget, place):
+def dataset_of(budget, machine):
     """The budget's data set (its first ``num_classes`` classes), loaded once per process."""
-    return load_dataset(budget["dataset"], place.data_root, place.cache_dir, class_count(budget["num_classes"]))
+    return load_dataset(budget["dataset"], machine.data_root, machine.cache_dir, class_count(budget["num_classes"]))
 
 
 def transforms_of(budget, data):
@@ -109,25 +109,25 @@ def transforms_of(budget, data):
     return None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
 
 
-def check(budget, rows, place):
+def check(budget, rows, machine):
     """Everything that can refuse an experiment, before any training: the data set (files,
     images, classes with fewer than 2 images: `datasets.DataError`), the trunk's weights
     (`backbones.WeightsNotFoundError`) and the batch size and classes for the rows
     (`budget.BudgetError`). Returns the loaded data set."""
-    contenders = recipes.recipes([r for r in rows if r not in (RAW_INPUT, UNTRAINED)])
-    recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+    row_recipes = recipes.rows([r for r in rows if r not in (RAW_INPUT, UNTRAINED)])
+    recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
-    if needs_data_root(budget["dataset"]) and place.data_root is None:
+    if needs_data_root(budget["dataset"]) and machine.data_root is None:
         raise data_root_missing(budget["dataset"])
     try:
-        data = dataset_of(budget, place)
+        data = dataset_of(budget, machine)
     except ValueError as error:
         # load_glyphs says "num_classes", `FirstClasses` "--classes"; a `DataError` is about the files.
         if isinstance(error, DataError) or class_count(budget["num_classes"]) is None or "classes" not in str(error):
             raise
         raise BudgetError("--classes", str(error).removeprefix("--classes ")) from None
-    recipes.check_budget(contenders, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
+    recipes.check_budget(row_recipes, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
     if budget["dataset"] != "glyphs" and budget["image_size"] is None:
         _check_one_image_size(budget["dataset"], data)
     return data
@@ -168,17 +168,17 @@ def rows_without_training(budget):
     return [RAW_INPUT, UNTRAINED] if budget["augmentation"] == "none" else [UNTRAINED]
 
 
-def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None):
+def run(budget, row, params, seed, machine=Machine(), on_iteration=None, validation_only=False, on_fold=None):
     """One experiment; returns ``{"run": {"concatenated": {metric: value}, "separated":
     {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
     ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
     in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
-    `seed` (and the device's arithmetic). With ``place.models_dir``, a trained experiment
+    `seed` (and the device's arithmetic). With ``machine.models_dir``, a trained experiment
     keeps each fold's models and logs in `models_folder` (``fold<k>/models``: PML's
     ``trunk_best<epoch>.pth`` and ``embedder_best<epoch>.pth``, the models it measured),
     which appears only once the experiment is complete."""
     started = time.perf_counter()
-    data = dataset_of(budget, place)
+    data = dataset_of(budget, machine)
     transforms = transforms_of(budget, data)
     if row == RAW_INPUT:
         raw = raw_input_accuracy(data, transforms[1] if transforms else None)
@@ -187,13 +187,13 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
     if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
         recipe, epochs = recipes.Recipe(make_loss=lambda: None, name=UNTRAINED), 0
     else:
-        recipe, epochs = recipes.with_params(recipes.recipes([row])[row], params), budget["epochs"]
+        recipe, epochs = recipes.with_params(recipes.rows([row])[row], params), budget["epochs"]
     make_trunk, make_embedder = model_factories(budget, data.channels)
     final = partial = None
-    if place.models_dir is not None and epochs > 0 and not validation_only:
-        final = models_folder(place.models_dir, budget, row, params, seed)
+    if machine.models_dir is not None and epochs > 0 and not validation_only:
+        final = models_folder(machine.models_dir, budget, row, params, seed)
         partial = _start_partial_folder(final)
-    config = TrainingConfig.from_budget(budget, place.device, place.loader_workers)
+    config = TrainingConfig.from_budget(budget, machine.device, machine.loader_workers)
     result = run_protocol(
         data,
         recipe,
@@ -251,6 +251,6 @@ def load_test_set(folder, data_root=None, cache_dir=None):
     budget = json.loads((Path(folder) / "experiment.json").read_text())["budget"]
     if needs_data_root(budget["dataset"]) and data_root is None:
         raise data_root_missing(budget["dataset"])
-    data = dataset_of(budget, Place(data_root=data_root, cache_dir=cache_dir))
+    data = dataset_of(budget, Machine(data_root=data_root, cache_dir=cache_dir))
     _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
     return test_set

@@ -11,7 +11,7 @@ Reality Check's Bayesian optimisation, from powerful-benchmarker's configs). The
 of every study is the loss's paper defaults (`paper_defaults`), so tuning never returns
 parameters that measured worse than the defaults; tuned.json says when the defaults won.
 
-One Optuna study per (loss, data set, budget), named by `study_name`, so a changed budget
+One Optuna study per (row, data set, budget), named by `study_name`, so a changed budget
 never mixes with old trials. `--trials N` is the number of finished (complete or pruned)
 trials each study should hold: workers stop starting trials when the finished and running
 ones reach N, and a rerun resumes. Workers are separate processes on one storage (SQLite
@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 
 from . import recipes, runner
-from .budget import AUTO_PRESET, digest, resolve, training_key
+from .budget import AUTO_PRESET, MAP_AT_R, digest, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
 from .storage import (
@@ -55,7 +55,6 @@ from .workers import InterruptsBetweenTrials, run_processes
 TUNED_FILE = "tuned.json"
 PRUNER_STARTUP_TRIALS = 6
 SAMPLER_STARTUP_TRIALS = 8
-OBJECTIVE_METRIC = "mean_average_precision_at_r"
 
 
 # ----------------------------------------------------------------------------- spaces
@@ -96,19 +95,19 @@ def is_empty(space):
 # ----------------------------------------------------------------------------- studies
 
 
-def budget_config(seed=0, dataset="glyphs", preset=AUTO_PRESET, **given):
+def study_budget(seed=0, dataset="glyphs", preset=AUTO_PRESET, **given):
     """The budget that defines a study: `budget.resolve`'s for `dataset`, `preset` and the
     `given` values, and the sampler's and fold models' `seed`."""
-    config = resolve(dataset, preset, **given)
-    config.update(seed=seed)
-    return config
+    budget = resolve(dataset, preset, **given)
+    budget.update(seed=seed)
+    return budget
 
 
-def study_name(loss, config):
-    """``<loss> <data set> <preset> <digest of the budget> s<seed>``: one study per loss,
+def study_name(row, budget):
+    """``<row> <data set> <preset> <digest of the budget> s<seed>``: one study per row,
     data set and budget (every key of `budget.TRAINING_KEYS`)."""
-    key = digest(training_key(config))
-    return f"{loss} {config['dataset']} {config['preset']} {key[:10]} s{config['seed']}"
+    key = digest(training_key(budget))
+    return f"{row} {budget['dataset']} {budget['preset']} {key[:10]} s{budget['seed']}"
 
 
 def _sampler(seed, trials_so_far):
@@ -135,17 +134,17 @@ def _pruner(prune):
     return optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=1)
 
 
-def open_study(loss, config, storage, prune=True):
+def open_study(row, budget, storage, prune=True):
     import optuna
 
-    name = study_name(loss, config)
+    name = study_name(row, budget)
     study = optuna.create_study(
         study_name=name, storage=storage, direction="maximize", load_if_exists=True, pruner=_pruner(prune)
     )
     if "budget" not in study.user_attrs:
-        study.set_user_attr("budget", config)
-        study.set_user_attr("loss", loss)
-        defaults = paper_defaults(loss, search_spaces()[loss])
+        study.set_user_attr("budget", budget)
+        study.set_user_attr("loss", row)
+        defaults = paper_defaults(row, search_spaces()[row])
         if defaults:  # the paper's defaults are the first trial
             study.enqueue_trial(defaults, user_attrs={"paper_defaults": True})
     return study
@@ -163,9 +162,9 @@ def counts(study):
     return finished, running, sum(t.state == TrialState.WAITING for t in trials)
 
 
-def target_trials(loss, trials):
+def target_trials(row, trials):
     """Trials a study should hold: `trials`, or 1 when the space has nothing to search."""
-    return 1 if is_empty(search_spaces()[loss]) else trials
+    return 1 if is_empty(search_spaces()[row]) else trials
 
 
 # ----------------------------------------------------------------------------- objective
@@ -179,7 +178,7 @@ def paper_defaults(row, space):
     The space is asked with those values, so parameters it suggests only for some values
     (RaMBO's memory variant, with a memory) are found."""
     known = recipes.default_params(row)
-    recipe = recipes.recipes([row])[row]
+    recipe = recipes.rows([row])[row]
     cls = getattr(recipe.make_loss, "func", recipe.make_loss)
     if inspect.isclass(cls):
         signature = {
@@ -227,7 +226,7 @@ def _check_surplus(trial, target):
         raise SurplusTrial(f"trial {trial.number}: the study already has {target} finished or running trials")
 
 
-def _objective(loss, space, config, place, target=None):
+def _objective(row, space, budget, machine, target=None):
     import optuna
 
     def objective(trial):
@@ -239,13 +238,13 @@ def _objective(loss, space, config, place, target=None):
         trial.set_user_attr("params", params)
 
         def on_fold(k, best_validation):
-            running_mean = sum(v[OBJECTIVE_METRIC] for v in best_validation) / len(best_validation)
+            running_mean = sum(v[MAP_AT_R] for v in best_validation) / len(best_validation)
             trial.report(running_mean, k)
-            if k + 1 < config["num_folds"] and trial.should_prune():
+            if k + 1 < budget["num_folds"] and trial.should_prune():
                 raise optuna.TrialPruned(f"running mean {running_mean:.4f} after fold {k}")
 
-        outcome = runner.run(config, loss, params, config["seed"], place, validation_only=True, on_fold=on_fold)
-        folds = [v[OBJECTIVE_METRIC] for v in outcome["validation"]]
+        outcome = runner.run(budget, row, params, budget["seed"], machine, validation_only=True, on_fold=on_fold)
+        folds = [v[MAP_AT_R] for v in outcome["validation"]]
         trial.set_user_attr("folds", folds)
         return sum(folds) / len(folds)
 
@@ -257,11 +256,11 @@ def _objective(loss, space, config, place, target=None):
 
 @dataclasses.dataclass
 class TuneJob:
-    losses: list
+    rows: list
     trials: int
-    config: dict
+    budget: dict
     storage: str
-    place: runner.Place = runner.Place()
+    machine: runner.Machine = runner.Machine()
     threads: int = 1
     heartbeat: float = DEFAULT_HEARTBEAT
     prune: bool = True
@@ -270,7 +269,7 @@ class TuneJob:
 
 
 def run_worker(job):
-    """One worker: for each loss in turn, runs trials until its study holds `job.trials`
+    """One worker: for each row in turn, runs trials until its study holds `job.trials`
     finished ones (counting those other workers are running). Returns the number of
     trials this worker finished."""
     import optuna
@@ -283,10 +282,10 @@ def run_worker(job):
     done = 0
     try:
         with InterruptsBetweenTrials() as interrupts:
-            for loss in job.losses:
-                target = target_trials(loss, job.trials)
-                study = open_study(loss, job.config, storage, job.prune)
-                objective = interrupts.objective(_objective(loss, spaces[loss], job.config, job.place, target))
+            for row in job.rows:
+                target = target_trials(row, job.trials)
+                study = open_study(row, job.budget, storage, job.prune)
+                objective = interrupts.objective(_objective(row, spaces[row], job.budget, job.machine, target))
                 while True:
                     interrupts.check()
                     with warnings.catch_warnings():
@@ -299,14 +298,14 @@ def run_worker(job):
                         time.sleep(job.poll)  # the rest are running; wait in case one of them dies
                         continue
                     asked = len(study.get_trials(deepcopy=False))
-                    trial_runner = optuna.load_study(
+                    seeded_study = optuna.load_study(
                         study_name=study.study_name,
                         storage=storage,
-                        sampler=_sampler(job.config["seed"], asked),
+                        sampler=_sampler(job.budget["seed"], asked),
                         pruner=_pruner(job.prune),
                     )
                     try:
-                        trial_runner.optimize(objective, n_trials=1, catch=())
+                        seeded_study.optimize(objective, n_trials=1, catch=())
                     except SurplusTrial:
                         continue
                     done += 1
@@ -371,7 +370,7 @@ def write_json_atomic(path, payload):
 
 
 def write_tuned(out, entries):
-    """Merges `entries` into ``out/tuned.json`` (other losses' entries are kept)."""
+    """Merges `entries` into ``out/tuned.json`` (other rows' entries are kept)."""
     path = Path(out) / TUNED_FILE
     existing = json.loads(path.read_text()) if path.exists() else {}
     existing.update(entries)
@@ -425,23 +424,22 @@ def write_png(study, path):
 
 
 def format_table(entries):
-    """The best parameters per loss as a text table."""
-
-    rows = []
-    for loss, e in entries.items():
+    """The best parameters per row as a text table."""
+    lines = []
+    for row, e in entries.items():
         params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["params"].items())
-        rows.append((loss, f"{100 * e['value']:.2f}", e["trials"], params or "(nothing to tune)"))
-    return format_text_table(("loss", "val MAP@R", "trials", "best parameters"), rows, align="lrrl")
+        lines.append((row, f"{100 * e['value']:.2f}", e["trials"], params or "(nothing to tune)"))
+    return format_text_table(("loss", "val MAP@R", "trials", "best parameters"), lines, align="lrrl")
 
 
 def tune(
-    losses,
+    rows,
     trials,
-    config,
+    budget,
     storage,
     out,
     workers=1,
-    place=runner.Place(),
+    machine=runner.Machine(),
     devices=None,
     threads=1,
     heartbeat=DEFAULT_HEARTBEAT,
@@ -450,8 +448,8 @@ def tune(
     progress=True,
     retry=DEFAULT_RETRY,
 ):
-    """Runs `workers` processes until every loss's study holds `trials` finished trials,
-    writes ``out/tuned.json`` and a PNG per loss; returns a `TuneResult`. Worker i runs on
+    """Runs `workers` processes until every row's study holds `trials` finished trials,
+    writes ``out/tuned.json`` and a PNG per row; returns a `TuneResult`. Worker i runs on
     ``devices[i % len(devices)]`` when `devices` are given. Ctrl-C stops the
     workers (their running trials are lost, finished ones kept) and still writes the outputs.
     A storage call failing on a transient error is retried for up to `retry` seconds. Raises
@@ -463,18 +461,18 @@ def tune(
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    job = TuneJob(list(losses), trials, config, storage, place, threads, heartbeat, prune, retry=retry)
+    job = TuneJob(list(rows), trials, budget, storage, machine, threads, heartbeat, prune, retry=retry)
     check_url(storage)
     rdb = open_storage(storage, heartbeat, retry=retry)
     try:
-        studies = {loss: open_study(loss, config, rdb, prune) for loss in losses}  # created once, before the workers
+        studies = {row: open_study(row, budget, rdb, prune) for row in rows}  # created once, before the workers
     except Exception as error:
         close_storage(rdb)
         raise StorageError(f"cannot open {redact(storage)}: {error}") from error
-    targets = {loss: target_trials(loss, trials) for loss in losses}
+    targets = {row: target_trials(row, trials) for row in rows}
 
     def finished():
-        return {loss: min(counts(study)[0], targets[loss]) for loss, study in studies.items()}
+        return {row: min(counts(study)[0], targets[row]) for row, study in studies.items()}
 
     interrupted = False
     bar = tqdm(
@@ -484,14 +482,14 @@ def tune(
     def show():
         state = finished()
         bar.n = sum(state.values())
-        current = next((loss for loss in losses if state[loss] < targets[loss]), losses[-1])
+        current = next((row for row in rows if state[row] < targets[row]), rows[-1])
         bar.set_postfix_str(f"{current} {state[current]}/{targets[current]}")
         bar.refresh()
 
     failed = []
     try:
         jobs = [
-            (dataclasses.replace(job, place=dataclasses.replace(place, device=devices[i % len(devices)])),)
+            (dataclasses.replace(job, machine=dataclasses.replace(machine, device=devices[i % len(devices)])),)
             if devices
             else (job,)
             for i in range(workers)
@@ -504,11 +502,11 @@ def tune(
     seconds = time.perf_counter() - started
     entries = {}
     try:
-        for loss, study in studies.items():
+        for row, study in studies.items():
             entry = summarize_study(study, command=command, seconds=seconds, storage=storage)
             if entry is not None:
-                entries[loss] = entry
-                write_png(study, out / f"tune-{_file_name(loss)}.png")
+                entries[row] = entry
+                write_png(study, out / f"tune-{_file_name(row)}.png")
     finally:
         close_storage(rdb)
     if entries:
@@ -518,5 +516,5 @@ def tune(
     return TuneResult(entries, seconds, interrupted)
 
 
-def _file_name(loss):
-    return loss.replace(":", "-")
+def _file_name(row):
+    return row.replace(":", "-")

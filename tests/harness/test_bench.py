@@ -39,7 +39,7 @@ def run_glyph_bench(rows, folder, glyph_cache, seeds=1, threads=1, **budget):
         rows,
         resolve("glyphs", **budget),
         default_url(folder, bench.STORE_FILE),
-        runner.Place(cache_dir=glyph_cache),
+        runner.Machine(cache_dir=glyph_cache),
         seeds=seeds,
         threads=threads,
         progress=False,
@@ -107,7 +107,7 @@ def test_run_protocol_trains_one_model_per_fold(small_glyphs):
 
 
 def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
-    available = recipes.recipes(recipes.available())
+    available = recipes.rows(recipes.available())
     assert set(registry.losses()) <= set(available)
     # The default bench: every registered loss but the ablations (benched on request).
     default = recipes.default_rows()
@@ -120,7 +120,7 @@ def test_recipes_cover_every_registered_loss_and_the_pml_baselines():
     if "AUCLoss" in available:
         assert type(available["AUCLoss"].make_miner()).__name__ == "BatchHardMiner"
     with pytest.raises(KeyError, match="NoSuchLoss"):
-        recipes.recipes(["NoSuchLoss"])
+        recipes.rows(["NoSuchLoss"])
 
 
 def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
@@ -213,8 +213,8 @@ def made_up_result(seeds, rows=("AUCLoss", "pml:TripletMarginLoss"), epochs=3):
         name: [accuracies()] if name == runner.RAW_INPUT else [accuracies() for _ in range(seeds)] for name in names
     }
     histories = {name: [] if name == runner.RAW_INPUT else [history() for _ in range(seeds)] for name in names}
-    config = dict(resolve("glyphs"), seeds=seeds, epochs=epochs, num_classes=None)
-    return report.BenchResult(config, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names})
+    budget = dict(resolve("glyphs"), seeds=seeds, epochs=epochs, num_classes=None)
+    return report.BenchResult(budget, names, runs, histories, {n: 1.0 for n in names}, {n: "" for n in names})
 
 
 def _error_bars(ax):
@@ -262,7 +262,7 @@ def test_png_curves_have_integer_epochs_distinct_colours_and_the_legend_off_the_
 def test_json_records_the_configuration(tmp_path):
     result = made_up_result(seeds=1)
     path = report.write_json(result, tmp_path / "bench.json")
-    assert json.loads(path.read_text())["config"] == result.config
+    assert json.loads(path.read_text())["config"] == result.budget
 
 
 @pytest.mark.slow
@@ -288,7 +288,7 @@ def test_run_bench_records_its_budget_and_trains_with_the_threads_it_is_given(gl
     )
     assert threads_seen == [2, 2, 2]  # raw input, untrained, the triplet row
     budget = resolve("glyphs", epochs=1, iterations_per_epoch=1, num_folds=2, num_classes=16, batch_size=8)
-    assert result.config == {**{k: budget[k] for k in (*TRAINING_KEYS, "preset")}, "seeds": 1}
+    assert result.budget == {**{k: budget[k] for k in (*TRAINING_KEYS, "preset")}, "seeds": 1}
 
 
 def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_path, monkeypatch):
@@ -319,14 +319,14 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_p
 
 
 def test_check_budget_refuses_batches_the_rows_cannot_make():
-    contenders = recipes.recipes(["AUCLoss", "NPairsMCLoss"])
+    contenders = recipes.rows(["AUCLoss", "NPairsMCLoss"])
     recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32))
     with pytest.raises(recipes.BudgetError, match="--batch-size") as error:
         recipes.check_budget(contenders, 6)
     assert error.value.option == "--batch-size"
     with pytest.raises(recipes.BudgetError, match="--classes"):
         recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32) - 1)
-    recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
+    recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
 
 
 @pytest.mark.slow
@@ -367,7 +367,7 @@ def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
         )
 
     cosine, constant = run("cosine"), run("constant")
-    assert cosine.config["lr_schedule"] == "cosine" and constant.config["lr_schedule"] == "constant"
+    assert cosine.budget["lr_schedule"] == "cosine" and constant.budget["lr_schedule"] == "constant"
     cosine_losses = [[e["loss"] for e in fold] for fold in cosine.histories["pml:TripletMarginLoss"][0]]
     constant_losses = [[e["loss"] for e in fold] for fold in constant.histories["pml:TripletMarginLoss"][0]]
     # The same seeds: the first epoch trains at the same rate, the second at half of it.
@@ -377,6 +377,6 @@ def test_the_bench_trains_with_the_schedule_it_records(glyph_cache, tmp_path):
 
 def test_all_classes_is_a_budget_of_its_own():
     assert class_count("all") is None and class_count(64) == 64
-    recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
+    recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
     with pytest.raises(recipes.BudgetError, match="--classes"):
-        recipes.check_budget(recipes.recipes(["NPairsMCLoss"]), 32, 24)
+        recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 32, 24)

@@ -96,7 +96,7 @@ def test_too_few_classes_for_the_batch_suggests_a_batch_size_that_fits(tmp_path)
     rows = ["pml:TripletMarginLoss", "NPairsMCLoss"]
     status, _, err = pml_rank("bench", *rows, "--dataset", f"folder:{folder}", "--trunk", "small-cnn",
                               "--lr", "0.01", "--image-size", "16", "--out", tmp_path / "o", cwd=tmp_path)  # fmt: skip
-    per_class = [recipe.per_class for recipe in recipes.recipes(rows).values()]
+    per_class = [recipe.per_class for recipe in recipes.rows(rows).values()]
     fitting = recipes.largest_batch_size(per_class, 12)
     assert fitting < budget.REALITY_CHECK["batch_size"]
     assert_refused_before_any_work(status, err, tmp_path / "o", "--classes", f"--batch-size {fitting} fits 12 classes")

@@ -78,7 +78,7 @@ def small_bench(rows, url, glyph_cache, seeds=2, params=None, workers=1, **budge
         rows,
         resolve("glyphs", **{**SMALL, **budget}),
         url,
-        runner.Place(cache_dir=glyph_cache),
+        runner.Machine(cache_dir=glyph_cache),
         seeds=seeds,
         params=params,
         workers=workers,
@@ -168,11 +168,11 @@ def test_other_parameters_for_a_row_are_refused_naming_the_row(glyph_cache, tmp_
     rows = ["pml:TripletMarginLoss", "pml:ContrastiveLoss"]
     store = jobs.JobStore(url, resolve("glyphs", **SMALL))
     try:
-        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}, "pml:ContrastiveLoss": {}})
-        store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})  # the same: accepted
-        store.claim_rows({"AUCLoss": {}})  # a row the bench did not have: added
+        store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.1}, "pml:ContrastiveLoss": {}})
+        store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.1}})  # the same: accepted
+        store.record_row_params({"AUCLoss": {}})  # a row the bench did not have: added
         with pytest.raises(jobs.MismatchError) as error:
-            store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}})
+            store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}})
     finally:
         store.close()
     assert "pml:TripletMarginLoss" in str(error.value) and "0.2" in str(error.value)
@@ -187,7 +187,7 @@ def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_pa
     url = url_in(tmp_path / "store")
     budget = resolve("glyphs", **SMALL)
     store = jobs.JobStore(url, budget)
-    store.claim_rows({"pml:TripletMarginLoss": {"margin": 0.1}})
+    store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.1}})
     store.close()
 
     def no_data(*args, **kwargs):
@@ -328,7 +328,7 @@ def test_status_counts_a_running_job_as_running_until_it_completes(tmp_path):
     store = jobs.JobStore(url_in(tmp_path), resolve("glyphs", **SMALL))
     try:
         every = [jobs.Job("pml:TripletMarginLoss", seed, {}) for seed in range(3)]
-        store.ensure(every)
+        store.enqueue_missing(every)
         assert store.status(every) == {"pml:TripletMarginLoss": {"done": 0, "running": 0, "waiting": 3}}
         trial = store.study.ask()  # a process claims the first waiting job
         assert trial.user_attrs["job"]["key"] == every[0].key

@@ -153,14 +153,14 @@ def test_a_trunk_reads_its_weights_from_the_torch_cache_and_a_missing_file_is_re
 
 def test_mixed_precision_trains_a_fold_model(glyph_cache):
     budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16, amp=True)
-    outcome = runner.run(budget, "pml:TripletMarginLoss", {}, 0, runner.Place(cache_dir=str(glyph_cache)))
+    outcome = runner.run(budget, "pml:TripletMarginLoss", {}, 0, runner.Machine(cache_dir=str(glyph_cache)))
     assert np.isfinite([fold[0]["loss"] for fold in outcome["histories"]]).all()
 
 
 @pytest.mark.cuda
 def test_one_fold_model_trains_on_cuda(glyph_cache):
     budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16)
-    place = runner.Place(cache_dir=str(glyph_cache), device="cuda")
+    place = runner.Machine(cache_dir=str(glyph_cache), device="cuda")
     outcome = runner.run(budget, "AUCLoss", {}, 0, place)
     assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
 
@@ -171,7 +171,7 @@ def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
     from pml_rank.harness import recipes
     from pml_rank.harness.evaluation import TrainingConfig, run_protocol, test_set_and_folds
 
-    recipe = recipes.recipes(["pml:NormalizedSoftmaxLoss"])["pml:NormalizedSoftmaxLoss"]
+    recipe = recipes.rows(["pml:NormalizedSoftmaxLoss"])["pml:NormalizedSoftmaxLoss"]
     made = []
 
     def make_loss(**needs):
@@ -218,7 +218,7 @@ def test_saved_models_are_the_ones_the_bench_measured(tmp_path, glyph_cache):
         folder = out / "models" / path
         record = json.loads((folder / "experiment.json").read_text())
         budget = record["budget"]
-        _, test_set = test_set_and_folds(runner.dataset_of(budget, runner.Place(cache_dir=str(glyph_cache))))
+        _, test_set = test_set_and_folds(runner.dataset_of(budget, runner.Machine(cache_dir=str(glyph_cache))))
         models = runner.load_models(folder)
         assert len(models) == budget["num_folds"] == 4
         embeddings = [compute_embeddings(trunk, test_set, embedder)[0] for trunk, embedder in models]

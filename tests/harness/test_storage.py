@@ -18,7 +18,7 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs  # noqa: E402
-from pml_rank.harness.budget import resolve  # noqa: E402
+from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a PostgreSQL server and bench processes
 
@@ -262,7 +262,7 @@ def test_status_imports_no_torch(tmp_path):
     url = f"sqlite:///{tmp_path / 'bench.db'}"
     budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=1, batch_size=16)
     store = jobs.JobStore(url, budget)
-    store.ensure([jobs.Job(ROW, 0), jobs.Job(ROW, 1)])
+    store.enqueue_missing([jobs.Job(ROW, 0), jobs.Job(ROW, 1)])
     store.close()
     probe = (
         "import sys\n"
@@ -288,7 +288,7 @@ def _race(url, epochs, barrier, results, rounds):
     from pml_rank.harness import jobs, runner
 
     def run(budget, row, params, seed, *args, **kwargs):
-        return {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 0.0, "epochs": budget["epochs"]}
+        return {"run": {"concatenated": {MAP_AT_R: 0.5}}, "seconds": 0.0, "epochs": budget["epochs"]}
 
     record = optuna.study.Study.set_user_attr
 
@@ -309,8 +309,8 @@ def _race(url, epochs, barrier, results, rounds):
             results.put((k, epochs, "refused"))
             continue
         try:
-            store.ensure([jobs.Job(ROW, seed) for seed in range(4)])
-            store.work(runner.Place(), poll=0.05)
+            store.enqueue_missing([jobs.Job(ROW, seed) for seed in range(4)])
+            store.work(runner.Machine(), poll=0.05)
             results.put((k, epochs, sorted(o["epochs"] for o in store.outcomes().values())))
         finally:
             store.close()

@@ -51,10 +51,10 @@ def run_tune(*args, cache, check=True, timeout=300):
 def trials_of(url, loss):
     """The trials of `loss`'s study at the TINY budget; the storage's connections are closed
     before returning (KeyError while the study does not exist)."""
-    config = tune.budget_config(epochs=1, iterations_per_epoch=2, num_classes=24, batch_size=16)
+    budget = tune.study_budget(epochs=1, iterations_per_epoch=2, num_classes=24, batch_size=16)
     storage = open_storage(url)
     try:
-        study = optuna.load_study(study_name=tune.study_name(loss, config), storage=storage)
+        study = optuna.load_study(study_name=tune.study_name(loss, budget), storage=storage)
         return study.get_trials(deepcopy=False)
     finally:
         close_storage(storage)
@@ -109,8 +109,8 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
     assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
     assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
     # A different budget is a different study: the old trials are not mixed in.
-    config = tune.budget_config(epochs=2, iterations_per_epoch=2, num_classes=24, batch_size=16)
-    assert tune.study_name("RaMBORecallLoss", config) != entry["study"]
+    budget = tune.study_budget(epochs=2, iterations_per_epoch=2, num_classes=24, batch_size=16)
+    assert tune.study_name("RaMBORecallLoss", budget) != entry["study"]
 
 
 def test_example_plugins_search_space_is_used(tmp_path, glyph_cache):
@@ -272,7 +272,7 @@ def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, tmp_pa
 
 
 def test_every_budget_key_makes_a_study_of_its_own():
-    base = tune.budget_config()
+    base = tune.study_budget()
     assert base["num_classes"] == 64 and base["lr_schedule"] == "cosine" and base["preset"] == "glyphs"
     others = dict(
         dataset="cub200",
@@ -305,7 +305,7 @@ def test_every_budget_key_makes_a_study_of_its_own():
     # Where a process runs is not part of its study: several machines share one.
     assert tune.study_name("AUCLoss", {**base, "device": "cuda:1", "threads": 4}) == tune.study_name("AUCLoss", base)
     # --preset reality-check on the glyphs is one budget, whichever options spell it.
-    spelled = tune.budget_config(preset="reality-check", epochs=2)
+    spelled = tune.study_budget(preset="reality-check", epochs=2)
     assert tune.study_name("AUCLoss", spelled) == tune.study_name(
-        "AUCLoss", tune.budget_config(preset="reality-check", epochs=2, lr=1e-6, optimizer="rmsprop")
+        "AUCLoss", tune.study_budget(preset="reality-check", epochs=2, lr=1e-6, optimizer="rmsprop")
     )

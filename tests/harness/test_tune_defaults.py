@@ -22,7 +22,7 @@ def test_paper_defaults_are_the_constructors_values_for_every_suggested_paramete
     for row in recipes.available():
         if row in spaces:
             values = tune.paper_defaults(row, spaces[row])
-            recipe = recipes.with_params(recipes.recipes([row])[row], values)
+            recipe = recipes.with_params(recipes.rows([row])[row], values)
             recipe.make_loss(**{k: {"num_classes": 8, "embedding_size": 16}[k] for k in recipe.loss_needs})
 
 
@@ -30,11 +30,11 @@ def test_the_first_trial_of_a_study_is_the_paper_defaults_and_tuned_json_says_wh
     url = f"sqlite:///{tmp_path / 't.db'}"
     storage = open_storage(url)
     try:
-        config = tune.budget_config(epochs=1)
-        study = tune.open_study("FastAPLoss", config, storage)
+        budget = tune.study_budget(epochs=1)
+        study = tune.open_study("FastAPLoss", budget, storage)
         (waiting,) = study.get_trials(deepcopy=False)
         assert waiting.state.name == "WAITING" and waiting.system_attrs["fixed_params"] == {"num_bins": 10}
-        tune.open_study("FastAPLoss", config, storage)  # reopened: enqueued once
+        tune.open_study("FastAPLoss", budget, storage)  # reopened: enqueued once
         assert len(study.get_trials(deepcopy=False)) == 1
 
         def objective(trial):

@@ -18,7 +18,7 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs  # noqa: E402
-from pml_rank.harness.budget import resolve  # noqa: E402
+from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
 from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 from pml_rank.harness.workers import InterruptsBetweenTrials  # noqa: E402
 
@@ -204,14 +204,14 @@ def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch)
         store.study.enqueue_trial({}, user_attrs={"job": job.record()})
     calls = []
     monkeypatch.setattr(
-        runner, "run", lambda *a, **k: calls.append(a) or {"run": {"concatenated": {jobs.METRIC: 0.5}}, "seconds": 1}
+        runner, "run", lambda *a, **k: calls.append(a) or {"run": {"concatenated": {MAP_AT_R: 0.5}}, "seconds": 1}
     )
     try:
-        assert store.work(runner.Place(cache_dir=str(glyph_cache)), poll=0.1) == 1
+        assert store.work(runner.Machine(cache_dir=str(glyph_cache)), poll=0.1) == 1
         assert len(calls) == 1 and list(store.outcomes()) == [job.key]
         states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(url))
         assert states == [(0, "COMPLETE", False), (1, "FAIL", True)]
-        assert store.ensure([job]) == 0  # done: never enqueued again
+        assert store.enqueue_missing([job]) == 0  # done: never enqueued again
     finally:
         store.close()
 
