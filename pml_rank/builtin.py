@@ -2,6 +2,9 @@
 entry point (see pyproject.toml), exactly as a third-party plugin would."""
 
 from . import losses, samplers
+# The pml:PNPLoss row's space (PML's PNPLoss, the same function): one space for both, in a
+# module that imports no torch.
+from .harness.baselines import pnp_space
 from .losses.rambo import MEMORY_VARIANTS
 from .plugins import hookimpl
 
@@ -88,14 +91,6 @@ def _roadmap_space(trial):
     }
 
 
-def _pnp_space(trial):
-    # Defined with the pml:PNPLoss row (PML's PNPLoss, the same function): one space for
-    # both, in a module that imports no torch.
-    from .harness.baselines import pnp_space
-
-    return pnp_space(trial)
-
-
 @hookimpl
 def pml_rank_search_spaces():
     """The `pml-rank tune` search spaces of pml-rank's losses: RaMBO's λ, margin, memory
@@ -114,5 +109,5 @@ def pml_rank_search_spaces():
         "SmoothAPLoss": _smooth_ap_space,
         "SupAPLoss": _supap_space,
         "ROADMAPLoss": _roadmap_space,
-        "PNPLoss": _pnp_space,
+        "PNPLoss": pnp_space,
     }

@@ -14,6 +14,7 @@ from .harness.budget import (
     SPEED_DEFAULT_SIZES,
     SPEED_DEFAULT_SIZES_PER_LOSS,
     add_setting_options,
+    dataset_argument,
     given_settings,
 )
 from .harness.storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY
@@ -315,7 +316,6 @@ def add_budget_arguments(parser, command):
     files, the weights) run after parsing and before any work. Imports no torch unless
     --device names something other than cpu."""
     from .harness import arguments
-    from .harness.datasets import dataset_argument
 
     parser.add_argument(
         "--dataset",

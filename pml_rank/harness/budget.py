@@ -8,6 +8,7 @@ their place (`resolve`); the table header and the JSON record it whole. The runn
 into the frozen `evaluation.TrainingConfig` its trainer takes.
 """
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -318,6 +319,24 @@ DEFAULT_BASELINES = ("pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAP
 # The data sets `--dataset` names; `folder:PATH` is a user's own images.
 DATASET_NAMES = ("glyphs", "cub200", "cars196", "sop", "inshop")
 FOLDER_PREFIX = "folder:"
+
+
+def dataset_argument(text):
+    """``--dataset``'s argparse type: the data set's name as the harness writes it
+    (``folder:`` with an absolute path); an unknown name or a folder that does not exist is
+    an `argparse.ArgumentTypeError`."""
+    if text.startswith(FOLDER_PREFIX):
+        path = Path(text[len(FOLDER_PREFIX) :]).expanduser()
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no such folder (folder:PATH names a folder with one subfolder per class)"
+            )
+        return FOLDER_PREFIX + str(path.resolve())
+    if text not in DATASET_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"unknown data set {text!r}; available: {', '.join(DATASET_NAMES)}, folder:PATH"
+        )
+    return text
 
 # `pml-rank speed`'s sizes when the command line names none: batch sizes, except for the
 # losses listed, whose sizes mean something else (RaMBOAPLoss: scores in one sequence).

@@ -10,11 +10,10 @@ Every data set goes through the same protocol: the whole set (train and test spl
 papers' data sets together) is split class-disjointly by `evaluation.splits`. Problems (a
 missing file, a class with fewer than 2 images, an unreadable image) raise `DataError`
 when the data set is loaded, before any training. A process loads each data set once.
-Importing this module imports no torch (the command line checks --dataset with it); its
-data sets are map-style, as torch's `DataLoader` and PML's trainers take them.
+Its data sets are map-style, as torch's `DataLoader` and PML's trainers take them; the
+command line checks a --dataset name with `budget.dataset_argument`, without torch.
 """
 
-import argparse
 import logging
 import os
 from pathlib import Path
@@ -22,6 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from .budget import DATASET_NAMES, FOLDER_PREFIX, class_count
+from .data import load_glyphs, real
+from .data.glyphs import DEFAULT_CACHE_DIR
+from .images import GRAYSCALE_MODES, ImageReadError, image_modes, open_8bit
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # File names Pillow is asked to open in a folder: anything else (README, .DS_Store) is skipped.
@@ -32,35 +34,12 @@ class DataError(ValueError):
     """A data set cannot be used as it is; the message names the file and what to do."""
 
 
-def parse_dataset(text):
-    """A `--dataset` value as the harness writes it (``folder:`` with an absolute path);
-    raises `DataError` for an unknown name or a folder that does not exist."""
-    if text.startswith(FOLDER_PREFIX):
-        path = Path(text[len(FOLDER_PREFIX) :]).expanduser()
-        if not path.is_dir():
-            raise DataError(f"{text!r}: no such folder (folder:PATH names a folder with one subfolder per class)")
-        return FOLDER_PREFIX + str(path.resolve())
-    if text not in DATASET_NAMES:
-        raise DataError(f"unknown data set {text!r}; available: {', '.join(DATASET_NAMES)}, folder:PATH")
-    return text
-
-
-def dataset_argument(text):
-    """``--dataset``'s argparse type: `parse_dataset`, its error as argparse reports one."""
-    try:
-        return parse_dataset(text)
-    except DataError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def needs_data_root(name):
     return name in DATASET_NAMES and name != "glyphs"
 
 
 def data_root_missing(name):
     """The `DataError` for a papers' data set named without --data-root: what goes where."""
-    from .data import real
-
     layout = real.DATASETS[name].layout
     return DataError(
         f"--dataset {name} reads its images from --data-root: <data-root>/{layout.folder}/ holds "
@@ -82,8 +61,6 @@ class ImageFolder:
     ``ignored``, one line each, logged as a warning."""
 
     def __init__(self, root, transform=None, cache_dir=None):
-        from .images import GRAYSCALE_MODES, ImageReadError, image_modes
-
         root = Path(root)
         folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
         if len(folders) < 2:
@@ -125,8 +102,6 @@ class ImageFolder:
         return len(self.paths)
 
     def __getitem__(self, index):
-        from .images import open_8bit
-
         image = open_8bit(self.paths[index], "L" if self.channels == 1 else "RGB")
         if self.transform is not None:
             image = self.transform(image)
@@ -148,11 +123,11 @@ def _image_files(folder, left_out):
     ``left_out["not an image"]``."""
     files, seen = [], set()
     for top, dirs, names in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen:  # a link back up the tree
+        resolved = os.path.realpath(top)
+        if resolved in seen:  # a link back up the tree
             dirs[:] = []
             continue
-        seen.add(real)
+        seen.add(resolved)
         for name in [d for d in dirs if d.startswith(".")]:
             left_out["hidden"] += _images_under(Path(top, name))
         dirs[:] = [d for d in dirs if not d.startswith(".")]
@@ -203,18 +178,12 @@ class FirstClasses:
 
 def _load(name, data_root, cache_dir, num_classes):
     if name == "glyphs":
-        from .data import load_glyphs
-
         dataset = load_glyphs(cache_dir=cache_dir, num_classes=num_classes)
         dataset.channels = 1
         return dataset
-    from .data.glyphs import DEFAULT_CACHE_DIR
-
     if name.startswith(FOLDER_PREFIX):
         dataset = ImageFolder(name[len(FOLDER_PREFIX) :], cache_dir=cache_dir or DEFAULT_CACHE_DIR)
     else:
-        from .data import real
-
         if data_root is None:
             raise data_root_missing(name)
         whole = "all" if name == "inshop" else "train+test"
@@ -235,7 +204,7 @@ _LOADED = {}
 
 
 def load_dataset(name, data_root=None, cache_dir=None, num_classes=None):
-    """The data set `name` (a `parse_dataset` value), its first `num_classes` classes (a
+    """The data set `name` (a `budget.dataset_argument` value), its first `num_classes` classes (a
     count, "all" or None for all), loaded once per process. Items are ``(image, label)``
     with a PIL image (or, for the glyphs, a tensor); ``labels`` and ``channels`` are set."""
     key = (name, None if data_root is None else os.fspath(data_root), cache_dir, class_count(num_classes))

@@ -1,0 +1,52 @@
+"""The package's layout rules that no linter checks."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pml_rank"
+# The command line imports the harness inside its commands so that --help answers without
+# torch; a package's __init__ may load its parts on first use.
+LAZY_IMPORTS_ALLOWED = ("cli.py", "__init__.py")
+
+
+def _imports_own_module(node):
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] == "pml_rank"
+    return isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "pml_rank" for alias in node.names)
+
+
+def function_level_own_imports(source):
+    """The line numbers of the imports of pml-rank's own modules inside a function of `source`."""
+    lines = set()
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines |= {node.lineno for node in ast.walk(function) if _imports_own_module(node)}
+    return sorted(lines)
+
+
+def test_only_cli_and_init_files_import_the_package_inside_functions():
+    paths = [path for path in sorted(PACKAGE.rglob("*.py")) if path.name not in LAZY_IMPORTS_ALLOWED]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in paths
+        for line in function_level_own_imports(path.read_text())
+    ]
+    assert len(paths) > 20 and found == []
+
+
+def test_the_rule_sees_own_imports_in_functions_only():
+    source = "\n".join(
+        [
+            "from . import runner",  # 1: at the top, allowed
+            "import pml_rank",  # 2
+            "def f():",  # 3
+            "    import numpy",  # 4: not ours
+            "    from .data import SmallCNN",  # 5
+            "    class Inner:",  # 6
+            "        def g(self):",  # 7
+            "            import pml_rank.harness",  # 8
+            "            from pml_rank import losses",  # 9
+            '    """from . import docstrings"""',  # 10: not code
+        ]
+    )
+    assert function_level_own_imports(source) == [5, 8, 9]
