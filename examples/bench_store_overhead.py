@@ -19,7 +19,7 @@ from pathlib import Path
 
 import optuna
 
-from pml_rank.harness import bench, jobs, recipes, runner
+from pml_rank.harness import bench, jobs, recipes
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.evaluation import METRICS
 
@@ -33,10 +33,9 @@ def fake_outcome(budget):
 
 
 def work(url, budget):
-    runner.run = lambda *args, **kwargs: fake_outcome(budget)
     store = jobs.JobStore(url, budget)
     try:
-        store.work(runner.Machine(), poll=0.05)
+        store.work(lambda budget, row, params, seed: fake_outcome(budget), poll=0.05)
     finally:
         store.close()
 

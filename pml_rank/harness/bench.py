@@ -10,6 +10,7 @@ ImageNet for a pretrained trunk, the Reality Check's "Pretrained" row).
 """
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -96,7 +97,7 @@ def _work(url, budget, machine, threads, heartbeat, retry):
     torch.set_num_threads(threads)
     store = JobStore(url, budget, heartbeat, retry)
     try:
-        store.work(machine)
+        store.work(functools.partial(runner.run, machine=machine))
     finally:
         store.close()
 
@@ -156,7 +157,8 @@ def run_bench(
             if workers <= 1:
                 torch.set_num_threads(threads)
                 here = machine if not devices else dataclasses.replace(machine, device=devices[0])
-                store.work(here, on_iteration=lambda trainer: show(), on_job=lambda job: show(force=True))
+                run = functools.partial(runner.run, machine=here, on_iteration=lambda trainer: show())
+                store.work(run, on_job=lambda job: show(force=True))
             else:
                 machines = [
                     dataclasses.replace(machine, device=devices[i % len(devices)]) if devices else machine

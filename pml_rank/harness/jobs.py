@@ -26,12 +26,10 @@ import dataclasses
 import os
 import socket
 import sys
-import time
-import warnings
 
 from .budget import MAP_AT_R, TRAINING_KEYS, digest, training_key
 from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage, record_heartbeat_now
-from .workers import InterruptsBetweenTrials
+from .workers import WAIT, claim_trials, fail_stale_trials
 
 STORE_FILE = "bench.db"
 STUDY_PREFIX = "pml-rank bench "
@@ -251,14 +249,14 @@ class JobStore:
             if t.number != trial_number
         )
 
-    def work(self, place, on_iteration=None, on_job=None, poll=2.0):
+    def work(self, run, on_job=None, poll=2.0):
         """Claims and runs jobs until none is waiting or running (waiting for other processes'
         running jobs, in case one dies and its job comes back); returns how many this process
-        finished. ``on_job(job)`` is called when a job starts."""
+        finished. ``run(budget, row, params, seed)`` returns a job's outcome at the store's
+        budget: `runner.run` with this machine's arguments bound (`bench.run_bench`).
+        ``on_job(job)`` is called when a job starts."""
         import optuna
         from optuna.trial import TrialState
-
-        from . import runner
 
         finished = []
 
@@ -273,9 +271,7 @@ class JobStore:
             trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
             if on_job is not None:
                 on_job(Job(record["row"], record["seed"], record["params"]))
-            outcome = runner.run(
-                self.budget, record["row"], record["params"], record["seed"], place, on_iteration=on_iteration
-            )
+            outcome = run(self.budget, record["row"], record["params"], record["seed"])
             trial.set_user_attr("outcome", outcome)
             finished.append(record["key"])
             return float(outcome["run"]["concatenated"][MAP_AT_R])
@@ -295,27 +291,24 @@ class JobStore:
                 )
                 raise _Discarded() from None
 
-        with InterruptsBetweenTrials() as interrupts:
-            while True:
-                interrupts.check()
-                states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
-                if TrialState.WAITING not in states:
-                    if TrialState.RUNNING not in states:
-                        return len(finished)
-                    time.sleep(poll)
-                    with warnings.catch_warnings():  # a dead process's job: failed, queued again
-                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                        optuna.storages.fail_stale_trials(self.study)
-                    continue
-                # Optuna fails stale trials itself before each trial it starts.
-                try:
-                    self.study.optimize(
-                        interrupts.objective(objective), n_trials=1, catch=(_Superseded, _NoJob, _Discarded)
-                    )
-                except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-                    # Telling the outcome of a trial failed as stale (`_Discarded`, said above): its
-                    # retry holds the job.
-                    continue
+        waited = False
+
+        def next_trial():
+            nonlocal waited
+            if waited:  # a dead process's job: failed, queued again
+                fail_stale_trials(self.study)
+            states = [t.state for t in self._trials((TrialState.WAITING, TrialState.RUNNING))]
+            if TrialState.WAITING in states:
+                waited = False
+                return self.study, objective  # Optuna fails stale trials itself before each trial it starts
+            waited = TrialState.RUNNING in states
+            return WAIT if waited else None
+
+        # Telling the outcome of a trial failed as stale (`_Discarded`, said above) raises
+        # ValueError or UpdateFinishedTrialError: its retry holds the job.
+        skip = (ValueError, optuna.exceptions.UpdateFinishedTrialError)
+        claim_trials(next_trial, poll, catch=(_Superseded, _NoJob, _Discarded), skip=skip)
+        return len(finished)
 
 
 class _QuietRecords:

@@ -12,6 +12,7 @@ from .budget import MAP_AT_R
 from .components import PML_PREFIX
 from .evaluation import METRICS, SHORT_NAMES, summarize
 from .runner import RAW_INPUT, UNTRAINED
+from .text_table import format_text_table
 
 
 @dataclasses.dataclass
@@ -58,7 +59,7 @@ def format_table(result):
         "seconds",
         "parameters",
     ]
-    lines = [header]
+    lines = []
     behind = rows_not_above_untrained(summary)
     for row in result.rows:
         s = summary[row]
@@ -71,14 +72,7 @@ def format_table(result):
                 describe_params(result, row),
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    last = len(header) - 1
-    text = [
-        "  ".join(
-            cell.ljust(w) if i in (0, last) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))
-        ).rstrip()
-        for line in lines
-    ]
+    table = format_text_table(header, lines, align="l" + "r" * (len(header) - 2) + "l")
     c = result.budget
     images = ""
     if c.get("image_size"):
@@ -98,7 +92,7 @@ def format_table(result):
     note = (
         [f"{NOT_ABOVE_UNTRAINED} not above {UNTRAINED} (concatenated MAP@R): it learned nothing here"] if behind else []
     )
-    return "\n".join([title, *text, *note])
+    return "\n".join([title, table, *note])
 
 
 # Marks a trained row whose concatenated MAP@R is not above the untrained networks'.

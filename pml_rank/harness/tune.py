@@ -36,6 +36,7 @@ import warnings
 from pathlib import Path
 
 from . import recipes, runner
+from .baselines import RecordingTrial
 from .budget import AUTO_PRESET, MAP_AT_R, digest, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
@@ -50,7 +51,7 @@ from .storage import (
     redact,
 )
 from .text_table import format_text_table
-from .workers import InterruptsBetweenTrials, run_processes
+from .workers import WAIT, claim_trials, fail_stale_trials, run_processes
 
 TUNED_FILE = "tuned.json"
 PRUNER_STARTUP_TRIALS = 6
@@ -65,29 +66,9 @@ def search_spaces():
     return recipes.search_spaces()
 
 
-class _FirstChoiceTrial:
-    """Stands in for an Optuna trial to find out what a space suggests: answers `values`
-    where it has one, the lowest or first choice elsewhere."""
-
-    def __init__(self, values=None):
-        self.values, self.suggested = values or {}, []
-
-    def _take(self, name, value):
-        self.suggested.append(name)
-        return self.values.get(name, value)
-
-    def suggest_float(self, name, low, high, **_):
-        return self._take(name, low)
-
-    def suggest_int(self, name, low, high, **_):
-        return self._take(name, low)
-
-    def suggest_categorical(self, name, choices):
-        return self._take(name, choices[0])
-
-
 def is_empty(space):
-    probe = _FirstChoiceTrial()
+    """Whether `space` suggests nothing: a row with nothing to tune."""
+    probe = RecordingTrial()
     space(probe)
     return not probe.suggested
 
@@ -199,7 +180,7 @@ def paper_defaults(row, space):
                 known[name] = value if value is not None else signature[name]
     values = {}
     while True:  # until the suggested names stop changing
-        probe = _FirstChoiceTrial(known)
+        probe = RecordingTrial(known)
         space(probe)
         found = {name: known[name] for name in probe.suggested if name in known}
         if found == values:
@@ -279,42 +260,40 @@ def run_worker(job):
     torch.set_num_threads(job.threads)
     storage = open_storage(job.storage, job.heartbeat, retry=job.retry)
     spaces = search_spaces()
-    done = 0
-    try:
-        with InterruptsBetweenTrials() as interrupts:
-            for row in job.rows:
+    remaining = list(job.rows)
+    opened = {}  # row: (study, target, objective), once the row's turn has come
+
+    def next_trial():
+        while remaining:
+            row = remaining[0]
+            if row not in opened:
                 target = target_trials(row, job.trials)
-                study = open_study(row, job.budget, storage, job.prune)
-                objective = interrupts.objective(_objective(row, spaces[row], job.budget, job.machine, target))
-                while True:
-                    interrupts.check()
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, queued again
-                    finished, running, waiting = counts(study)
-                    if finished >= target:
-                        break
-                    if finished + running >= target and not waiting:
-                        time.sleep(job.poll)  # the rest are running; wait in case one of them dies
-                        continue
-                    asked = len(study.get_trials(deepcopy=False))
-                    seeded_study = optuna.load_study(
-                        study_name=study.study_name,
-                        storage=storage,
-                        sampler=_sampler(job.budget["seed"], asked),
-                        pruner=_pruner(job.prune),
-                    )
-                    try:
-                        seeded_study.optimize(objective, n_trials=1, catch=())
-                    except SurplusTrial:
-                        continue
-                    done += 1
+                objective = _objective(row, spaces[row], job.budget, job.machine, target)
+                opened[row] = open_study(row, job.budget, storage, job.prune), target, objective
+            study, target, objective = opened[row]
+            fail_stale_trials(study)  # a dead worker's trial: failed, queued again
+            finished, running, waiting = counts(study)
+            if finished >= target:
+                remaining.pop(0)
+                continue
+            if finished + running >= target and not waiting:
+                return WAIT  # the rest are running; wait in case one of them dies
+            asked = len(study.get_trials(deepcopy=False))
+            seeded_study = optuna.load_study(
+                study_name=study.study_name,
+                storage=storage,
+                sampler=_sampler(job.budget["seed"], asked),
+                pruner=_pruner(job.prune),
+            )
+            return seeded_study, objective
+        return None
+
+    try:
+        return claim_trials(next_trial, job.poll, skip=(SurplusTrial,))
     finally:
         close_storage(storage)
-    return done
 
 
-@dataclasses.dataclass
 class TuneResult:
     entries: dict
     seconds: float

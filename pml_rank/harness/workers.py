@@ -1,5 +1,5 @@
-"""Local worker processes for `pml-rank bench` and `pml-rank tune`: each runs the same claim
-loop on a shared storage (`jobs.JobStore.work`, tune's trials), so a worker on this
+"""Worker processes for `pml-rank bench` and `pml-rank tune` and the claim loop they run
+(`claim_trials`: a bench's jobs, tune's trials) on a shared storage, so a worker on this
 machine and one on another are alike. The calling process only shows progress."""
 
 import multiprocessing
@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 from .storage import StorageUnavailable, unavailable_in
 
@@ -97,3 +98,44 @@ class InterruptsBetweenTrials:
         """Raises the KeyboardInterrupt held back since the last trial, if any."""
         if self.requested:
             raise KeyboardInterrupt
+
+
+# `next_trial()`'s answer while the trials left are running in other processes: the loop waits
+# and asks again, in case one of those processes dies and its trial is queued again.
+WAIT = "wait"
+
+
+def claim_trials(next_trial, poll, catch=(), skip=()):
+    """The claim loop of every worker, a bench's (`jobs.JobStore.work`) and tune's
+    (`tune.run_worker`): runs one trial at a time until ``next_trial()`` returns None.
+    ``next_trial()`` returns ``(study, objective)`` for one trial of `objective` in `study`,
+    or `WAIT` (the loop sleeps `poll` seconds). `catch` goes to Optuna's `Study.optimize`
+    (such a trial ends failed and counts); an exception of `skip` that `optimize` raises
+    passes the trial over. Ctrl-C ends the loop between trials (`InterruptsBetweenTrials`).
+    Returns the number of trials run, skipped ones aside."""
+    done = 0
+    with InterruptsBetweenTrials() as interrupts:
+        while True:
+            interrupts.check()
+            chosen = next_trial()
+            if chosen is None:
+                return done
+            if chosen is WAIT:
+                time.sleep(poll)
+                continue
+            study, objective = chosen
+            try:
+                study.optimize(interrupts.objective(objective), n_trials=1, catch=catch)
+            except skip:
+                continue
+            done += 1
+
+
+def fail_stale_trials(study):
+    """Fails the trials of `study` whose heartbeat is stale (their process died): Optuna's
+    retry callback queues each again."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)

@@ -119,6 +119,20 @@ def test_readme_table_is_generated():
     assert baselines.markdown_table() in README.read_text()
 
 
+def test_a_recording_trial_answers_the_values_it_holds_and_records_every_suggestion():
+    def space(trial):
+        params = {"memory": trial.suggest_int("memory", 0, 4), "lr": trial.suggest_float("lr", 1e-4, 1.0, log=True)}
+        if params["memory"] > 0:  # asked only for some values
+            params["variant"] = trial.suggest_categorical("variant", ["rows", "extend"])
+        return params
+
+    lowest = baselines.RecordingTrial()
+    assert space(lowest) == {"memory": 0, "lr": 1e-4} and lowest.suggested == ["memory", "lr"]
+    given = baselines.RecordingTrial({"memory": 3, "variant": "extend"})
+    assert space(given) == {"memory": 3, "lr": 1e-4, "variant": "extend"}
+    assert [str(r) for r in given.ranges] == ["memory [0, 4] integers", "lr [0.0001, 1] log", "variant in {rows, extend}"]
+
+
 # ----------------------------------------------------------------------------- building and training
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.losses import ProxyNCALoss
 
-from pml_rank.harness.proxy_nca import LogSpaceProxyNCALoss
+from pml_rank.harness.baselines.proxy_nca import LogSpaceProxyNCALoss
 
 NUM_CLASSES, EMBEDDING_SIZE = 8, 16
 

@@ -160,8 +160,8 @@ def test_mixed_precision_trains_a_fold_model(glyph_cache):
 @pytest.mark.cuda
 def test_one_fold_model_trains_on_cuda(glyph_cache):
     budget = resolve("glyphs", num_classes=24, epochs=1, iterations_per_epoch=2, batch_size=16)
-    place = runner.Machine(cache_dir=str(glyph_cache), device="cuda")
-    outcome = runner.run(budget, "AUCLoss", {}, 0, place)
+    machine = runner.Machine(cache_dir=str(glyph_cache), device="cuda")
+    outcome = runner.run(budget, "AUCLoss", {}, 0, machine)
     assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
 
 

@@ -20,7 +20,7 @@ optuna = pytest.importorskip("optuna")
 from pml_rank.harness import jobs  # noqa: E402
 from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
 from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
-from pml_rank.harness.workers import InterruptsBetweenTrials  # noqa: E402
+from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 ROWS = ["pml:TripletMarginLoss"]
@@ -192,22 +192,22 @@ def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache):
     assert not (tmp_path / "bench.json").exists()
 
 
-def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch):
+def test_racing_duplicates_of_a_job_run_once(tmp_path):
     """Two processes that enqueue the same job at once: the lower trial number runs it, the
     other trial gives up, and the job's outcome is stored once."""
-    from pml_rank.harness import runner
-
     url = f"sqlite:///{tmp_path / 'dup.db'}"
     store = jobs.JobStore(url, BUDGET)
     job = jobs.Job("pml:TripletMarginLoss", 0, {})
     for _ in range(2):  # what two racing processes could leave behind
         store.study.enqueue_trial({}, user_attrs={"job": job.record()})
     calls = []
-    monkeypatch.setattr(
-        runner, "run", lambda *a, **k: calls.append(a) or {"run": {"concatenated": {MAP_AT_R: 0.5}}, "seconds": 1}
-    )
+
+    def run(*args):
+        calls.append(args)
+        return {"run": {"concatenated": {MAP_AT_R: 0.5}}, "seconds": 1}
+
     try:
-        assert store.work(runner.Machine(cache_dir=str(glyph_cache)), poll=0.1) == 1
+        assert store.work(run, poll=0.1) == 1
         assert len(calls) == 1 and list(store.outcomes()) == [job.key]
         states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(url))
         assert states == [(0, "COMPLETE", False), (1, "FAIL", True)]
@@ -318,3 +318,33 @@ def test_the_previous_handler_comes_back():
     with InterruptsBetweenTrials():
         assert signal.getsignal(signal.SIGINT) is not before
     assert signal.getsignal(signal.SIGINT) is before
+
+
+class _Caught(Exception):
+    """Ends a trial failed; the claim loop goes on and counts it."""
+
+
+class _Passed(Exception):
+    """Passes a trial over; the claim loop goes on without counting it."""
+
+
+def test_the_claim_loop_runs_one_trial_at_a_time_until_nothing_is_left():
+    study = optuna.create_study()
+    plan = iter(["complete", WAIT, "passed", "caught", WAIT, "complete"])
+    current = None
+
+    def objective(trial):
+        if current == "passed":
+            raise _Passed()
+        if current == "caught":
+            raise _Caught()
+        return 1.0
+
+    def next_trial():
+        nonlocal current
+        current = next(plan, None)
+        return current if current in (None, WAIT) else (study, objective)
+
+    assert claim_trials(next_trial, poll=0.0, catch=(_Caught,), skip=(_Passed,)) == 3
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "FAIL", "COMPLETE"]
+    assert next(plan, "the plan is used up") == "the plan is used up"

@@ -284,7 +284,7 @@ _ROWS = (
         needs=_CLASS_WEIGHTS,
         loss_parameters="a proxy per class",
         source=PLOTS + "cub_proxy_nca.html",
-        implementation="pml_rank.harness.proxy_nca:LogSpaceProxyNCALoss",
+        implementation="pml_rank.harness.baselines.proxy_nca:LogSpaceProxyNCALoss",
         note="PML's class gives NaN gradients once softmax_scale passes about 40; this row takes log p in log space",
         paper_cub200={"softmax_scale": 13.98, LOSS_LR: 6.04e-3},
     ),
@@ -363,7 +363,7 @@ _ROWS = (
         defaults={"pos_margin": 0.0, "neg_margin": 1.0, "embedding_reg_weight": 0.0},
         space=_snr_space,
         batches=_M4,
-        regularizer=Regularizer("embedding", "NormalizedZeroMeanRegularizer", module="pml_rank.harness.zero_mean"),
+        regularizer=Regularizer("embedding", "NormalizedZeroMeanRegularizer", module="pml_rank.harness.baselines.zero_mean"),
         source=PLOTS + "cub_snr_contrastive.html",
         paper_cub200={"pos_margin": 0.3264, "neg_margin": 0.8446, "embedding_reg_weight": 0.1382},
         note="embedding_reg_weight is the paper's regularizer_weight (PML <= 0.9.86's term, on normalised embeddings)",
@@ -540,28 +540,36 @@ class Range:
         return f"{self.name} [{_number(self.low)}, {_number(self.high)}]" + (f" {kind}" if kind else "")
 
 
-class _RecordingTrial:
-    """Stands in for an Optuna trial to read a space: records each suggestion, answers its low end."""
+class RecordingTrial:
+    """Stands in for an Optuna trial to read a search space (any ``space(trial)``): records
+    each suggestion as a `Range` in ``ranges`` and answers the value `values` holds for its
+    name, else the low end or the first choice."""
 
-    def __init__(self):
-        self.ranges = []
+    def __init__(self, values=None):
+        self.values, self.ranges = dict(values or {}), []
 
-    def suggest_float(self, name, low, high, *, log=False, step=None):
-        self.ranges.append(Range(name, low, high, log=log))
-        return low
+    @property
+    def suggested(self):
+        """The names suggested so far, in order."""
+        return [suggestion.name for suggestion in self.ranges]
 
-    def suggest_int(self, name, low, high, *, log=False, step=1):
-        self.ranges.append(Range(name, low, high, log=log, integer=True))
-        return low
+    def _answer(self, suggestion, default):
+        self.ranges.append(suggestion)
+        return self.values.get(suggestion.name, default)
+
+    def suggest_float(self, name, low, high, *, step=None, log=False):
+        return self._answer(Range(name, low, high, log=log), low)
+
+    def suggest_int(self, name, low, high, *, step=1, log=False):
+        return self._answer(Range(name, low, high, log=log, integer=True), low)
 
     def suggest_categorical(self, name, choices):
-        self.ranges.append(Range(name, choices=tuple(choices)))
-        return choices[0]
+        return self._answer(Range(name, choices=tuple(choices)), choices[0])
 
 
 def space_ranges(row):
     """The `Range` of each parameter `row`'s space suggests (at the low end of the earlier ones)."""
-    trial = _RecordingTrial()
+    trial = RecordingTrial()
     search_space(row)(trial)
     return trial.ranges
 
