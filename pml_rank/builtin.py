@@ -2,6 +2,7 @@
 entry point (see pyproject.toml), exactly as a third-party plugin would."""
 
 from . import losses, samplers
+
 # The pml:PNPLoss row's space (PML's PNPLoss, the same function): one space for both, in a
 # module that imports no torch.
 from .harness.baselines import pnp_space

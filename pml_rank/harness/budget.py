@@ -338,6 +338,7 @@ def dataset_argument(text):
         )
     return text
 
+
 # `pml-rank speed`'s sizes when the command line names none: batch sizes, except for the
 # losses listed, whose sizes mean something else (RaMBOAPLoss: scores in one sequence).
 SPEED_DEFAULT_SIZES = (512, 1024, 2048)

@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from . import backbones, recipes
-from .data import SmallCNN
 from .budget import BudgetError, class_count, digest, training_key
+from .data import SmallCNN
 from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
 from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
 

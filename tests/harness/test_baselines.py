@@ -17,6 +17,7 @@ from pytorch_metric_learning import losses, miners
 
 from pml_rank.harness import baselines
 from pml_rank.harness.baselines import BASELINES, LOSS_LR, UnknownRowError, build, search_space, split_params
+from pml_rank.harness.budget import SHIPPED_PARAMS
 
 optuna = pytest.importorskip("optuna")
 
@@ -96,7 +97,7 @@ def test_rows_are_the_papers_and_three_more_in_order():
 
 def test_the_old_bench_rows_keep_their_names():
     # tuned_glyphs.json and existing bench stores are keyed by these names.
-    shipped = json.loads((Path(baselines.__file__).parent / "tuned_glyphs.json").read_text())
+    shipped = json.loads(SHIPPED_PARAMS.read_text())
     for row in [name for name in shipped if name.startswith("pml:")]:
         assert row in BASELINES
         build(row, shipped[row]["params"])  # their tuned values are valid parameters of the rows
@@ -130,7 +131,11 @@ def test_a_recording_trial_answers_the_values_it_holds_and_records_every_suggest
     assert space(lowest) == {"memory": 0, "lr": 1e-4} and lowest.suggested == ["memory", "lr"]
     given = baselines.RecordingTrial({"memory": 3, "variant": "extend"})
     assert space(given) == {"memory": 3, "lr": 1e-4, "variant": "extend"}
-    assert [str(r) for r in given.ranges] == ["memory [0, 4] integers", "lr [0.0001, 1] log", "variant in {rows, extend}"]
+    assert [str(r) for r in given.ranges] == [
+        "memory [0, 4] integers",
+        "lr [0.0001, 1] log",
+        "variant in {rows, extend}",
+    ]
 
 
 # ----------------------------------------------------------------------------- building and training

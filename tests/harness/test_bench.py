@@ -175,16 +175,16 @@ def pml_rank_losses():
 def test_every_pml_rank_loss_beats_raw_input_and_the_untrained_network(glyph_cache, tmp_path):
     # pml-rank's own losses, whichever are registered, and PML's triplet loss as a check that
     # the reduced budget is enough to learn something at all.
-    contenders = pml_rank_losses() + ["pml:TripletMarginLoss"]
+    rows = pml_rank_losses() + ["pml:TripletMarginLoss"]
     result = run_glyph_bench(
-        contenders, tmp_path, glyph_cache, epochs=3, iterations_per_epoch=20, num_folds=2, num_classes=120
+        rows, tmp_path, glyph_cache, epochs=3, iterations_per_epoch=20, num_folds=2, num_classes=120
     )
     summary = result.summary()
     map_at_r = "mean_average_precision_at_r"
     raw = summary[runner.RAW_INPUT]["separated"][map_at_r][0]
     untrained = {kind: summary[runner.UNTRAINED][kind][map_at_r][0] for kind in ("concatenated", "separated")}
     failures = []
-    for name in contenders:
+    for name in rows:
         for kind in ("concatenated", "separated"):
             ours = summary[name][kind][map_at_r][0]
             if not ours > max(raw, untrained[kind]):
@@ -319,13 +319,13 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_temporary_file(tmp_p
 
 
 def test_check_budget_refuses_batches_the_rows_cannot_make():
-    contenders = recipes.rows(["AUCLoss", "NPairsMCLoss"])
-    recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32))
+    row_recipes = recipes.rows(["AUCLoss", "NPairsMCLoss"])
+    recipes.check_budget(row_recipes, 32, num_classes=minimum_classes(2, 32))
     with pytest.raises(recipes.BudgetError, match="--batch-size") as error:
-        recipes.check_budget(contenders, 6)
+        recipes.check_budget(row_recipes, 6)
     assert error.value.option == "--batch-size"
     with pytest.raises(recipes.BudgetError, match="--classes"):
-        recipes.check_budget(contenders, 32, num_classes=minimum_classes(2, 32) - 1)
+        recipes.check_budget(row_recipes, 32, num_classes=minimum_classes(2, 32) - 1)
     recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
 
 

@@ -172,7 +172,9 @@ def test_other_parameters_for_a_row_are_refused_naming_the_row(glyph_cache, tmp_
         store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.1}})  # the same: accepted
         store.record_row_params({"AUCLoss": {}})  # a row the bench did not have: added
         with pytest.raises(jobs.MismatchError) as error:
-            store.record_row_params({"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}})
+            store.record_row_params(
+                {"pml:TripletMarginLoss": {"margin": 0.2}, "pml:ContrastiveLoss": {}, "AUCLoss": {}}
+            )
     finally:
         store.close()
     assert "pml:TripletMarginLoss" in str(error.value) and "0.2" in str(error.value)

@@ -363,7 +363,9 @@ _ROWS = (
         defaults={"pos_margin": 0.0, "neg_margin": 1.0, "embedding_reg_weight": 0.0},
         space=_snr_space,
         batches=_M4,
-        regularizer=Regularizer("embedding", "NormalizedZeroMeanRegularizer", module="pml_rank.harness.baselines.zero_mean"),
+        regularizer=Regularizer(
+            "embedding", "NormalizedZeroMeanRegularizer", module="pml_rank.harness.baselines.zero_mean"
+        ),
         source=PLOTS + "cub_snr_contrastive.html",
         paper_cub200={"pos_margin": 0.3264, "neg_margin": 0.8446, "embedding_reg_weight": 0.1382},
         note="embedding_reg_weight is the paper's regularizer_weight (PML <= 0.9.86's term, on normalised embeddings)",
