@@ -76,8 +76,8 @@ class Setting:
 
 
 # The glyph preset: 64 classes, 10 epochs x 60 iterations, Adam at 3e-3 annealed to zero by
-# a cosine schedule, so that 2 cores run the default bench (13 trained rows x 3 seeds x 4
-# folds) in under 9 minutes; twice the epochs gains 2 points on average, 3 rows beyond their
+# a cosine schedule, so that 2 cores run the default bench (15 trained rows x 3 seeds x 4
+# folds) in under 10 minutes; twice the epochs gains 2 points on average, 3 rows beyond their
 # 95% CI. With all 274 classes validation MAP@R was still rising after 3,000 iterations
 # (examples/README.md, "Choosing the budget").
 # The reality-check preset: Musgrave et al., A Metric Learning Reality Check (ECCV 2020),
