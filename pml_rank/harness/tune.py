@@ -294,6 +294,7 @@ def run_worker(job):
         close_storage(storage)
 
 
+@dataclasses.dataclass
 class TuneResult:
     entries: dict
     seconds: float
