@@ -1,4 +1,11 @@
-"""The `pml-rank` command."""
+"""The `pml-rank` command. Each subcommand is one class: its name and help, its options
+(`add_arguments`) and its handler (`run`) side by side; `build_parser` asks each class in
+`COMMANDS` for its options. bench and tune share `add_budget_arguments`, the options that
+define a run, and the helpers below it.
+
+Everything that imports torch is imported inside the handlers, so that --help, argument
+errors and `bench --status` answer at once.
+"""
 
 import importlib
 import importlib.util
@@ -22,8 +29,13 @@ from .harness.storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY
 # The small CNN's steps are too short to gain from more threads per worker process.
 DEFAULT_THREADS = 1
 
-# Everything that imports torch is imported inside the commands, so that --help and
-# argument errors answer at once.
+OUT_HELP = "folder for the results, created if missing and checked writable before any work (default: %(default)s)"
+
+
+class UsageError(Exception):
+    """A command line that parsed but cannot run (an unknown loss, a batch size the chosen
+    rows cannot use, an output folder that cannot be written): `main` prints it in one
+    line and returns 2, before any work."""
 
 
 def _harness(module):
@@ -37,24 +49,6 @@ def _harness(module):
     return importlib.import_module(f".harness.{module}", __package__)
 
 
-def _cmd_list(args):
-    from .harness.text_table import format_text_table
-    from .plugins import KINDS, registry
-
-    rows = [
-        (c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
-        for c in registry.components()
-    ]
-    print(format_text_table(("name", "kind", "distribution", "class"), rows, align="llll"))
-    return 0
-
-
-class UsageError(Exception):
-    """A command line that parsed but cannot run (an unknown loss, a batch size the chosen
-    rows cannot use, an output folder that cannot be written): `main` prints it in one
-    line and returns 2, before any work."""
-
-
 def _prepare_out(path):
     from .harness.outputs import OutputError, prepare_output_dir
 
@@ -64,247 +58,125 @@ def _prepare_out(path):
         raise UsageError(f"argument {error}") from None
 
 
-def _cmd_speed(args):
-    speed = _harness("speed")
-    from .plugins import registry
+class Command:
+    """One `pml-rank` subcommand: `name`, `help` (the list of commands) and `description`
+    (its own --help); `add_arguments(parser)` declares its options, `run(args)` handles a
+    parsed command line and returns the exit status."""
 
-    names = args.losses or sorted(registry.losses())
-    known = set(registry.losses()) | set(speed.CASES)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise UsageError(
-            f"argument losses: unknown loss {', '.join(unknown)}; "
-            f"registered: {', '.join(sorted(registry.losses()))}; "
-            f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}"
-        )
-    out = _prepare_out(args.out)
-    import torch
+    name = ""
+    help = ""
+    description = None
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or threads)
-    try:
-        return speed.run_command(names, args, out)
-    finally:
-        torch.set_num_threads(threads)
+    def add_arguments(self, parser):
+        pass
+
+    def run(self, args):
+        raise NotImplementedError
 
 
-def _budget(args):
-    """The effective budget of a bench or tune command line: the preset's values with every
-    option given in their place."""
-    from .harness.budget import BudgetError, resolve
+class ListCommand(Command):
+    name = "list"
+    help = "every discovered component, its kind and distribution"
 
-    try:
-        budget = resolve(args.dataset, args.preset, **given_settings(args))
-    except BudgetError as error:
-        raise UsageError(str(error)) from None
-    return budget
-
-
-def _warn(budget):
-    """Prints what the budget will likely get wrong, before any training."""
-    from .harness.budget import budget_warnings
-
-    for line in budget_warnings(budget):
-        print(f"pml-rank: warning: {line}", file=sys.stderr)
-
-
-def _machine(args):
-    from .harness.runner import Machine
-
-    device = args.devices[0] if args.devices else args.device
-    models_dir = str(Path(args.out) / "models") if getattr(args, "save_models", False) else None
-    return Machine(
-        data_root=args.data_root,
-        cache_dir=args.cache_dir,
-        device=device,
-        loader_workers=args.loader_workers,
-        models_dir=models_dir,
-    )
-
-
-def _refusals():
-    """The errors a bench or tune refuses with, before any work: exit 2, one message."""
-    from .harness.backbones import WeightsNotFoundError
-    from .harness.bench import ParamsError
-    from .harness.budget import BudgetError
-    from .harness.datasets import DataError
-    from .harness.jobs import MismatchError
-    from .harness.storage import StorageError
-
-    return (WeightsNotFoundError, ParamsError, DataError, MismatchError, BudgetError, StorageError)
-
-
-def _refused(error):
-    from .harness.storage import StorageError
-
-    if isinstance(error, StorageError):
-        return UsageError(f"argument --storage: {error}")
-    return UsageError(str(error).strip())
-
-
-def _cmd_bench(args):
-    import os
-
-    if args.status and not args.list:
-        return _bench_status(args)
-    bench = _harness("bench")
-    from .harness import recipes, report, storage
-
-    if args.list:
+    def run(self, args):
         from .harness.text_table import format_text_table
+        from .plugins import KINDS, registry
 
-        print(format_text_table(("row", "miner", "batches", "optimizer"), recipes.describe(), align="llll"))
+        rows = [
+            (c.name, KINDS[c.kind].singular, c.distribution, f"{c.cls.__module__}.{c.cls.__qualname__}")
+            for c in registry.components()
+        ]
+        print(format_text_table(("name", "kind", "distribution", "class"), rows, align="llll"))
         return 0
-    budget = _budget(args)
-    try:
-        row_recipes = recipes.rows(args.losses or None)
-    except KeyError as error:
-        raise UsageError(f"argument losses: {error.args[0]}") from None
-    refusals = _refusals()
-    try:
-        recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
-        params, source, defaults_won, note = bench.choose_params(args.params, args.untuned, budget)
-    except refusals as error:
-        raise _refused(error) from None
-    out = _prepare_out(args.out)
-    url = args.storage or storage.default_url(out, bench.STORE_FILE)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
-    try:
-        result = bench.run_bench(
-            list(row_recipes),
-            budget,
-            url,
-            machine=_machine(args),
-            seeds=budget["seeds"],
-            params=params,
-            params_source=source,
-            defaults_won=defaults_won,
-            workers=workers,
-            devices=args.devices,
-            threads=args.threads,
-            heartbeat=args.heartbeat,
-            retry=args.storage_retry,
+
+
+class SpeedCommand(Command):
+    name = "speed"
+    help = "forward+backward time and peak memory against PML and the paper's reference"
+
+    def add_arguments(self, parser):
+        from .harness.arguments import DEVICE_HELP, at_least, device, non_negative_int, positive_int
+
+        parser.add_argument("losses", nargs="*", help="registered loss names (default: all)")
+        per_loss = "; ".join(
+            f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
+            for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items()
         )
-    except refusals as error:
-        raise _refused(error) from None
-    except Exception as error:
-        unavailable = storage.unavailable_in(error)
-        if unavailable is None:
-            raise
-        print(
-            f"pml-rank bench: {unavailable}; finished jobs are kept there and the same command resumes", file=sys.stderr
+        parser.add_argument(
+            "--sizes",
+            type=at_least(2),
+            nargs="+",
+            metavar="N",
+            help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
+            f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}",
         )
-        return 1
-    except KeyboardInterrupt:
-        print(
-            f"\npml-rank bench: interrupted; finished jobs are kept in {storage.redact(url)} "
-            "and the same command resumes",
-            file=sys.stderr,
+        parser.add_argument(
+            "--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)"
         )
-        return 130
-    if result.resumed:
-        print(f"resumed: {result.resumed} finished job(s) read from {storage.redact(url)}")
-    print(report.format_table(result))
-    for path in report.write_all(result, out):
-        print(f"written: {path}")
-    return 0
-
-
-def _bench_status(args):
-    """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's bench,
-    reading only (no torch, no folder, file, table or study made); exit 1 when the storage
-    holds no bench."""
-    jobs = _harness("jobs")
-    from .harness.storage import StorageError, StorageUnavailable, check_url, default_url, redact
-    from .harness.text_table import format_text_table
-
-    url = args.storage or default_url(args.out, jobs.STORE_FILE)
-    try:
-        check_url(url)
-        benches = jobs.stored_status(url, args.storage_retry)
-    except StorageError as error:
-        raise _refused(error) from None
-    except StorageUnavailable as error:
-        print(f"pml-rank bench: {error}", file=sys.stderr)
-        return 1
-    if not benches:
-        print(f"pml-rank bench: no bench in this storage ({redact(url)})", file=sys.stderr)
-        return 1
-    for _, status in benches:
-        rows = [(row, c["done"], c["running"], c["waiting"]) for row, c in status.items()]
-        rows.append(("all", *(sum(r[i] for r in rows) for i in (1, 2, 3))))
-        print(f"bench in {redact(url)}")
-        print(format_text_table(("row", "done", "running", "waiting"), rows, align="lrrr"))
-    return 0
-
-
-def _cmd_tune(args):
-    import os
-    import shlex
-
-    tune = _harness("tune")
-    from .harness import recipes, storage
-
-    try:
-        row_recipes = recipes.rows(args.losses or None)
-    except KeyError as error:
-        raise UsageError(f"argument losses: {error.args[0]}") from None
-    spaces = tune.search_spaces()
-    missing = [name for name in row_recipes if name not in spaces]
-    if missing and args.losses:
-        raise UsageError(
-            f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
-            "one with the pml_rank_search_spaces hook)"
+        parser.add_argument(
+            "--repeats",
+            type=positive_int,
+            default=5,
+            help="interleaved rounds per run and size, each timing every contender once, >= 1; "
+            "the table shows the median of the per-round ratios (default %(default)s)",
         )
-    row_recipes = {name: recipe for name, recipe in row_recipes.items() if name in spaces}
-    budget = _budget(args)
-    budget["seed"] = args.seed
-    refusals = _refusals()
-    try:
-        recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
-        from .harness import runner
-
-        runner.check(budget, list(row_recipes), _machine(args))
-    except refusals as error:
-        raise _refused(error) from None
-    args.out = str(_prepare_out(args.out))
-    url = args.storage or storage.default_url(args.out, "tune.db")
-    words = [storage.redact(a) if a == args.storage else a for a in args.argv]
-    command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
-    workers = args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
-    _warn(budget)
-    try:
-        result = tune.tune(
-            list(row_recipes),
-            budget["trials"],
-            budget,
-            url,
-            args.out,
-            workers=workers,
-            machine=_machine(args),
-            devices=args.devices,
-            threads=args.threads,
-            heartbeat=args.heartbeat,
-            prune=not args.no_prune,
-            command=command,
-            retry=args.storage_retry,
+        parser.add_argument(
+            "--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)"
         )
-    except storage.StorageError as error:
-        raise UsageError(f"argument --storage: {error}") from None
-    except RuntimeError as error:
-        print(error, file=sys.stderr)
-        return 1
-    print(tune.format_table(result.entries))
-    print(f"written: {os.path.join(args.out, tune.TUNED_FILE)} ({result.seconds:.0f} s); storage {storage.redact(url)}")
-    if result.interrupted:
-        print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
-        return 130
-    return 0
+        parser.add_argument(
+            "--seed", type=non_negative_int, default=0, help="seed of the random inputs, >= 0 (default %(default)s)"
+        )
+        parser.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
+        parser.add_argument(
+            "--runs",
+            type=positive_int,
+            default=1,
+            help="repeat the whole measurement this many times, >= 1; ratios pool every round (default %(default)s)",
+        )
+        parser.add_argument(
+            "--underflow",
+            action="store_true",
+            help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
+            "against its usual inputs (the no-slow-path case), at the largest size (default: off)",
+        )
+        parser.add_argument(
+            "--threads",
+            type=positive_int,
+            help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
+            "with other work, 1 keeps a descheduled worker thread from stalling every parallel op",
+        )
+        parser.add_argument(
+            "--report",
+            metavar="PATH",
+            help="also write PATH.json and PATH.md: every table with its spread, the command, "
+            "date and machine, e.g. examples/results/speed (default: none)",
+        )
+
+    def run(self, args):
+        speed = _harness("speed")
+        from .plugins import registry
+
+        names = args.losses or sorted(registry.losses())
+        known = set(registry.losses()) | set(speed.CASES)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise UsageError(
+                f"argument losses: unknown loss {', '.join(unknown)}; "
+                f"registered: {', '.join(sorted(registry.losses()))}; "
+                f"other cases: {', '.join(sorted(set(speed.CASES) - set(registry.losses())))}"
+            )
+        out = _prepare_out(args.out)
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads or threads)
+        try:
+            return speed.run_command(names, args, out)
+        finally:
+            torch.set_num_threads(threads)
 
 
-OUT_HELP = "folder for the results, created if missing and checked writable before any work (default: %(default)s)"
+# ----------------------------------------------------------------------------- bench and tune
 
 
 def add_budget_arguments(parser, command):
@@ -399,140 +271,307 @@ def add_budget_arguments(parser, command):
     return parser
 
 
-def _add_speed(commands):
-    """`pml-rank speed`'s options, its handler `_cmd_speed`."""
-    from .harness.arguments import DEVICE_HELP, at_least, device, non_negative_int, positive_int
+def _budget(args):
+    """The effective budget of a bench or tune command line: the preset's values with every
+    option given in their place."""
+    from .harness.budget import BudgetError, resolve
 
-    p = commands.add_parser(
-        "speed",
-        help="forward+backward time and peak memory against PML and the paper's reference",
-    )
-    p.add_argument("losses", nargs="*", help="registered loss names (default: all)")
-    per_loss = "; ".join(
-        f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
-        for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items()
-    )
-    p.add_argument(
-        "--sizes",
-        type=at_least(2),
-        nargs="+",
-        metavar="N",
-        help=f"batch sizes (scores per sequence for sequence losses), each >= 2; default "
-        f"{' '.join(map(str, SPEED_DEFAULT_SIZES))}, except {per_loss}",
-    )
-    p.add_argument("--dim", type=positive_int, default=512, help="embedding dimension, >= 1 (default %(default)s)")
-    p.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=5,
-        help="interleaved rounds per run and size, each timing every contender once, >= 1; "
-        "the table shows the median of the per-round ratios (default %(default)s)",
-    )
-    p.add_argument("--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)")
-    p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the random inputs, >= 0 (default %(default)s)"
-    )
-    p.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")
-    p.add_argument(
-        "--runs",
-        type=positive_int,
-        default=1,
-        help="repeat the whole measurement this many times, >= 1; ratios pool every round (default %(default)s)",
-    )
-    p.add_argument(
-        "--underflow",
-        action="store_true",
-        help="also time each loss on inputs that drive exp/sigmoid arguments out of float range "
-        "against its usual inputs (the no-slow-path case), at the largest size (default: off)",
-    )
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        help="torch CPU threads for the measurement, >= 1 (default: torch's). On a machine shared "
-        "with other work, 1 keeps a descheduled worker thread from stalling every parallel op",
-    )
-    p.add_argument(
-        "--report",
-        metavar="PATH",
-        help="also write PATH.json and PATH.md: every table with its spread, the command, "
-        "date and machine, e.g. examples/results/speed (default: none)",
-    )
-    p.set_defaults(run=_cmd_speed)
+    try:
+        budget = resolve(args.dataset, args.preset, **given_settings(args))
+    except BudgetError as error:
+        raise UsageError(str(error)) from None
+    return budget
 
 
-def _add_bench(commands):
-    """`pml-rank bench`'s options, its handler `_cmd_bench`."""
+def _rows(args):
+    """``{row: Recipe}`` of the rows the command line names (default: the default rows)."""
+    from .harness import recipes
 
-    p = commands.add_parser(
-        "bench",
-        help="every registered loss and PML's baselines under the Reality Check protocol, on the embedded "
-        "glyphs, the papers' data sets or your own images",
-    )
-    p.add_argument(
-        "losses",
-        nargs="*",
-        help="registered loss names and pml:<name> baselines (default: all registered losses and "
-        f"{' '.join(DEFAULT_BASELINES)}; --list shows every row)",
-    )
-    p.add_argument(
-        "--list",
-        action="store_true",
-        help="show every row with its miner, batches and optimizer, and exit (default: run the bench)",
-    )
-    add_budget_arguments(p, "bench")
-    p.add_argument(
-        "--out",
-        default="pml-rank-results",
-        help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench.db, the storage of the jobs "
-        "(rerunning the same command resumes)",
-    )
-    p.add_argument(
-        "--params",
-        metavar="FILE",
-        help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the default glyph budget",
-    )
-    p.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
-    p.add_argument(
-        "--save-models",
-        action="store_true",
-        help="keep every fold model (the best epoch's trunk and embedder, as PML's hooks save them) and its "
-        "record-keeper logs in OUT/models/<row>/<setup>/seed<k>/fold<f>, on the machine that trained it "
-        "(default: discard them)",
-    )
-    p.add_argument(
-        "--status",
-        action="store_true",
-        help="show the jobs done, running and waiting per row of the storage's bench, and exit "
-        "(default: run the bench)",
-    )
-    p.set_defaults(run=_cmd_bench)
+    try:
+        return recipes.rows(args.losses or None)
+    except KeyError as error:
+        raise UsageError(f"argument losses: {error.args[0]}") from None
 
 
-def _add_tune(commands):
-    """`pml-rank tune`'s options, its handler `_cmd_tune`."""
-    from .harness.arguments import non_negative_int
+def _machine(args):
+    from .harness.runner import Machine
 
-    p = commands.add_parser(
-        "tune",
-        help="Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)",
-        description="Searches each loss's declared space with a seeded TPE sampler, the paper's defaults "
+    device = args.devices[0] if args.devices else args.device
+    models_dir = str(Path(args.out) / "models") if getattr(args, "save_models", False) else None
+    return Machine(
+        data_root=args.data_root,
+        cache_dir=args.cache_dir,
+        device=device,
+        loader_workers=args.loader_workers,
+        models_dir=models_dir,
+    )
+
+
+def _workers(args):
+    """The local worker processes: --workers, else one per --devices, else one per core."""
+    import os
+
+    return args.workers or (len(args.devices) if args.devices else os.cpu_count() or 1)
+
+
+def _refusals():
+    """The errors a bench or tune refuses with, before any work: exit 2, one message."""
+    from .harness.backbones import WeightsNotFoundError
+    from .harness.bench import ParamsError
+    from .harness.budget import BudgetError
+    from .harness.datasets import DataError
+    from .harness.jobs import MismatchError
+    from .harness.storage import StorageError
+
+    return (WeightsNotFoundError, ParamsError, DataError, MismatchError, BudgetError, StorageError)
+
+
+def _refused(error):
+    from .harness.storage import StorageError
+
+    if isinstance(error, StorageError):
+        return UsageError(f"argument --storage: {error}")
+    return UsageError(str(error).strip())
+
+
+def _warn(budget):
+    """Prints what the budget will likely get wrong, before any training."""
+    from .harness.budget import budget_warnings
+
+    for line in budget_warnings(budget):
+        print(f"pml-rank: warning: {line}", file=sys.stderr)
+
+
+class BenchCommand(Command):
+    name = "bench"
+    help = (
+        "every registered loss and PML's baselines under the Reality Check protocol, on the embedded "
+        "glyphs, the papers' data sets or your own images"
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "losses",
+            nargs="*",
+            help="registered loss names and pml:<name> baselines (default: all registered losses and "
+            f"{' '.join(DEFAULT_BASELINES)}; --list shows every row)",
+        )
+        parser.add_argument(
+            "--list",
+            action="store_true",
+            help="show every row with its miner, batches and optimizer, and exit (default: run the bench)",
+        )
+        add_budget_arguments(parser, "bench")
+        parser.add_argument(
+            "--out",
+            default="pml-rank-results",
+            help=OUT_HELP + "; writes bench.csv, bench.json, bench.png and bench.db, the storage of the jobs "
+            "(rerunning the same command resumes)",
+        )
+        parser.add_argument(
+            "--params",
+            metavar="FILE",
+            help="tuned parameters (pml-rank tune's tuned.json); default: the file shipped for the default glyph "
+            "budget",
+        )
+        parser.add_argument("--untuned", action="store_true", help="train every loss with its paper's defaults")
+        parser.add_argument(
+            "--save-models",
+            action="store_true",
+            help="keep every fold model (the best epoch's trunk and embedder, as PML's hooks save them) and its "
+            "record-keeper logs in OUT/models/<row>/<setup>/seed<k>/fold<f>, on the machine that trained it "
+            "(default: discard them)",
+        )
+        parser.add_argument(
+            "--status",
+            action="store_true",
+            help="show the jobs done, running and waiting per row of the storage's bench, and exit "
+            "(default: run the bench)",
+        )
+
+    def run(self, args):
+        if args.status and not args.list:
+            return self.status(args)
+        bench = _harness("bench")
+        from .harness import recipes, report, runner, storage
+
+        if args.list:
+            from .harness.text_table import format_text_table
+
+            print(format_text_table(("row", "miner", "batches", "optimizer"), recipes.describe(), align="llll"))
+            return 0
+        budget = _budget(args)
+        row_recipes = _rows(args)
+        refusals = _refusals()
+        try:
+            # Refused before the output folder is made or the storage reached.
+            runner.check_rows(budget, row_recipes)
+            params, source, defaults_won, note = bench.choose_params(args.params, args.untuned, budget)
+        except refusals as error:
+            raise _refused(error) from None
+        out = _prepare_out(args.out)
+        url = args.storage or storage.default_url(out, bench.STORE_FILE)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        try:
+            result = bench.run_bench(
+                row_recipes,
+                budget,
+                url,
+                machine=_machine(args),
+                seeds=budget["seeds"],
+                params=params,
+                params_source=source,
+                defaults_won=defaults_won,
+                workers=_workers(args),
+                devices=args.devices,
+                threads=args.threads,
+                heartbeat=args.heartbeat,
+                retry=args.storage_retry,
+            )
+        except refusals as error:
+            raise _refused(error) from None
+        except Exception as error:
+            unavailable = storage.unavailable_in(error)
+            if unavailable is None:
+                raise
+            print(
+                f"pml-rank bench: {unavailable}; finished jobs are kept there and the same command resumes",
+                file=sys.stderr,
+            )
+            return 1
+        except KeyboardInterrupt:
+            print(
+                f"\npml-rank bench: interrupted; finished jobs are kept in {storage.redact(url)} "
+                "and the same command resumes",
+                file=sys.stderr,
+            )
+            return 130
+        if result.resumed:
+            print(f"resumed: {result.resumed} finished job(s) read from {storage.redact(url)}")
+        print(report.format_table(result))
+        for path in report.write_all(result, out):
+            print(f"written: {path}")
+        return 0
+
+    def status(self, args):
+        """`pml-rank bench --status`: jobs done / running / waiting per row of the storage's
+        bench, reading only (no torch, no folder, file, table or study made); exit 1 when the
+        storage holds no bench."""
+        jobs = _harness("jobs")
+        from .harness.storage import StorageError, StorageUnavailable, check_url, default_url, redact
+        from .harness.text_table import format_text_table
+
+        url = args.storage or default_url(args.out, jobs.STORE_FILE)
+        try:
+            check_url(url)
+            benches = jobs.stored_status(url, args.storage_retry)
+        except StorageError as error:
+            raise _refused(error) from None
+        except StorageUnavailable as error:
+            print(f"pml-rank bench: {error}", file=sys.stderr)
+            return 1
+        if not benches:
+            print(f"pml-rank bench: no bench in this storage ({redact(url)})", file=sys.stderr)
+            return 1
+        for _, status in benches:
+            rows = [(row, c["done"], c["running"], c["waiting"]) for row, c in status.items()]
+            rows.append(("all", *(sum(r[i] for r in rows) for i in (1, 2, 3))))
+            print(f"bench in {redact(url)}")
+            print(format_text_table(("row", "done", "running", "waiting"), rows, align="lrrr"))
+        return 0
+
+
+class TuneCommand(Command):
+    name = "tune"
+    help = "Reality Check hyperparameter search (Optuna, 4-fold cross-validation on the training classes)"
+    description = (
+        "Searches each loss's declared space with a seeded TPE sampler, the paper's defaults "
         "first; the objective is the mean over the folds of each fold model's best-epoch validation MAP@R "
-        "on the training half of the classes. One study per (loss, data set, budget); rerunning resumes.",
+        "on the training half of the classes. One study per (loss, data set, budget); rerunning resumes."
     )
-    p.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
-    p.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
-    add_budget_arguments(p, "tune")
-    p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed of the sampler and of the fold models (default 0)"
-    )
-    p.add_argument(
-        "--no-prune", action="store_true", help="no median pruning between folds (default: prune after the second fold)"
-    )
-    p.set_defaults(run=_cmd_tune)
+
+    def add_arguments(self, parser):
+        from .harness.arguments import non_negative_int
+
+        parser.add_argument("losses", nargs="*", help="loss names as in bench (default: every contender with a space)")
+        parser.add_argument("--out", default="pml-rank-tune", help=OUT_HELP + "; writes tuned.json and tune-<loss>.png")
+        add_budget_arguments(parser, "tune")
+        parser.add_argument(
+            "--seed", type=non_negative_int, default=0, help="seed of the sampler and of the fold models (default 0)"
+        )
+        parser.add_argument(
+            "--no-prune",
+            action="store_true",
+            help="no median pruning between folds (default: prune after the second fold)",
+        )
+
+    def run(self, args):
+        import os
+        import shlex
+
+        tune = _harness("tune")
+        from .harness import runner, storage
+
+        row_recipes = _rows(args)
+        spaces = tune.search_spaces()
+        missing = [name for name in row_recipes if name not in spaces]
+        if missing and args.losses:
+            raise UsageError(
+                f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
+                "one with the pml_rank_search_spaces hook)"
+            )
+        row_recipes = {name: recipe for name, recipe in row_recipes.items() if name in spaces}
+        budget = _budget(args)
+        budget["seed"] = args.seed
+        machine = _machine(args)
+        refusals = _refusals()
+        try:
+            runner.check_rows(budget, row_recipes)
+            runner.check(budget, row_recipes, machine)
+        except refusals as error:
+            raise _refused(error) from None
+        args.out = str(_prepare_out(args.out))
+        url = args.storage or storage.default_url(args.out, "tune.db")
+        words = [storage.redact(a) if a == args.storage else a for a in args.argv]
+        command = "pml-rank " + " ".join(shlex.quote(a) for a in words)
+        _warn(budget)
+        try:
+            result = tune.tune(
+                list(row_recipes),
+                budget["trials"],
+                budget,
+                url,
+                args.out,
+                workers=_workers(args),
+                machine=machine,
+                devices=args.devices,
+                threads=args.threads,
+                heartbeat=args.heartbeat,
+                prune=not args.no_prune,
+                command=command,
+                retry=args.storage_retry,
+            )
+        except storage.StorageError as error:
+            raise UsageError(f"argument --storage: {error}") from None
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            return 1
+        print(tune.format_table(result.entries))
+        written = os.path.join(args.out, tune.TUNED_FILE)
+        print(f"written: {written} ({result.seconds:.0f} s); storage {storage.redact(url)}")
+        if result.interrupted:
+            print("pml-rank tune: interrupted; finished trials are kept and the same command resumes", file=sys.stderr)
+            return 130
+        return 0
+
+
+# The subcommands, in the order `pml-rank --help` lists them.
+COMMANDS = (ListCommand(), SpeedCommand(), BenchCommand(), TuneCommand())
 
 
 def build_parser():
-    """`pml-rank`'s parser: one subcommand per command, each declared by its `_add_*` function."""
+    """`pml-rank`'s parser: one subcommand per entry of `COMMANDS`, with its options."""
     from .harness.arguments import ArgumentParser
 
     parser = ArgumentParser(
@@ -540,12 +579,11 @@ def build_parser():
         description="Rank- and AUC-based losses for pytorch-metric-learning.",
     )
     parser.add_argument("--version", action="version", version=f"pml-rank {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("list", help="every discovered component, its kind and distribution")
-    p.set_defaults(run=_cmd_list)
-    _add_speed(commands)
-    _add_bench(commands)
-    _add_tune(commands)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        p = subparsers.add_parser(command.name, help=command.help, description=command.description)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
     return parser
 
 

@@ -264,12 +264,32 @@ def test_help_and_argument_errors_import_no_torch():
         assert "torch" not in imported and "torchvision" not in imported, argv
 
 
+def _subparsers(parser):
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def _options(command):
-    parser = cli.build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return [
-        a for a in subparsers.choices[command]._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+        a
+        for a in _subparsers(cli.build_parser())[command]._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
     ]
+
+
+def test_each_command_brings_its_options_and_its_handler():
+    subparsers = _subparsers(cli.build_parser())
+    assert list(subparsers) == [command.name for command in cli.COMMANDS]
+    for command in cli.COMMANDS:
+        assert subparsers[command.name].get_default("run") == command.run
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_workers_default_to_one_per_device_else_one_per_core(command):
+    parser = cli.build_parser()
+    assert cli._workers(parser.parse_args([command])) == (os.cpu_count() or 1)
+    devices = ["cpu"] * 3
+    assert cli._workers(parser.parse_args([command, "--devices", ",".join(devices)])) == len(devices)
+    assert cli._workers(parser.parse_args([command, "--devices", ",".join(devices), "--workers", "5"])) == 5
 
 
 # The options a preset fills when they are not given (their argparse default is None).

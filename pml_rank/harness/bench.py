@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import recipes, runner
+from . import runner
 from .budget import SHIPPED_PARAMS, TRAINING_KEYS, budget_warnings
 from .jobs import STORE_FILE as STORE_FILE  # the storage's file in --out, re-exported
 from .jobs import Job, JobStore, check_stored_bench
@@ -103,7 +103,7 @@ def _work(url, budget, machine, threads, heartbeat, retry):
 
 
 def run_bench(
-    rows,
+    row_recipes,
     budget,
     url,
     machine=Machine(),
@@ -118,21 +118,21 @@ def run_bench(
     retry=DEFAULT_RETRY,
     progress=True,
 ):
-    """Runs (or resumes, or joins) the bench of `rows` at `budget` on the storage `url` and
-    returns its `BenchResult` once every job is done. `workers` local processes (each on
+    """Runs (or resumes, or joins) the bench of the rows `row_recipes` (``{row: Recipe}``, checked
+    against `budget` by `runner.check_rows`) at `budget` on the storage `url` and returns its
+    `BenchResult` once every job is done. `workers` local processes (each on
     ``devices[i % len(devices)]`` when given) claim the jobs; with 1 this process works
     itself. A storage call failing on a transient error is retried for up to `retry` seconds.
     Raises `jobs.MismatchError` when the storage holds another bench, and the errors of
     `runner.check` before any work; `storage.StorageUnavailable` when the storage stayed
     unreachable (finished jobs are kept)."""
-    row_recipes = recipes.rows(rows)
     params = params or {}
     row_params = {row: dict(params.get(row, {})) for row in row_recipes}
     # Before the data load: an unreachable storage, a stored bench of another budget or other
     # parameters. Bad data are refused before a storage file is made.
     check_url(url)
     check_stored_bench(url, budget, row_params, retry)
-    runner.check(budget, list(row_recipes), machine)
+    runner.check(budget, row_recipes, machine)
     for line in budget_warnings(budget):  # after every refusal, before any training
         print(f"pml-rank bench: warning: {line}", file=sys.stderr)
     all_jobs = bench_jobs(budget, list(row_recipes), seeds, row_params)

@@ -526,7 +526,9 @@ def _run_reality_check(variant, setup, runs, args, pretrained):
     budget = reality_check_budget(variant.dataset, setup, pretrained)
     # The fold models of every trained run are kept in models_dir (`runner.models_folder`).
     machine = runner.Machine(data_root=args.data_root, device=args.device, models_dir=str(args.models_dir))
-    data = runner.check(budget, [r.loss for r in runs if not r.untrained], machine)
+    row_recipes = recipes.rows([r.loss for r in runs if not r.untrained])
+    runner.check_rows(budget, row_recipes)
+    data = runner.check(budget, row_recipes, machine)
     # A fold trains on 3 of the 4 partitions of the training half.
     iterations = _iterations(setup, len(data) // 2 * 3 // 4, args.smoke)
     budget = reality_check_budget(variant.dataset, setup, pretrained, iterations)

@@ -3,9 +3,9 @@ the Reality Check's fold models -> metrics. `pml-rank bench` runs many experimen
 `pml-rank tune` scores parameters with the same fold loop on the validation classes only,
 and the example scripts call it with the papers' setups.
 
-`check` does every check that can fail before any training (the data set's files, the
-trunk's weights, the batch size against the rows and the classes); `run` runs one
-experiment in the calling process.
+`check_rows` and `check` do every check that can fail before any training (the batch size
+against the rows and the classes, then the trunk's weights and the data set's files); `run`
+runs one experiment in the calling process.
 """
 
 import dataclasses
@@ -109,13 +109,19 @@ def transforms_of(budget, data):
     return None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
 
 
-def check(budget, rows, machine):
-    """Everything that can refuse an experiment, before any training: the data set (files,
-    images, classes with fewer than 2 images: `datasets.DataError`), the trunk's weights
-    (`backbones.WeightsNotFoundError`) and the batch size and classes for the rows
-    (`budget.BudgetError`). Returns the loaded data set."""
-    row_recipes = recipes.rows([r for r in rows if r not in (RAW_INPUT, UNTRAINED)])
+def check_rows(budget, row_recipes):
+    """Refuses (`budget.BudgetError`) a batch size that the rows `row_recipes` (``{row:
+    Recipe}``, the rows that train) cannot make, and a number of classes too small for them
+    when the budget gives one. Reads nothing, so it runs first; `check` does the rest."""
     recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+
+
+def check(budget, row_recipes, machine):
+    """Everything else that can refuse an experiment of the rows `row_recipes` (``{row:
+    Recipe}``, checked by `check_rows`), before any training: the trunk's weights
+    (`backbones.WeightsNotFoundError`), the data set (files, images, classes with fewer
+    than 2 images: `datasets.DataError`) and, when the budget takes all its classes, their
+    number for the rows (`budget.BudgetError`). Returns the loaded data set."""
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
     if needs_data_root(budget["dataset"]) and machine.data_root is None:
@@ -127,7 +133,8 @@ def check(budget, rows, machine):
         if isinstance(error, DataError) or class_count(budget["num_classes"]) is None or "classes" not in str(error):
             raise
         raise BudgetError("--classes", str(error).removeprefix("--classes ")) from None
-    recipes.check_budget(row_recipes, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
+    if class_count(budget["num_classes"]) is None:  # all the classes: their number is known only now
+        recipes.check_budget(row_recipes, budget["batch_size"], len(np.unique(data.labels)), budget["num_folds"])
     if budget["dataset"] != "glyphs" and budget["image_size"] is None:
         _check_one_image_size(budget["dataset"], data)
     return data

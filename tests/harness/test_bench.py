@@ -3,13 +3,14 @@ end to end on the embedded glyphs at a reduced budget."""
 
 import dataclasses
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 
 from pml_rank.cli import main
-from pml_rank.harness import bench, recipes, report, runner
+from pml_rank.harness import bench, recipes, report, runner, tune
 from pml_rank.harness.budget import TRAINING_KEYS, class_count, minimum_classes, resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import (
@@ -35,9 +36,11 @@ def small_glyphs(glyph_cache):
 def run_glyph_bench(rows, folder, glyph_cache, seeds=1, threads=1, **budget):
     """`bench.run_bench` in this process on the glyphs, its jobs in a SQLite file in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
+    row_recipes, resolved = recipes.rows(rows), resolve("glyphs", **budget)
+    runner.check_rows(resolved, row_recipes)
     return bench.run_bench(
-        rows,
-        resolve("glyphs", **budget),
+        row_recipes,
+        resolved,
         default_url(folder, bench.STORE_FILE),
         runner.Machine(cache_dir=glyph_cache),
         seeds=seeds,
@@ -327,6 +330,36 @@ def test_check_budget_refuses_batches_the_rows_cannot_make():
     with pytest.raises(recipes.BudgetError, match="--classes"):
         recipes.check_budget(row_recipes, 32, num_classes=minimum_classes(2, 32) - 1)
     recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 6, num_classes=minimum_classes(2, 6))
+
+
+class StartedWork(Exception):
+    """Raised where a command would start its jobs or trials, every check done."""
+
+
+@pytest.mark.parametrize("command,start", [("bench", (bench, "bench_jobs")), ("tune", (tune, "tune"))])
+def test_a_command_builds_its_rows_and_checks_the_budget_once(command, start, glyph_cache, tmp_path, monkeypatch):
+    calls = Counter()
+
+    def counted(name):
+        real = getattr(recipes, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("recipes", "check_budget"):
+        monkeypatch.setattr(recipes, name, counted(name))
+
+    def started(*args, **kwargs):
+        raise StartedWork
+
+    monkeypatch.setattr(*start, started)
+    argv = ["pml:TripletMarginLoss", "--classes", "24", "--batch-size", "16", "--cache-dir", str(glyph_cache)]
+    with pytest.raises(StartedWork):
+        main([command, *argv, "--out", str(tmp_path / "out")])
+    assert calls == {"recipes": 1, "check_budget": 1}
 
 
 @pytest.mark.slow

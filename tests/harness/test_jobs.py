@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pml_rank.harness import bench, jobs, report, runner, storage
+from pml_rank.harness import bench, jobs, recipes, report, runner, storage
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.storage import close_storage, default_url, open_storage
 
@@ -74,9 +74,11 @@ def count_runs(monkeypatch):
 
 
 def small_bench(rows, url, glyph_cache, seeds=2, params=None, workers=1, **budget):
+    row_recipes, resolved = recipes.rows(rows), resolve("glyphs", **{**SMALL, **budget})
+    runner.check_rows(resolved, row_recipes)
     return bench.run_bench(
-        rows,
-        resolve("glyphs", **{**SMALL, **budget}),
+        row_recipes,
+        resolved,
         url,
         runner.Machine(cache_dir=glyph_cache),
         seeds=seeds,

@@ -3,6 +3,7 @@
 `--status` on a storage that holds no bench, and two processes of different budgets
 starting on one storage at the same moment."""
 
+import gc
 import json
 import multiprocessing
 import os
@@ -11,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,10 @@ class JobReader:
                 return []
             try:
                 self.storage = optuna.storages.RDBStorage(self.url, skip_table_creation=True)
-            except Exception:
+            except Exception:  # the bench is still making its tables
+                with warnings.catch_warnings():  # the half-made storage's connection: closed now,
+                    warnings.simplefilter("ignore", ResourceWarning)  # not in a later test
+                    gc.collect()
                 return []
         try:
             names = [s.study_name for s in self.storage.get_all_studies() if s.study_name.startswith("pml-rank bench")]
@@ -387,5 +392,26 @@ def test_a_trial_is_failed_as_stale_only_once_seen_stale_for_a_grace_period(tmp_
         assert storage._get_stale_trial_ids(0) == [7, 8]
         storage.outage.failed("test")  # the storage failed just now: nothing is stale for a grace period
         assert storage._get_stale_trial_ids(0) == []
+    finally:
+        storage_module.close_storage(storage)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage", "ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_running_trial_that_never_sent_a_heartbeat_is_failed_once_seen_so_for_a_grace_period(tmp_path, monkeypatch):
+    """A process that died between creating its trial and its first heartbeat (killed, or its
+    storage lost) leaves a RUNNING trial Optuna never fails: the bench waited for it for ever."""
+    from pml_rank.harness import storage as storage_module
+
+    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat=1)  # grace 2 s
+    clock = [1000.0]
+    monkeypatch.setattr(storage_module.time, "monotonic", lambda: clock[0])
+    try:
+        study = optuna.create_study(storage=storage, study_name="no heartbeat")
+        orphan = study.ask()  # RUNNING, no heartbeat
+        optuna.storages.fail_stale_trials(study)
+        assert study.trials[0].state.name == "RUNNING"  # seen once: not failed yet
+        clock[0] += 2.0
+        optuna.storages.fail_stale_trials(study)
+        assert study.trials[0].state.name == "FAIL" and study.trials[0].number == orphan.number
     finally:
         storage_module.close_storage(storage)
