@@ -349,7 +349,7 @@ def test_a_command_builds_its_rows_and_checks_the_budget_once(command, start, gl
 
         return call
 
-    for name in ("recipes", "check_budget"):
+    for name in ("rows", "check_budget"):
         monkeypatch.setattr(recipes, name, counted(name))
 
     def started(*args, **kwargs):
@@ -359,7 +359,7 @@ def test_a_command_builds_its_rows_and_checks_the_budget_once(command, start, gl
     argv = ["pml:TripletMarginLoss", "--classes", "24", "--batch-size", "16", "--cache-dir", str(glyph_cache)]
     with pytest.raises(StartedWork):
         main([command, *argv, "--out", str(tmp_path / "out")])
-    assert calls == {"recipes": 1, "check_budget": 1}
+    assert calls == {"rows": 1, "check_budget": 1}
 
 
 @pytest.mark.slow
