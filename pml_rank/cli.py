@@ -161,7 +161,8 @@ def _cmd_bench(args):
         raise UsageError(f"argument losses: {error.args[0]}") from None
     refusals = _refusals()
     try:
-        recipes.check_budget(contenders, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+        batches = _harness("runner").contenders_of(budget, list(contenders))  # with the budget's samples per class
+        recipes.check_budget(batches, budget["batch_size"], budget["num_classes"], budget["num_folds"])
         params, source, defaults_won, note = bench.choose_params(args.params, args.untuned, budget)
     except refusals as error:
         raise _refused(error) from None
@@ -262,10 +263,9 @@ def _cmd_tune(args):
     config["seed"] = args.seed
     refusals = _refusals()
     try:
-        recipes.check_budget(contenders, config["batch_size"], config["num_classes"], config["num_folds"])
         from .harness import runner
 
-        runner.check(config, list(contenders), _place(args))
+        runner.check(config, list(contenders), _place(args), validation_only=True)
     except refusals as error:
         raise _refused(error) from None
     args.out = str(_prepare_out(args.out))

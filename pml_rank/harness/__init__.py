@@ -6,7 +6,7 @@
     bench.py      `pml-rank bench`
     speed.py      `pml-rank speed`
     tune.py       `pml-rank tune`: the Reality Check hyperparameter search with Optuna
-    backbones.py, reproduce.py   the papers' setups, used by examples/
+    backbones.py, reproduce/     the papers' trunks and tables, run by examples/ through the runner
 
 Its dependencies (faiss, record-keeper, matplotlib, torchvision, ...) come with the
 ``harness`` extra: ``pip install 'pml-rank[harness]'``.
