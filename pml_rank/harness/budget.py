@@ -349,7 +349,9 @@ def _apply_standard_protocol(budget, given):
     dataset = budget["dataset"]
     if dataset not in DATASET_NAMES or dataset == "glyphs":
         papers = ", ".join(name for name in DATASET_NAMES if name != "glyphs")
-        raise BudgetError("--protocol", f"standard needs the papers' training and test splits ({papers}), not {dataset}")
+        raise BudgetError(
+            "--protocol", f"standard needs the papers' training and test splits ({papers}), not {dataset}"
+        )
     for key in ("patience", "num_folds"):
         if key in given:
             raise BudgetError(

@@ -127,7 +127,9 @@ def transforms_of(budget, data):
 def _standard_splits(name, data_root, cache_dir):
     spec = real.DATASETS[name]
     try:
-        train, query = (spec.load(data_root, split, cache_dir=cache_dir) for split in (spec.train_split, spec.query_split))
+        train, query = (
+            spec.load(data_root, split, cache_dir=cache_dir) for split in (spec.train_split, spec.query_split)
+        )
         same = spec.reference_split == spec.query_split
         reference = None if same else spec.load(data_root, spec.reference_split, cache_dir=cache_dir)
     except (real.DataSetNotFoundError, real.ImageReadError) as error:
@@ -184,7 +186,9 @@ def check(budget, rows, place, validation_only=False):
     standard = budget["protocol"] == STANDARD_PROTOCOL
     if standard and validation_only:
         raise BudgetError("--protocol", "standard: tuning scores validation folds, which only reality-check has")
-    recipes.check_budget(contenders, budget["batch_size"], None if standard else budget["num_classes"], budget["num_folds"])
+    recipes.check_budget(
+        contenders, budget["batch_size"], None if standard else budget["num_classes"], budget["num_folds"]
+    )
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
     if standard:
@@ -306,7 +310,14 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
         result = run_standard_protocol(splits, recipe, make_trunk, config, metrics=metrics or METRICS, **common)
     else:
         result = run_protocol(
-            data, recipe, make_trunk, config, transforms=transforms, validation_only=validation_only, on_fold=on_fold, **common
+            data,
+            recipe,
+            make_trunk,
+            config,
+            transforms=transforms,
+            validation_only=validation_only,
+            on_fold=on_fold,
+            **common,
         )
     if partial is not None:
         record = {"row": row, "seed": seed, "params": params, "budget": budget, "channels": channels}

@@ -139,7 +139,8 @@ def test_the_standard_protocol_runs_bench_end_to_end_and_its_model_gives_the_tab
     root = tiny_layouts.make_all(tmp_path / "data", size=24, only=[dataset])
     tiny = ["--trunk", "small-cnn", "--image-size", "16", "--epochs", "2", "--iterations", "1", "--batch-size", "8"]
     args = ["bench", "pml:TripletMarginLoss", "--dataset", dataset, "--data-root", str(root), "--protocol",
-            "standard", *tiny, "--seeds", "1", "--workers", "1", "--save-models", "--out", str(tmp_path / "out")]  # fmt: skip
+            "standard", *tiny, "--seeds", "1", "--workers", "1", "--save-models",
+            "--out", str(tmp_path / "out")]  # fmt: skip
     assert main(args) == 0
     assert f"Standard protocol on {dataset} (preset reality-check)" in capsys.readouterr().out
     config = json.loads((tmp_path / "out" / "bench.json").read_text())["config"]

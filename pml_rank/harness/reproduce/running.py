@@ -153,6 +153,10 @@ def reality_check_result(outcomes):
     """``{"concatenated": {short metric name: (mean, ci) in %}, "separated": ...}``."""
     summary = summarize(outcomes)
     return {
-        kind: {short: tuple(100 * v for v in summary[kind][metric]) for metric, short in SHORT_NAMES.items() if metric in METRICS}
+        kind: {
+            short: tuple(100 * v for v in summary[kind][metric])
+            for metric, short in SHORT_NAMES.items()
+            if metric in METRICS
+        }
         for kind in ("concatenated", "separated")
     }
