@@ -37,11 +37,15 @@ def check_embeddings(component, **tensors):
             )
 
 
-def check_lambda(owner, lambda_val):
-    """Raise ValueError, naming `owner`, unless `lambda_val` (RaMBO's interpolation strength
-    λ) is a finite number > 0."""
-    if isinstance(lambda_val, bool) or not isinstance(lambda_val, numbers.Real) or not 0 < lambda_val < math.inf:
-        raise ValueError(f"{owner}: lambda_val must be a finite number > 0, got {lambda_val!r}")
+def check_numbers(component, bound, **values):
+    """Raise ValueError, naming `component` (an instance or a name) and the parameter, unless
+    each of `values` is a finite real number within `bound`: "> 0", ">= 0" or "" (any)."""
+    owner = component if isinstance(component, str) else type(component).__name__
+    low, inclusive = {"> 0": (0.0, False), ">= 0": (0.0, True), "": (-math.inf, False)}[bound]
+    for name, value in values.items():
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not real or not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ValueError(f"{owner}: {name} must be a finite number{' ' + bound if bound else ''}, got {value!r}")
 
 
 def check_references(component, labels, ref_emb, ref_labels):

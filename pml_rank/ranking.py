@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ._checks import check_embeddings, check_lambda
+from ._checks import check_embeddings, check_numbers
 
 __all__ = [
     "LossScale",
@@ -170,7 +170,7 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     `lambda_val`. With `loss_scale` (a `LossScale` attached to the final loss), λ is
     independent of what multiplies that loss. With `return_order`, also returns the
     descending order (not differentiable), for `ranks_among_positives`."""
-    check_lambda("blackbox_rank", lambda_val)
+    check_numbers("blackbox_rank", "> 0", lambda_val=lambda_val)
     if not torch.is_tensor(scores) or not torch.is_floating_point(scores) or scores.ndim == 0:
         raise TypeError("blackbox_rank: scores must be a floating-point tensor with at least one dimension")
     ranks, order = _BlackboxRank.apply(scores, float(lambda_val), loss_scale)
@@ -188,7 +188,7 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
     (at most log2(n)) the ranks are therefore counted, O(positives · n), instead
     of sorted, O(n log n) per sequence (`_CountedRanks`); otherwise one sort ranks
     everything (`blackbox_rank`, `ranks_among_positives`)."""
-    check_lambda("blackbox_ranks_of_positives", lambda_val)
+    check_numbers("blackbox_ranks_of_positives", "> 0", lambda_val=lambda_val)
     sequences, n = scores.shape
     # The positives' indices give their number per sequence: counting the mask itself
     # (a sum, which first copies the bool matrix) costs twice as much.
@@ -420,7 +420,7 @@ def _check_targets(owner, scores, targets):
 
 
 def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
-    check_lambda(owner, lambda_val)
+    check_numbers(owner, "> 0", lambda_val=lambda_val)
     if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
         check_embeddings(owner, scores=scores)
     targets = _check_targets(owner, scores, targets)

@@ -1,5 +1,6 @@
-"""README.md as a user meets it, on GitHub or on the package index: every Python block runs
-as copied into a file of an empty folder, and every link works away from the checkout."""
+"""README.md as a user meets it, on GitHub or on the package index: every Python block (its
+own and examples/README.md's) runs as copied into a file of an empty folder, and every link
+works away from the checkout."""
 
 import os
 import re
@@ -12,14 +13,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+EXAMPLES_README = (ROOT / "examples" / "README.md").read_text(encoding="utf-8")
 # pyproject.toml's [project.urls], as the installed distribution declares them.
 PROJECT_URLS = dict(entry.split(", ", 1) for entry in metadata("pml-rank").get_all("Project-URL"))
 
 
-def python_blocks():
-    """``(heading above it, code)`` for every ```python block of the README."""
+def python_blocks(markdown=README):
+    """``(heading above it, code)`` for every ```python block of `markdown`."""
     blocks, heading = [], "top"
-    for match in re.finditer(r"^(#+ [^\n]*)$|^```python\n(.*?)^```$", README, flags=re.MULTILINE | re.DOTALL):
+    for match in re.finditer(r"^(#+ [^\n]*)$|^```python\n(.*?)^```$", markdown, flags=re.MULTILINE | re.DOTALL):
         if match.group(1):
             heading = match.group(1).lstrip("# ")
         else:
@@ -35,7 +37,12 @@ def test_the_readme_has_python_blocks_and_the_first_trains_and_evaluates():
 
 @pytest.mark.slow  # a Python process per block
 @pytest.mark.parametrize(
-    "code", [pytest.param(code, id=f"{i}-{heading}") for i, (heading, code) in enumerate(python_blocks())]
+    "code",
+    [
+        pytest.param(code, id=f"{name}-{i}-{heading}")
+        for name, markdown in (("README", README), ("examples", EXAMPLES_README))
+        for i, (heading, code) in enumerate(python_blocks(markdown))
+    ],
 )
 def test_a_python_block_runs_as_copied_from_an_empty_folder(code, tmp_path):
     script = tmp_path / "block.py"

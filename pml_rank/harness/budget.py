@@ -77,7 +77,7 @@ class Setting:
 
 
 # The glyph preset: 64 classes, 10 epochs x 60 iterations, Adam at 3e-3 annealed to zero by
-# a cosine schedule: 2 cores trained the 13 rows of 2026-11-23 x 3 seeds x 4 folds in under 9 minutes;
+# a cosine schedule: 2 cores train the 15 default rows x 3 seeds x 4 folds in under 10 minutes;
 # twice the epochs gains 2 points on average, 3 rows beyond their 95% CI. With all 274
 # classes validation MAP@R was still rising after 3,000 iterations (examples/README.md,
 # "Choosing the budget").

@@ -1,8 +1,8 @@
 """The Optuna storage that holds `pml-rank tune`'s studies and `pml-rank bench`'s jobs: any
 SQLAlchemy URL Optuna's `RDBStorage` takes (a SQLite file by default, PostgreSQL for
 several machines). Running trials send heartbeats; a trial whose process died (SIGKILL,
-power loss) is failed once its heartbeat is older than the grace period and queued again
-with the same parameters (Optuna's retry callback).
+power loss) is failed once its heartbeat has stayed older than the grace period for a grace
+period, and queued again with the same parameters (Optuna's retry callback).
 
 The storage survives what databases do: once opened, every call that fails on a transient
 error (a refused, closed or shut-down connection, a locked SQLite file, a serialization
@@ -190,13 +190,16 @@ def _retrying_storage_class():
     class RetryingStorage(BaseStorage, BaseHeartbeat):
         """Optuna's cached RDB storage `rdb` whose every call goes through `outage` (retried
         while it fails on a transient error). A heartbeat that fails is skipped (the next is
-        due an interval later), and until a grace period has passed since this process last
-        saw the storage fail, no trial is failed as stale: the heartbeats of the other
-        processes, which the outage stopped too, must resume first."""
+        due an interval later). A trial is failed as stale only once this process has seen it
+        stale for a whole grace period, and never until a grace period has passed since this
+        process last saw the storage fail: after an outage the heartbeats of the live
+        processes resume within an interval, and this process may have slept through the
+        outage's end in a backoff pause, or started after it."""
 
         def __init__(self, rdb, outage):
             self.rdb, self.outage = rdb, outage
             self._cached = _CachedStorage(rdb)
+            self._stale_since = {}  # trial id -> time.monotonic() when this process first saw it stale
 
         def record_heartbeat(self, trial_id):
             try:
@@ -213,7 +216,10 @@ def _retrying_storage_class():
             grace = self.rdb.grace_period or 2 * self.rdb.heartbeat_interval
             if time.monotonic() - self.outage.last_failure < grace:
                 return []
-            return self.outage.call(self._cached._get_stale_trial_ids, study_id)
+            stale = self.outage.call(self._cached._get_stale_trial_ids, study_id)
+            now = time.monotonic()
+            self._stale_since = {trial: self._stale_since.get(trial, now) for trial in stale}
+            return [trial for trial, since in self._stale_since.items() if now - since >= grace]
 
     def delegate(name):
         def method(self, *args, **kwargs):

@@ -18,6 +18,7 @@ import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from torch.autograd.function import once_differentiable
 
+from .._checks import check_numbers
 from .base import RankLossBase, pair_masks
 
 SLOPE_TABLE = Path(__file__).with_name("auc_slopes.json")
@@ -126,12 +127,12 @@ class AUCLoss(RankLossBase):
         self, step: float = 0.005, slope: float | None = None, t_min: float = -1.0, t_max: float = 1.0, **kwargs
     ):
         super().__init__(**kwargs)
-        if not step > 0:
-            raise ValueError(f"AUCLoss: step must be positive, got {step}")
+        check_numbers(self, "> 0", step=step)
+        check_numbers(self, "", t_min=t_min, t_max=t_max)
         if not t_min < t_max:
             raise ValueError(f"AUCLoss: t_min must be below t_max, got t_min={t_min}, t_max={t_max}")
-        if slope is not None and not (slope > 0 and math.isfinite(slope)):
-            raise ValueError(f"AUCLoss: slope must be positive and finite, got {slope}")
+        if slope is not None:
+            check_numbers(self, "> 0", slope=slope)
         if not self.distance.is_inverted:
             raise ValueError(
                 f"AUCLoss: the distance must be a similarity (higher = closer), got {type(self.distance).__name__}"

@@ -10,6 +10,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
+from .._checks import check_numbers
 from .base import RankLossBase, reference_is_batch
 
 
@@ -39,8 +40,7 @@ class NPairsMCLoss(RankLossBase):
     """
 
     def __init__(self, l2_reg_weight: float = 0.002, **kwargs):
-        if l2_reg_weight < 0:
-            raise ValueError(f"{type(self).__name__}: l2_reg_weight must be >= 0, got {l2_reg_weight}")
+        check_numbers(self, ">= 0", l2_reg_weight=l2_reg_weight)
         if l2_reg_weight > 0:
             if kwargs.get("embedding_regularizer") is not None:
                 raise ValueError(

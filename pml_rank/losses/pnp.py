@@ -14,13 +14,13 @@ sigmoid's argument is clamped to [−50, 50]: beyond, the value is constant (and
 never reaches the denormals of σ(−88) and below).
 """
 
-import math
-
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
+from .._checks import check_numbers
 from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
+from .query_panels import any_per_row
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
 SIGMOID_CLAMP = 50.0
@@ -68,9 +68,7 @@ class PNPLoss(RankLossBase):
         super().__init__(**kwargs)
         if variant not in self.VARIANTS:
             raise ValueError(f"PNPLoss: variant must be one of {', '.join(self.VARIANTS)}, got {variant!r}")
-        for name, value in (("b", b), ("alpha", alpha), ("anneal", anneal)):
-            if not 0 < value < math.inf:
-                raise ValueError(f"PNPLoss: {name} must be a finite number > 0, got {value!r}")
+        check_numbers(self, "> 0", b=b, alpha=alpha, anneal=anneal)
         self.b, self.alpha, self.anneal, self.variant = float(b), float(alpha), float(anneal), variant
         self.add_to_recordable_attributes(list_of_names=["anneal"], is_stat=False)
         self.add_to_recordable_attributes(list_of_names=["num_queries"], is_stat=True)
@@ -81,7 +79,7 @@ class PNPLoss(RankLossBase):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        has_positive = positive.any(1)
+        has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()

@@ -22,7 +22,7 @@ from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimila
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
-from .._checks import check_lambda
+from .._checks import check_numbers
 from ..ranking import LossScale, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
@@ -92,9 +92,8 @@ class _RaMBOLoss(RankLossBase):
     def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__
-        check_lambda(owner, lambda_val)
-        if not 0 <= margin < float("inf"):
-            raise ValueError(f"{owner}: margin must be a finite number >= 0, got {margin!r}")
+        check_numbers(owner, "> 0", lambda_val=lambda_val)
+        check_numbers(owner, ">= 0", margin=margin)
         if memory_variant not in MEMORY_VARIANTS:
             raise ValueError(f"{owner}: memory_variant must be 'extend' or 'rows', got {memory_variant!r}")
         self.lambda_val = float(lambda_val)

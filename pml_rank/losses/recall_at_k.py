@@ -44,6 +44,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
+from .._checks import check_numbers
 from .base import RankLossBase, pair_masks, reference_is_batch
 from .query_panels import (
     any_per_row,
@@ -115,9 +116,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
             isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1 for k in k_values
         ):
             raise ValueError(f"{owner}: k_values must be a non-empty list of integers >= 1, got {k_values!r}")
-        for name, value in (("rank_temperature", rank_temperature), ("recall_temperature", recall_temperature)):
-            if not 0 < value < float("inf"):
-                raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+        check_numbers(owner, "> 0", rank_temperature=rank_temperature, recall_temperature=recall_temperature)
         if not self.distance.is_inverted:
             raise ValueError(
                 f"{owner}: the distance must be a similarity (higher = closer), got {type(self.distance).__name__}"

@@ -27,8 +27,10 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.utils import common_functions as c_f
 
+from .._checks import check_numbers
 from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
 from .pnp import SIGMOID_CLAMP
+from .query_panels import any_per_row
 
 
 class SupAPBound:
@@ -90,14 +92,10 @@ class SupAPLoss(RankLossBase):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        name = type(self).__name__
-        if not 0 < temperature < math.inf:
-            raise ValueError(f"{name}: temperature must be a finite number > 0, got {temperature!r}")
-        for parameter, value in (("rho", rho), ("delta", delta), ("start", start)):
-            if not 0 <= value < math.inf:
-                raise ValueError(f"{name}: {parameter} must be a finite number >= 0, got {value!r}")
-        if offset is not None and not math.isfinite(offset):
-            raise ValueError(f"{name}: offset must be a finite number or None, got {offset!r}")
+        check_numbers(self, "> 0", temperature=temperature)
+        check_numbers(self, ">= 0", rho=rho, delta=delta, start=start)
+        if offset is not None:
+            check_numbers(self, "", offset=offset)
         self.temperature, self.rho, self.delta, self.start = float(temperature), float(rho), float(delta), float(start)
         if offset is None:
             offset = self.start + 1 / (1 + math.exp(-min(self.delta / self.temperature, SIGMOID_CLAMP)))
@@ -120,7 +118,7 @@ class SupAPLoss(RankLossBase):
 
     def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
         """PML loss info of 1 − AP per query with a positive (0 when there is none)."""
-        has_positive = positive.any(1)
+        has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_loss()
@@ -169,9 +167,7 @@ class ROADMAPLoss(SupAPLoss):
         super().__init__(**kwargs)
         if not 0 <= lambda_ <= 1:
             raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1], got {lambda_!r}")
-        for parameter, value in (("pos_margin", pos_margin), ("neg_margin", neg_margin)):
-            if not math.isfinite(value):
-                raise ValueError(f"ROADMAPLoss: {parameter} must be a finite number, got {value!r}")
+        check_numbers(self, "", pos_margin=pos_margin, neg_margin=neg_margin)
         self.lambda_, self.pos_margin, self.neg_margin = float(lambda_), float(pos_margin), float(neg_margin)
         self.add_to_recordable_attributes(list_of_names=["lambda_", "pos_margin", "neg_margin"], is_stat=False)
 

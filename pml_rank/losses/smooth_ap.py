@@ -20,6 +20,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
+from .._checks import check_numbers
 from .base import RankLossBase, pair_masks, with_query_as_positive
 from .query_panels import (
     any_per_row,
@@ -61,8 +62,7 @@ class SmoothAPLoss(RankLossBase):
 
     def __init__(self, temperature: float = 0.01, include_query: bool = True, **kwargs):
         super().__init__(**kwargs)
-        if not 0 < temperature < float("inf"):
-            raise ValueError(f"SmoothAPLoss: temperature must be a finite number > 0, got {temperature!r}")
+        check_numbers(self, "> 0", temperature=temperature)
         self.temperature = float(temperature)
         self.include_query = include_query
         self.add_to_recordable_attributes(list_of_names=["temperature"], is_stat=False)

@@ -1,8 +1,10 @@
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,34 @@ def glyph_cache(tmp_path_factory):
     folder = tmp_path_factory.getbasetemp() / "glyph-cache"
     load_glyphs(cache_dir=folder)
     return folder
+
+
+def _freeze_when(process, condition, what, deadline=600):
+    """Stops `process`'s group with SIGSTOP once `condition()` returns a true value, and returns
+    that value read again while the group is frozen: what the test saw cannot change before it
+    acts, however fast or slow the machine. A read that fails while frozen (the process held a
+    write lock) lets the group go on and tries again. Fails the test if the process ends first."""
+    stop = time.monotonic() + deadline
+    while time.monotonic() < stop:
+        if process.poll() is not None:
+            pytest.fail(f"the process ended before {what}")
+        if condition():
+            os.killpg(process.pid, signal.SIGSTOP)
+            try:
+                seen = condition()
+            except Exception:
+                seen = None
+            if seen:
+                return seen
+            os.killpg(process.pid, signal.SIGCONT)
+        time.sleep(0.02)
+    pytest.fail(f"never: {what}")
+
+
+@pytest.fixture
+def freeze_when():
+    """`_freeze_when`: the one way multi-process tests catch a process in the state they need."""
+    return _freeze_when
 
 
 def _free_port():
@@ -118,8 +148,10 @@ def postgres_url():
     root = _server_folder()
     try:
         server = started_postgres(root)
-        yield server.url
-        server.stop()
+        try:
+            yield server.url
+        finally:
+            server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -130,7 +162,9 @@ def postgres_server():
     root = _server_folder()
     try:
         server = started_postgres(root)
-        yield server
-        server.stop()
+        try:
+            yield server
+        finally:
+            server.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -294,7 +294,7 @@ def write_colour_folder(root, num_classes=16, per_class=4, size=24):
 
 
 def _readme_block(containing):
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "examples" / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     return next(block for block in blocks if containing in block)
 
@@ -302,7 +302,7 @@ def _readme_block(containing):
 def test_saved_models_on_a_folder_reproduce_the_table_with_the_bench_test_set(tmp_path, monkeypatch):
     """`runner.load_test_set` gives the test set as the bench evaluated it (the folder's
     test classes through the evaluation transform): with `load_models`, the bench's test
-    accuracies exactly; the README's example, run as written, prints the table row."""
+    accuracies exactly; examples/README.md's example (Saved models), run as written, prints the table row."""
     from pml_rank.harness.evaluation import METRICS, compute_embeddings, concatenated_and_separated
 
     folder = write_colour_folder(tmp_path / "photos")

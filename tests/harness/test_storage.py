@@ -34,45 +34,59 @@ def bench_command(out, url, cache, *extra):
             "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
+class JobReader:
+    """The job trials of the benches at a storage URL ([] before a bench has made its tables, or
+    while the storage does not answer), read through one storage opened once and closed by
+    `close`: a read costs milliseconds where a new connection can take seconds on a loaded
+    machine. Makes nothing."""
+
+    def __init__(self, url):
+        self.url, self.storage = url, None
+
+    def __call__(self):
+        if self.storage is None:
+            if self.url.startswith("sqlite:///") and not Path(self.url[len("sqlite:///") :]).is_file():
+                return []
+            try:
+                self.storage = optuna.storages.RDBStorage(self.url, skip_table_creation=True)
+            except Exception:
+                return []
+        try:
+            names = [s.study_name for s in self.storage.get_all_studies() if s.study_name.startswith("pml-rank bench")]
+            return [
+                t
+                for name in names
+                for t in optuna.load_study(study_name=name, storage=self.storage).get_trials(deepcopy=False)
+                if "job" in t.user_attrs
+            ]
+        except Exception:
+            return []
+
+    def close(self):
+        if self.storage is not None:
+            self.storage.engine.dispose()
+            self.storage = None
+
+
 def job_trials(url):
-    """Every job trial of the benches at `url` ([] before a bench is made, or while the
-    storage does not answer), read without making anything."""
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).is_file():
-        return []
+    """The job trials at `url`, read once (`JobReader`)."""
+    reader = JobReader(url)
     try:
-        storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
-    except Exception:
-        return []
-    try:
-        names = [s.study_name for s in storage.get_all_studies() if s.study_name.startswith("pml-rank bench")]
-        return [
-            t
-            for name in names
-            for t in optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
-            if "job" in t.user_attrs
-        ]
-    except Exception:
-        return []
+        return reader()
     finally:
-        storage.engine.dispose()
+        reader.close()
 
 
-def wait_for(condition, what, process=None):
-    deadline = time.monotonic() + DEADLINE
-    while not condition():
-        if process is not None and process.poll() is not None:
-            pytest.fail(f"the bench ended before {what}: {process.communicate()}")
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.2)
-
-
-def training_job_running(url, pid=None):
-    return any(
-        t.state.name == "RUNNING"
+def training_job(trials, pid=None):
+    """The RUNNING trial of a training job among `trials` (of process `pid` if given), or None."""
+    running = [
+        t
+        for t in trials
+        if t.state.name == "RUNNING"
         and t.user_attrs["job"]["row"] == ROW
         and (pid is None or t.user_attrs.get("worker", "").endswith(f":{pid}"))
-        for t in job_trials(url)
-    )
+    ]
+    return running[0] if running else None
 
 
 def table(out):
@@ -98,18 +112,27 @@ def serial(tmp_path_factory, glyph_cache):
     return table(out)
 
 
-def stop_mid_job(bench, server):
-    """Stops `server` while `bench` still runs the job the test saw: the bench's processes are
-    frozen (SIGSTOP) from before the server stops until it has stopped, so the outage begins
-    mid-job however fast the bench runs."""
-    os.killpg(bench.pid, signal.SIGSTOP)
+def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
+    """Stops `server` (`pg_ctl stop -m fast`) while `bench` runs a training job (and `also` holds
+    of the job trials): the bench's processes are frozen (SIGSTOP) from the moment the test sees
+    that job until the server has stopped, so the outage begins mid-job however fast the bench runs."""
+    reader = JobReader(url)
+
+    def training():
+        trials = reader()
+        return training_job(trials) is not None and also(trials)
+
+    try:
+        freeze_when(bench, training, "a training job runs")
+    finally:
+        reader.close()  # before the server stops: the test holds no connection through the outage
     try:
         server.stop("fast")
     finally:
         os.killpg(bench.pid, signal.SIGCONT)
 
 
-def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server):
+def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server, freeze_when):
     # Heartbeats every 3 s, stale after 6 s: the 15 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
     url = postgres_server.new_database("outage")
@@ -118,8 +141,7 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, po
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: training_job_running(url), "a training job runs", bench)
-        stop_mid_job(bench, postgres_server)
+        stop_mid_job(bench, url, postgres_server, freeze_when)
         time.sleep(15)  # the outage
         assert postgres_server.start().returncode == 0
         stdout, stderr = bench.communicate(timeout=DEADLINE)
@@ -134,7 +156,7 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, po
 
 
 def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
-    tmp_path, glyph_cache, serial, postgres_server
+    tmp_path, glyph_cache, serial, postgres_server, freeze_when
 ):
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
@@ -142,12 +164,13 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(
-            lambda: training_job_running(url) and any(t.state.name == "COMPLETE" for t in job_trials(url)),
-            "a job is finished and a training job runs",
+        stop_mid_job(
             bench,
+            url,
+            postgres_server,
+            freeze_when,
+            also=lambda trials: any(t.state.name == "COMPLETE" for t in trials),
         )
-        stop_mid_job(bench, postgres_server)
         stdout, stderr = bench.communicate(timeout=DEADLINE)
     finally:
         if bench.poll() is None:
@@ -181,21 +204,22 @@ def _locked(path):
         connection.close()
 
 
-def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_path, glyph_cache, serial):
+def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_path, glyph_cache, serial, freeze_when):
     path = tmp_path / "shared.db"
     url = f"sqlite:///{path}"
     paused = subprocess.Popen(
         bench_command(tmp_path / "a", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    reader = JobReader(url)
     try:
-        wait_for(lambda: training_job_running(url, paused.pid), "the first process trains", paused)
-        os.kill(paused.pid, signal.SIGSTOP)
-        while _locked(path):  # frozen inside a transaction: let it finish that first
-            os.kill(paused.pid, signal.SIGCONT)
-            time.sleep(0.05)
-            os.kill(paused.pid, signal.SIGSTOP)
-        (held,) = [t for t in job_trials(url) if t.state.name == "RUNNING"]
+
+        def training_outside_a_transaction():  # the other process will need the write lock
+            held = training_job(reader(), paused.pid)
+            return held if held is not None and not _locked(path) else None
+
+        held = freeze_when(paused, training_outside_a_transaction, "the first process trains")
+        reader.close()
         other = subprocess.run(
             bench_command(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
             capture_output=True,
@@ -203,12 +227,13 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_
             timeout=DEADLINE,
         )
         assert other.returncode == 0, other.stdout + other.stderr
-        os.kill(paused.pid, signal.SIGCONT)
+        os.killpg(paused.pid, signal.SIGCONT)
         stdout, stderr = paused.communicate(timeout=DEADLINE)
     finally:
+        reader.close()
         if paused.poll() is None:
-            os.kill(paused.pid, signal.SIGCONT)
-            paused.kill()
+            os.killpg(paused.pid, signal.SIGKILL)
+            os.killpg(paused.pid, signal.SIGCONT)
     assert paused.returncode == 0, stdout + stderr
     job = held.user_attrs["job"]
     line = (
@@ -333,3 +358,35 @@ def test_two_budgets_starting_at_the_same_moment_never_share_a_job(tmp_path):
         assert outcome == "refused" or outcome == [epochs] * 4, (k, epochs, outcome)
     for k in range(rounds):
         assert [o for r, _, o in found if r == k].count("refused") <= 1
+
+
+def test_a_trial_is_failed_as_stale_only_once_seen_stale_for_a_grace_period(tmp_path, monkeypatch):
+    """After an outage this process did not see end (it slept through it in a backoff pause, or
+    started after it), every live trial's heartbeat is old for an interval: a trial seen stale
+    once is not failed; one still stale a grace period later is."""
+    from pml_rank.harness import storage as storage_module
+
+    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat=1)  # grace 2 s
+    clock = [1000.0]
+    monkeypatch.setattr(storage_module.time, "monotonic", lambda: clock[0])
+    stale_now = {7, 8}
+
+    class Heartbeats:
+        def _get_stale_trial_ids(self, study_id):
+            return sorted(stale_now)
+
+    storage._cached = Heartbeats()
+    try:
+        assert storage._get_stale_trial_ids(0) == []  # first seen stale: not failed
+        clock[0] += 1.0
+        stale_now.discard(8)  # its process sent a heartbeat: alive
+        assert storage._get_stale_trial_ids(0) == []
+        clock[0] += 1.0
+        stale_now.add(8)  # stale again: its grace period starts over
+        assert storage._get_stale_trial_ids(0) == [7]
+        clock[0] += 2.0
+        assert storage._get_stale_trial_ids(0) == [7, 8]
+        storage.outage.failed("test")  # the storage failed just now: nothing is stale for a grace period
+        assert storage._get_stale_trial_ids(0) == []
+    finally:
+        storage_module.close_storage(storage)

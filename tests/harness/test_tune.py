@@ -131,24 +131,7 @@ def a_trial_finished_and_another_drew_its_parameters(url):
     return len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials)
 
 
-def freeze_when(process, condition, deadline=600):
-    """Stops `process`'s group with SIGSTOP once `condition()` holds, checked again while the
-    process is frozen, so that it still holds when the test acts, however fast the machine."""
-    stop = time.monotonic() + deadline
-    while time.monotonic() < stop:
-        if condition():
-            os.killpg(process.pid, signal.SIGSTOP)
-            try:
-                if condition():
-                    return
-            except Exception:  # frozen while it held a write lock: let it go on and try again
-                pass
-            os.killpg(process.pid, signal.SIGCONT)
-        time.sleep(0.1)
-    pytest.fail("the condition never held")
-
-
-def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache):
+def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache, freeze_when):
     url = f"sqlite:///{tmp_path / 't.db'}"
     args = [
         str(PML_RANK),
@@ -171,7 +154,9 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     ]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        freeze_when(process, lambda: a_trial_finished_and_another_drew_its_parameters(url))
+        freeze_when(
+            process, lambda: a_trial_finished_and_another_drew_its_parameters(url), "a trial drew its parameters"
+        )
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the command and its worker, mid-trial
         process.wait()

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,7 @@ def run(command, timeout=600):
 
 
 def trials(storage):
-    """The bench's job trials in `storage` (a URL or an open storage)."""
+    """The bench's job trials in `storage` (an open storage)."""
     study = optuna.load_study(study_name=jobs.study_name(BUDGET), storage=storage)
     return [t for t in study.get_trials(deepcopy=False) if "job" in t.user_attrs]
 
@@ -75,30 +74,16 @@ def running_training_job(storage, pid):
     return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
 
 
-def freeze_mid_job(process, url, deadline=600):
-    """Stops `process`'s group with SIGSTOP while it runs a training job; returns that job's key.
-    The storage is read again once the process is frozen, so the job cannot end between the
-    read and the kill, however fast or slow the machine is."""
+def freeze_mid_job(process, url, freeze_when):
+    """Freezes `process` (SIGSTOP) while it runs a training job (`freeze_when`); returns that job's key."""
     storage = open_storage(url)  # one connection: a read costs milliseconds, a job about a second
     try:
-        stop = time.monotonic() + deadline
-        while time.monotonic() < stop:
-            if running_training_job(storage, process.pid) is not None:
-                os.killpg(process.pid, signal.SIGSTOP)
-                try:
-                    key = running_training_job(storage, process.pid)
-                except Exception:  # frozen while it held a write lock: let it go on and try again
-                    key = None
-                if key is not None:
-                    return key
-                os.killpg(process.pid, signal.SIGCONT)
-            time.sleep(0.02)
+        return freeze_when(process, lambda: running_training_job(storage, process.pid), "a training job runs")
     finally:
         close_storage(storage)
-    raise AssertionError("the first process never started a training job")
 
 
-def kill_mid_job_then_finish(tmp_path, url, cache):
+def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when):
     """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
     with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
     killed job)."""
@@ -107,7 +92,7 @@ def kill_mid_job_then_finish(tmp_path, url, cache):
         start_new_session=True,
     )  # fmt: skip
     try:
-        killed = freeze_mid_job(first, url)
+        killed = freeze_mid_job(first, url, freeze_when)
         second = subprocess.Popen(
             bench_command(tmp_path / "b", url, cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -121,7 +106,11 @@ def kill_mid_job_then_finish(tmp_path, url, cache):
 
 
 def check_shared_run(tmp_path, url, serial):
-    every = trials(url)
+    storage = open_storage(url)
+    try:
+        every = trials(storage)
+    finally:
+        close_storage(storage)  # not left to the garbage collector (a ResourceWarning in a later test)
     complete = [t for t in every if t.state.name == "COMPLETE"]
     keys = [t.user_attrs["job"]["key"] for t in complete]
     assert len(keys) == len(set(keys)) == 1 + 2 + 2  # raw input, untrained x 2, the row x 2 seeds: once each
@@ -130,21 +119,22 @@ def check_shared_run(tmp_path, url, serial):
         assert without_timings(tmp_path / folder) == without_timings(serial)
     # Rebuilt from the same storage, the PNG is the same file, bit for bit.
     assert (tmp_path / "b" / "bench.png").read_bytes() == (tmp_path / "c" / "bench.png").read_bytes()
+    return every
 
 
 @pytest.mark.slow
-def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial):
+def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial, freeze_when):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
-    check_shared_run(tmp_path, url, serial)
+    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
+    every = check_shared_run(tmp_path, url, serial)
     assert "resumed: 5 finished job(s)" in rerun
     # The killed job failed when its heartbeat went stale and ran again, to completion, once.
-    attempts = [t for t in trials(url) if t.user_attrs["job"]["key"] == killed]
+    attempts = [t for t in every if t.user_attrs["job"]["key"] == killed]
     assert sorted(t.state.name for t in attempts) == ["COMPLETE", "FAIL"]
 
 
 @pytest.mark.slow
-def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url):
+def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url, freeze_when):
     url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
     from sqlalchemy import create_engine, text
 
@@ -155,7 +145,7 @@ def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, s
     finally:
         engine.dispose()
     url = url.rsplit("/", 1)[0] + "/bench_jobs"
-    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache)
+    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
     check_shared_run(tmp_path, url, serial)
     assert "secret-password" not in out + rerun
 
@@ -209,7 +199,7 @@ def test_racing_duplicates_of_a_job_run_once(tmp_path, glyph_cache, monkeypatch)
     try:
         assert store.work(runner.Place(cache_dir=str(glyph_cache)), poll=0.1) == 1
         assert len(calls) == 1 and list(store.outcomes()) == [job.key]
-        states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(url))
+        states = sorted((t.number, t.state.name, bool(t.user_attrs.get("superseded"))) for t in trials(store.storage))
         assert states == [(0, "COMPLETE", False), (1, "FAIL", True)]
         assert store.ensure([job]) == 0  # done: never enqueued again
     finally:

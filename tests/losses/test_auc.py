@@ -212,14 +212,15 @@ def test_steep_relaxation_of_well_spread_scores_is_the_exact_area():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(step=0), "step must be positive, got 0"),
+        (dict(step=0), "step must be a finite number > 0, got 0"),
         (
             dict(step=0.03),
             r"\(t_max - t_min\) / step must be a whole number of at least 1, got \(1.0 - -1.0\) / 0.03 = 66.6667",
         ),
         (dict(t_min=1.0, t_max=-1.0), "t_min must be below t_max"),
-        (dict(slope=-2.0), "slope must be positive and finite, got -2.0"),
-        (dict(slope=float("inf")), "slope must be positive and finite"),
+        (dict(t_min=float("nan")), "t_min must be a finite number, got nan"),
+        (dict(slope=-2.0), "slope must be a finite number > 0, got -2.0"),
+        (dict(slope=float("inf")), "slope must be a finite number > 0, got inf"),
         (dict(distance=LpDistance()), "the distance must be a similarity.*LpDistance"),
     ],
 )

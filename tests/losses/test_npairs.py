@@ -158,8 +158,10 @@ def test_non_finite_embeddings_are_an_error_naming_the_loss(loss_class):
 
 
 def test_bad_parameters_are_errors():
-    with pytest.raises(ValueError, match="NPairsMCLoss: l2_reg_weight must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="NPairsMCLoss: l2_reg_weight must be a finite number >= 0, got -1"):
         NPairsMCLoss(l2_reg_weight=-1)
+    with pytest.raises(ValueError, match="NPairsOVOLoss: l2_reg_weight must be a finite number >= 0, got inf"):
+        NPairsOVOLoss(l2_reg_weight=float("inf"))
     with pytest.raises(ValueError, match="pass l2_reg_weight=0 to use your own embedding_regularizer"):
         NPairsMCLoss(embedding_regularizer=LpRegularizer())
     own = NPairsMCLoss(l2_reg_weight=0, embedding_regularizer=LpRegularizer())

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from loss_checks import LAYOUTS, assert_same_loss_and_gradients, grads, seeded
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners
 from pytorch_metric_learning.distances import CosineSimilarity
@@ -17,35 +18,9 @@ from pml_rank.harness.references import roadmap as reference
 from pml_rank.harness.speed import peak_memory
 from pml_rank.losses import ROADMAPLoss, SmoothAPLoss, SupAPLoss
 
-LAYOUTS = {
-    "4 x 4": (torch.arange(16) // 4).tolist(),
-    "5 x 3": (torch.arange(15) // 3).tolist(),
-    "2 x 8": (torch.arange(16) // 8).tolist(),
-    "unequal classes": [0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3],
-    "singletons among pairs": [0, 1, 1, 2, 3, 3, 4, 5, 5, 5, 6],
-    "one class": [7] * 9,
-    "shuffled random": torch.randint(0, 5, (23,), generator=torch.Generator().manual_seed(3)).tolist(),
-}
 # The paper's H⁻ (continuous), the authors' configuration files' offset, their first
 # code's ρx + 1.44 (offset 1.44 + ρδ), their iNaturalist setting, no sigmoid above 0.
 SETTINGS = [{}, {"offset": 1.44}, {"offset": 6.44}, {"offset": 1.0, "start": 0.0}, {"delta": 0.0, "offset": 1.0}]
-
-
-def seeded(size, dim=8, seed=0, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(size, dim, generator=generator, dtype=torch.float64) * scale).requires_grad_()
-
-
-def grads(loss, tensors):
-    return torch.autograd.grad(loss, tensors, retain_graph=True)
-
-
-def assert_same_loss_and_gradients(ours, theirs, tensors):
-    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
-    expected = grads(theirs, tensors)
-    assert max(g.abs().max() for g in expected) > 1e-3  # the comparison below is not trivially zero
-    for got, want in zip(grads(ours, tensors), expected):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=str)
@@ -175,7 +150,7 @@ def test_half_precision_is_computed_in_float32(loss_class):
         ({"temperature": 0}, "SupAPLoss: temperature must be a finite number > 0, got 0"),
         ({"rho": -1.0}, "SupAPLoss: rho must be a finite number >= 0, got -1.0"),
         ({"delta": math.inf}, "SupAPLoss: delta must be a finite number >= 0, got inf"),
-        ({"offset": math.nan}, "SupAPLoss: offset must be a finite number or None, got nan"),
+        ({"offset": math.nan}, "SupAPLoss: offset must be a finite number, got nan"),
     ],
 )
 def test_parameters_out_of_range_are_named(kwargs, message):
