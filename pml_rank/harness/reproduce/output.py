@@ -73,7 +73,7 @@ def _describe(budget):
     images = f"{budget['image_size']}-px crops, " if budget["image_size"] else ""
     return (
         f"{budget['protocol']} protocol, {budget['trunk']} + {budget['embedding_size']}-d embedding, {images}"
-        f"batch {budget['batch_size']} ({per_class} per class), {budget['optimizer']} lr {budget['lr']:g}, "
+        f"batch {budget['batch_size']} (samples per class: {per_class}), {budget['optimizer']} lr {budget['lr']:g}, "
         f"{budget['epochs']} epochs x {budget['iterations_per_epoch']} iterations, {budget['seeds']} run(s)"
     )
 
