@@ -1,6 +1,6 @@
 """The harness: what measures and compares pml-rank's losses, kept apart from the library.
 
-    evaluation/   the Reality Check protocol (splits, folds, metrics, training with PML)
+    evaluation/   the Reality Check and standard protocols (splits, folds, metrics, training with PML)
     data/         the embedded glyph data set, the real data sets' loaders, the small CNN
     references/   straightforward losses written from the papers' formulas
     bench.py      `pml-rank bench`
