@@ -258,11 +258,13 @@ def rows_without_training(budget):
     return [RAW_INPUT, UNTRAINED] if raw else [UNTRAINED]
 
 
-def _recipe_and_epochs(budget, row, params):
+def recipe_of(budget, row, params=None):
+    """The `Recipe` `run` trains `row` with: the row's, with its `params`
+    (`recipes.with_params`) and the budget's batches (`recipes.with_batches`)."""
     if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
-        return recipes.Recipe(make_loss=lambda: None, name=UNTRAINED), 0
+        return recipes.Recipe(make_loss=lambda: None, name=UNTRAINED)
     recipe = recipes.with_params(recipes.recipes([row])[row], params)
-    return recipes.with_batches(recipe, budget["samples_per_class"], budget["class_mining"]), budget["epochs"]
+    return recipes.with_batches(recipe, budget["samples_per_class"], budget["class_mining"])
 
 
 def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_only=False, on_fold=None, metrics=None):
@@ -291,7 +293,7 @@ def run(budget, row, params, seed, place=Place(), on_iteration=None, validation_
         raw = raw_input_accuracy(data, transforms[1] if transforms else None)
         seconds = time.perf_counter() - started
         return {"run": {"concatenated": raw, "separated": raw}, "histories": [], "best_epochs": [], "seconds": seconds}
-    recipe, epochs = _recipe_and_epochs(budget, row, params)
+    recipe, epochs = recipe_of(budget, row, params), 0 if row == UNTRAINED else budget["epochs"]
     channels = STANDARD_CHANNELS if standard else data.channels
     make_trunk, make_embedder = model_factories(budget, channels)
     final = partial = None

@@ -4,11 +4,13 @@ and tune end to end on the tiny generated copies), trunks' weights from the torc
 and the data problems refused before any training."""
 
 import dataclasses
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,8 @@ import torch
 from PIL import Image
 
 from pml_rank.cli import main
-from pml_rank.harness import backbones, runner
-from pml_rank.harness.budget import resolve
+from pml_rank.harness import backbones, recipes, runner
+from pml_rank.harness.budget import BudgetError, resolve
 from pml_rank.harness.data import load_glyphs, tiny_layouts
 from pml_rank.harness.datasets import ImageFolder, image_transforms
 from pml_rank.harness.evaluation import accuracy, compute_embeddings
@@ -162,6 +164,31 @@ def test_the_standard_protocol_runs_bench_end_to_end_and_its_model_gives_the_tab
     assert (dataset == "inshop") == (reference is not None)
     for metric, value in measured["concatenated"].items():
         assert scores[metric] == pytest.approx(value, abs=1e-6), metric
+
+
+def _first_batch_counts(recipe, labels, batch_size):
+    """Items of each class in the first batch the recipe's sampler draws."""
+    sampler = recipe.make_sampler(types.SimpleNamespace(labels=labels), batch_size=batch_size)
+    first = list(itertools.islice(iter(sampler), batch_size))
+    return set(np.unique(labels[first], return_counts=True)[1])
+
+
+def test_the_budgets_batches_reach_each_rows_sampler():
+    """--samples-per-class and --class-mining change the sampler a row trains with, its
+    miner kept; without them each row keeps its own."""
+    labels = np.repeat(np.arange(16), 10)
+    changed = resolve("cub200", "reality-check", samples_per_class=8, class_mining=False)
+    for row in ("AUCLoss", "pml:TripletMarginLoss"):
+        recipe = runner.recipe_of(changed, row, {})
+        assert recipe.per_class == 8 and _first_batch_counts(recipe, labels, 32) == {8}, row
+    assert runner.recipe_of(changed, "AUCLoss").make_miner is not None
+    random_pairs = runner.recipe_of(changed, "NPairsMCLoss")
+    assert random_pairs.per_class == 2 and _first_batch_counts(random_pairs, labels, 32) == {2}
+    own = resolve("cub200", "reality-check")
+    assert runner.recipe_of(own, "pml:TripletMarginLoss", {}).per_class == 4
+    assert runner.recipe_of(own, "NPairsMCLoss").make_sampler is recipes.hard_negative_classes
+    with pytest.raises(BudgetError, match="--batch-size"):  # the checks see the budget's batches
+        runner.check(resolve("cub200", "reality-check", samples_per_class=3), ["AUCLoss"], runner.Place())
 
 
 def test_a_trunk_reads_its_weights_from_the_torch_cache_and_a_missing_file_is_refused(tmp_path, monkeypatch, capsys):
