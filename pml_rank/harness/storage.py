@@ -184,8 +184,11 @@ class _Outage:
 @functools.cache
 def _retrying_storage_class():
     """`RetryingStorage`, defined on first use so that importing this module needs no Optuna."""
+    import sqlalchemy.orm
     from optuna.storages import BaseStorage, _CachedStorage
     from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.storages._rdb import models
+    from optuna.trial import TrialState
 
     class RetryingStorage(BaseStorage, BaseHeartbeat):
         """Optuna's cached RDB storage `rdb` whose every call goes through `outage` (retried
@@ -194,7 +197,8 @@ def _retrying_storage_class():
         stale for a whole grace period, and never until a grace period has passed since this
         process last saw the storage fail: after an outage the heartbeats of the live
         processes resume within an interval, and this process may have slept through the
-        outage's end in a backoff pause, or started after it."""
+        outage's end in a backoff pause, or started after it. A RUNNING trial without any
+        heartbeat counts as stale too (every trial records one as its work starts)."""
 
         def __init__(self, rdb, outage):
             self.rdb, self.outage = rdb, outage
@@ -217,9 +221,22 @@ def _retrying_storage_class():
             if time.monotonic() - self.outage.last_failure < grace:
                 return []
             stale = self.outage.call(self._cached._get_stale_trial_ids, study_id)
+            stale += self.outage.call(self._running_without_heartbeat, study_id)
             now = time.monotonic()
             self._stale_since = {trial: self._stale_since.get(trial, now) for trial in stale}
             return [trial for trial, since in self._stale_since.items() if now - since >= grace]
+
+        def _running_without_heartbeat(self, study_id):
+            """The study's RUNNING trials without a heartbeat, which Optuna never fails: left by a
+            process that died between creating its trial and its first heartbeat."""
+            with sqlalchemy.orm.Session(self.rdb.engine) as session:
+                trials = (
+                    session.query(models.TrialModel)
+                    .options(sqlalchemy.orm.selectinload(models.TrialModel.heartbeats))
+                    .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
+                    .all()
+                )
+                return [trial.trial_id for trial in trials if not trial.heartbeats]
 
     def delegate(name):
         def method(self, *args, **kwargs):

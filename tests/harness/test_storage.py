@@ -390,3 +390,24 @@ def test_a_trial_is_failed_as_stale_only_once_seen_stale_for_a_grace_period(tmp_
         assert storage._get_stale_trial_ids(0) == []
     finally:
         storage_module.close_storage(storage)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage", "ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_running_trial_that_never_sent_a_heartbeat_is_failed_once_seen_so_for_a_grace_period(tmp_path, monkeypatch):
+    """A process that died between creating its trial and its first heartbeat (killed, or its
+    storage lost) leaves a RUNNING trial Optuna never fails: the bench waited for it for ever."""
+    from pml_rank.harness import storage as storage_module
+
+    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat=1)  # grace 2 s
+    clock = [1000.0]
+    monkeypatch.setattr(storage_module.time, "monotonic", lambda: clock[0])
+    try:
+        study = optuna.create_study(storage=storage, study_name="no heartbeat")
+        orphan = study.ask()  # RUNNING, no heartbeat
+        optuna.storages.fail_stale_trials(study)
+        assert study.trials[0].state.name == "RUNNING"  # seen once: not failed yet
+        clock[0] += 2.0
+        optuna.storages.fail_stale_trials(study)
+        assert study.trials[0].state.name == "FAIL" and study.trials[0].number == orphan.number
+    finally:
+        storage_module.close_storage(storage)
