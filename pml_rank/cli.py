@@ -401,7 +401,7 @@ class BenchCommand(Command):
             print(format_text_table(("row", "miner", "batches", "optimizer"), recipes.describe(), align="llll"))
             return 0
         budget = _budget(args)
-        contenders = _rows(args)
+        contenders = runner.with_budget_batches(budget, _rows(args))
         refusals = _refusals()
         try:
             # Refused before the output folder is made or the storage reached.
@@ -521,13 +521,15 @@ class TuneCommand(Command):
                 f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
                 "one with the pml_rank_search_spaces hook)"
             )
-        contenders = {name: recipe for name, recipe in contenders.items() if name in spaces}
         config = _budget(args)
         config["seed"] = args.seed
+        contenders = runner.with_budget_batches(
+            config, {name: recipe for name, recipe in contenders.items() if name in spaces}
+        )
         place = _place(args)
         refusals = _refusals()
         try:
-            runner.check_rows(config, contenders)
+            runner.check_rows(config, contenders, validation_only=True)
             runner.check(config, contenders, place)
         except refusals as error:
             raise _refused(error) from None
