@@ -27,8 +27,8 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Variant, paper_r
 
 def fastap_runs(paper_row):
     return (
-        Run("FastAPLoss (pml-rank)", loss="FastAPLoss", loss_kwargs={"num_bins": 10}, paper_row=paper_row),
-        Run("FastAPLoss (PML)", loss="pml:FastAPLoss", loss_kwargs={"num_bins": 10}),
+        Run("FastAPLoss (pml-rank)", loss="FastAPLoss", params={"num_bins": 10}, paper_row=paper_row),
+        Run("FastAPLoss (PML)", loss="pml:FastAPLoss", params={"num_bins": 10}),
     )
 
 

@@ -47,11 +47,9 @@ HARDWARE = {
 def ablation_runs(lambda_val, margin, weighting):
     full = dict(lambda_val=lambda_val, margin=margin, weighting=weighting, memory_size=3)
     return (
-        Run(f"RaMBORecallLoss {weighting}", loss="RaMBORecallLoss", loss_kwargs=full, paper_row="Full RaMBO"),
-        Run(
-            "memory_size=0", loss="RaMBORecallLoss", loss_kwargs={**full, "memory_size": 0}, paper_row="No batch memory"
-        ),
-        Run("margin=0", loss="RaMBORecallLoss", loss_kwargs={**full, "margin": 0}, paper_row="No margin"),
+        Run(f"RaMBORecallLoss {weighting}", loss="RaMBORecallLoss", params=full, paper_row="Full RaMBO"),
+        Run("memory_size=0", loss="RaMBORecallLoss", params={**full, "memory_size": 0}, paper_row="No batch memory"),
+        Run("margin=0", loss="RaMBORecallLoss", params={**full, "margin": 0}, paper_row="No margin"),
     )
 
 

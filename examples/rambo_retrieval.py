@@ -36,7 +36,7 @@ def rambo_runs(lambda_val, margin):
         Run(
             f"RaMBORecallLoss {weighting}",
             loss="RaMBORecallLoss",
-            loss_kwargs=dict(lambda_val=lambda_val, margin=margin, weighting=weighting, memory_size=3),
+            params=dict(lambda_val=lambda_val, margin=margin, weighting=weighting, memory_size=3),
             paper_row=f"RaMBO R50-512 {weighting.replace('loglog', 'log log')}",
         )
         for weighting in ("log", "loglog")
@@ -45,16 +45,25 @@ def rambo_runs(lambda_val, margin):
 
 def rambo_setup(lr, samples_per_class=4):
     return Setup(
-        backbone="resnet50",
-        embedding_size=512,
-        batch_size=128,
-        samples_per_class=samples_per_class,
-        optimizer="adam",
-        lr=lr,
-        embedder_lr_factor=10,
-        weight_decay=4e-4,
-        epochs=80,
-        lr_drop=(35, 0.3),
+        budget=dict(
+            protocol="standard",
+            trunk="resnet50",
+            embedding_size=512,
+            image_size=224,
+            resize=256,
+            augmentation="crop-flip",
+            freeze_batchnorm=False,
+            batch_size=128,
+            samples_per_class=samples_per_class,
+            optimizer="adam",
+            lr=lr,
+            momentum=0.0,
+            embedder_lr_factor=10,
+            weight_decay=4e-4,
+            epochs=80,
+            lr_drop=(35, 0.3),
+            seeds=1,
+        ),
         notes=NOTES,
     )
 

@@ -15,8 +15,8 @@ and 4-fold cross-validation (contiguous class partitions), one model per fold wi
 epoch chosen on its validation partition, the second half for testing. Paper setup:
 ImageNet BN-Inception trunk (torchvision has none: GoogLeNet with BatchNorm stands in),
 128-d embedding, BatchNorm frozen, batches of 8 classes x 4 images, RMSprop with learning
-rate 1e-6, random resized crops (16-100% of the area, aspect 3/4-4/3) to 227 px and flips,
-test images resized to 256 and centre-cropped to 227.
+rate 1e-6 (weight decay 1e-4, momentum 0.9), random resized crops (16-100% of the area,
+aspect 3/4-4/3) to 227 px and flips, test images resized to 256 and centre-cropped to 227.
 
 What the paper does not give, and we chose: the loss hyperparameters (the paper
 tuned them by Bayesian optimisation; we use PML's defaults for the baselines and the
@@ -34,20 +34,23 @@ from pml_rank.harness.reproduce import PaperTable, Run, Script, Setup, Variant, 
 SOURCE = "Musgrave et al., ECCV 2020 (A Metric Learning Reality Check)"
 
 SETUP = Setup(
-    backbone="bn-inception",
-    embedding_size=128,
-    batch_size=32,
-    samples_per_class=4,
-    optimizer="rmsprop",
-    lr=1e-6,
-    epochs=100,
-    patience=10,
-    protocol="reality-check",
-    image_size=227,
-    resize=256,
-    augmentation="random-resized-crop",
-    freeze_batchnorm=True,
-    repeats=5,
+    budget=dict(
+        protocol="reality-check",
+        trunk="bn-inception",
+        embedding_size=128,
+        image_size=227,
+        resize=256,
+        augmentation="random-resized-crop",
+        freeze_batchnorm=True,
+        batch_size=32,
+        optimizer="rmsprop",
+        lr=1e-6,
+        weight_decay=1e-4,
+        momentum=0.9,
+        epochs=100,
+        patience=10,
+        seeds=5,
+    ),
     notes="loss hyperparameters: PML's defaults for the baselines (the paper tuned them), the "
     "papers' defaults for pml-rank's losses; 100 epochs with patience 10; 'Pretrained' is the "
     "untrained embedding layer on the pretrained trunk",
@@ -58,11 +61,11 @@ RUNS = (
     Run("Contrastive", loss="pml:ContrastiveLoss", paper_row="Contrastive"),
     Run("Triplet", loss="pml:TripletMarginLoss", paper_row="Triplet"),
     Run("FastAP (PML)", loss="pml:FastAPLoss", paper_row="FastAP"),
-    Run("AUCLoss", loss="AUCLoss", miner="pml:BatchHardMiner"),
+    Run("AUCLoss", loss="AUCLoss"),
     Run("RaMBORecallLoss", loss="RaMBORecallLoss"),
     Run("RaMBOAPLoss", loss="RaMBOAPLoss"),
     Run("FastAPLoss", loss="FastAPLoss"),
-    Run("NPairsMCLoss", loss="NPairsMCLoss", sampler="hard_negative_class"),
+    Run("NPairsMCLoss", loss="NPairsMCLoss"),
 )
 
 # Columns: P@1, RP, MAP@R of the concatenated (512-d) embeddings, then of the separated (128-d).

@@ -401,7 +401,7 @@ class BenchCommand(Command):
             print(format_text_table(("row", "miner", "batches", "optimizer"), recipes.describe(), align="llll"))
             return 0
         budget = _budget(args)
-        row_recipes = _rows(args)
+        row_recipes = runner.with_budget_batches(budget, _rows(args))
         refusals = _refusals()
         try:
             # Refused before the output folder is made or the storage reached.
@@ -521,13 +521,15 @@ class TuneCommand(Command):
                 f"argument losses: no search space declared for {', '.join(missing)} (a plugin declares "
                 "one with the pml_rank_search_spaces hook)"
             )
-        row_recipes = {name: recipe for name, recipe in row_recipes.items() if name in spaces}
         budget = _budget(args)
         budget["seed"] = args.seed
+        row_recipes = runner.with_budget_batches(
+            budget, {name: recipe for name, recipe in row_recipes.items() if name in spaces}
+        )
         machine = _machine(args)
         refusals = _refusals()
         try:
-            runner.check_rows(budget, row_recipes)
+            runner.check_rows(budget, row_recipes, validation_only=True)
             runner.check(budget, row_recipes, machine)
         except refusals as error:
             raise _refused(error) from None

@@ -10,7 +10,8 @@
     components.py   components by name (``AUCLoss``, ``pml:TripletMarginLoss``)
     runner.py       one experiment: data set x trunk x budget x row x seed -> fold models
                     -> metrics (`run`), and every check before any training (`check`)
-    evaluation/     the Reality Check protocol (splits, folds, metrics, training with PML)
+    evaluation/     the Reality Check and standard protocols (splits, folds, metrics,
+                    training with PML)
     datasets.py     the data sets by command-line name; images.py: image files checked once
     data/           the embedded glyph data set, the real data sets' loaders, the small CNN
     backbones.py    torchvision trunks with ImageNet weights from the local cache
@@ -22,7 +23,7 @@
     speed.py        `pml-rank speed`
     outputs.py      result files written atomically; text_table.py: the plain-text tables
     references/     straightforward losses written from the papers' formulas
-    reproduce.py    the papers' setups, used by examples/
+    reproduce/      the papers' tables and setups, run by examples/ through the runner
     tuned_glyphs.json   the tuned parameters `pml-rank bench` uses on the glyphs
 
 Its dependencies (faiss, record-keeper, matplotlib, torchvision, ...) come with the

@@ -79,6 +79,15 @@ def non_negative_float(text):
     return value
 
 
+def epoch_and_factor(text):
+    """Type: ``EPOCH:FACTOR``, an epoch >= 1 and a finite factor > 0 (a learning rate
+    drop), as ``(epoch, factor)``."""
+    epoch, colon, factor = str(text).partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"must be EPOCH:FACTOR, e.g. 35:0.3, got {text!r}")
+    return positive_int(epoch), positive_float(factor)
+
+
 def boolean(text):
     """Type: yes/no (also true/false, 1/0)."""
     value = str(text).strip().lower()

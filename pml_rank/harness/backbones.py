@@ -2,9 +2,8 @@
 torch cache (``torch.hub.get_dir()/checkpoints``). Nothing is downloaded: when a weights
 file is absent, `WeightsNotFoundError` says which file to place where.
 
-PML trainers take ``models={"trunk": ..., "embedder": ...}``; `build_models` returns that
-pair: the trunk without its classifier (pooled features) and a linear embedder to the
-papers' embedding size.
+`build_trunk` returns the trunk without its classifier (pooled features); the runner adds a
+linear embedder to the budget's embedding size (`runner.model_factories`).
 
 torchvision has no BN-Inception (Reality Check's trunk). Its closest model is GoogLeNet,
 which torchvision builds with batch normalisation after every convolution: Inception-v1
@@ -98,31 +97,3 @@ def build_trunk(name, pretrained=True, load_weights=True):
         trunk.load_state_dict(state)
     trunk.fc = torch.nn.Identity()
     return trunk
-
-
-class TinyTrunk(torch.nn.Sequential):
-    """A few-thousand-parameter CNN for the examples' ``--smoke`` runs: they check the
-    whole pipeline in seconds, which a ResNet-50 cannot do on a CPU."""
-
-    features = 32
-
-    def __init__(self):
-        super().__init__(
-            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
-            torch.nn.BatchNorm2d(16),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(16, self.features, 3, stride=2, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(),
-        )
-
-
-def build_models(name, embedding_size, pretrained=True):
-    """``{"trunk": ..., "embedder": Linear(features, embedding_size)}`` for PML trainers.
-    ``name="tiny"`` gives `TinyTrunk` (random init)."""
-    if name == "tiny":
-        trunk, features = TinyTrunk(), TinyTrunk.features
-    else:
-        trunk, features = build_trunk(name, pretrained), BACKBONES[name].features
-    return {"trunk": trunk, "embedder": torch.nn.Linear(features, embedding_size)}

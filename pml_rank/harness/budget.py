@@ -22,6 +22,11 @@ OPTIMIZERS = ("adam", "rmsprop", "sgd")
 # after each epoch), "constant" keeps it.
 LR_SCHEDULES = ("cosine", "constant")
 AUGMENTATIONS = ("none", "random-resized-crop", "crop-flip")
+# "reality-check": one model per cross-validation fold of the first half of the classes, tested on
+# the second half (`evaluation.run_protocol`); "standard": the older papers' protocol, one model
+# trained on a data set's training split and tested on its test split (`evaluation.run_standard_protocol`).
+REALITY_CHECK_PROTOCOL, STANDARD_PROTOCOL = "reality-check", "standard"
+PROTOCOLS = (REALITY_CHECK_PROTOCOL, STANDARD_PROTOCOL)
 TRUNKS = ("small-cnn", "bn-inception", "googlenet", "resnet50")
 # `--classes all`: every class of the data set.
 ALL_CLASSES = "all"
@@ -87,6 +92,17 @@ class Setting:
 # centre crop 227 of a 256 resize for evaluation, 100 iterations per epoch, up to 1000
 # epochs with early stopping on validation MAP@R (patience 9; 39 on SOP), 50 search trials.
 SETTINGS = (
+    Setting(
+        "protocol",
+        "--protocol",
+        f"reality-check: {NUM_FOLDS}-fold cross-validation over the first half of the classes, one model per "
+        "fold, tested on the second half; standard: one model trained on the data set's training split for every "
+        "epoch (no validation, no early stopping), tested on its test split (in-shop: query against gallery); "
+        "the papers' image data sets only",
+        REALITY_CHECK_PROTOCOL,
+        REALITY_CHECK_PROTOCOL,
+        choices=PROTOCOLS,
+    ),
     Setting("trunk", "--trunk", "trunk network", "small-cnn", "bn-inception", choices=TRUNKS),
     Setting(
         "random_init",
@@ -117,8 +133,37 @@ SETTINGS = (
         32,
         type=arguments.positive_int,
     ),
+    Setting(
+        "samples_per_class",
+        "--samples-per-class",
+        "samples of each class in a batch, >= 2, for every row PML's MPerClassSampler batches (all but the rows "
+        "that mine hard negative classes)",
+        None,
+        None,
+        type=arguments.at_least(2),
+        none_means="each row's own, 4 (2 for pml:NPairsLoss)",
+    ),
+    Setting(
+        "class_mining",
+        "--class-mining",
+        "the N-pair rows (NPairsMCLoss, NPairsOVOLoss) choose a batch's classes by hard negative class mining "
+        "with the network being trained; no: at random (PML's MPerClassSampler, 2 per class)",
+        True,
+        True,
+        type=arguments.boolean,
+        metavar="yes|no",
+    ),
     Setting("optimizer", "--optimizer", "optimizer of the trunk and embedder", "adam", "rmsprop", choices=OPTIMIZERS),
     Setting("lr", "--lr", "learning rate, > 0", 3e-3, 1e-6, type=arguments.positive_float),
+    Setting(
+        "embedder_lr_factor",
+        "--embedder-lr-factor",
+        "the embedding layer trains at the learning rate times this, > 0 (a pretrained trunk's new layer "
+        "learns faster; the small CNN has no separate embedding layer)",
+        1.0,
+        1.0,
+        type=arguments.positive_float,
+    ),
     Setting("weight_decay", "--weight-decay", "weight decay, >= 0", 0.0, 1e-4, type=arguments.non_negative_float),
     Setting("momentum", "--momentum", "rmsprop/sgd momentum, >= 0", 0.0, 0.9, type=arguments.non_negative_float),
     Setting(
@@ -128,6 +173,15 @@ SETTINGS = (
         "cosine",
         "constant",
         choices=LR_SCHEDULES,
+    ),
+    Setting(
+        "lr_drop",
+        "--lr-drop",
+        "after EPOCH epochs, multiply the learning rate by FACTOR (with the constant schedule)",
+        None,
+        None,
+        type=arguments.epoch_and_factor,
+        metavar="EPOCH:FACTOR",
     ),
     Setting(
         "patience",
@@ -232,10 +286,11 @@ def preset_for(dataset, preset=AUTO_PRESET):
 def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
     """The effective budget: the preset's value of every key of `SETTINGS`, then every
     `given` value that is not None, then what follows from them (the resize from the image
-    size, a random init for the small CNN, which has no pretrained weights). Also holds
-    ``dataset``, ``preset`` (its name) and ``num_folds`` (`NUM_FOLDS`; not an option: fewer
-    folds only make tests faster). Raises `BudgetError` for a value
-    that would not be applied (an image size on the glyphs)."""
+    size, a random init for the small CNN, which has no pretrained weights; on the standard
+    protocol no folds and no patience). Also holds ``dataset``, ``preset`` (its name) and
+    ``num_folds`` (`NUM_FOLDS`; not an option: fewer folds only make tests faster). Raises
+    `BudgetError` for a value that would not be applied (an image size on the glyphs, a
+    learning rate drop on the cosine schedule, a patience on the standard protocol)."""
     name = preset_for(dataset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
@@ -248,7 +303,17 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
     budget.update(given)
     if budget["trunk"] == "small-cnn":
         budget["random_init"] = True
-    if dataset == "glyphs":
+    _apply_image_keys(budget, given)
+    _check_learning_rates(budget)
+    if budget["protocol"] == STANDARD_PROTOCOL:
+        _apply_standard_protocol(budget, given)
+    return budget
+
+
+def _apply_image_keys(budget, given):
+    """Sets the image keys that follow (none on the glyphs, the resize from the image size);
+    refuses those that cannot apply."""
+    if budget["dataset"] == "glyphs":
         for key in IMAGE_KEYS:
             if given.get(key, "none") != "none":
                 raise BudgetError(
@@ -263,7 +328,45 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
         raise BudgetError("--resize", f"{budget['resize']} needs an --image-size to crop to")
     if budget["resize"] is not None and budget["resize"] < budget["image_size"]:
         raise BudgetError("--resize", f"{budget['resize']} is smaller than the image size {budget['image_size']}")
-    return budget
+
+
+def _check_learning_rates(budget):
+    """Refuses a learning rate drop the schedule would override and an embedding layer
+    factor without an embedding layer."""
+    if budget["lr_drop"] is not None and budget["lr_schedule"] != "constant":
+        epoch, factor = budget["lr_drop"]
+        raise BudgetError(
+            "--lr-drop",
+            f"{epoch}:{factor:g} drops a constant learning rate, not the {budget['lr_schedule']} schedule's "
+            "(give --lr-schedule constant)",
+        )
+    if budget["embedder_lr_factor"] != 1 and budget["trunk"] == "small-cnn":
+        raise BudgetError(
+            "--embedder-lr-factor", f"{budget['embedder_lr_factor']:g}: the small CNN has no separate embedding layer"
+        )
+
+
+def _apply_standard_protocol(budget, given):
+    """The standard protocol trains one model on every class of a data set's training split
+    for every epoch: no folds, no validation set to stop early on. Refuses what it cannot
+    apply."""
+    dataset = budget["dataset"]
+    if dataset not in DATASET_NAMES or dataset == "glyphs":
+        papers = ", ".join(name for name in DATASET_NAMES if name != "glyphs")
+        raise BudgetError(
+            "--protocol", f"standard needs the papers' training and test splits ({papers}), not {dataset}"
+        )
+    for key in ("patience", "num_folds"):
+        if key in given:
+            raise BudgetError(
+                SETTING_BY_KEY[key].flag if key in SETTING_BY_KEY else key,
+                f"{given[key]}: the standard protocol trains one model for every epoch, without validation",
+            )
+    if budget["num_classes"] != ALL_CLASSES:
+        raise BudgetError(
+            "--classes", f"{budget['num_classes']}: the standard protocol trains on every class of the training split"
+        )
+    budget.update(num_folds=None, patience=None)
 
 
 def budget_warnings(budget):
@@ -316,8 +419,9 @@ SHIPPED_PARAMS = Path(__file__).with_name("tuned_glyphs.json")
 # (`pml-rank bench --list` shows the others).
 DEFAULT_BASELINES = ("pml:ContrastiveLoss", "pml:TripletMarginLoss", "pml:FastAPLoss", "pml:NPairsLoss")
 
-# The data sets `--dataset` names; `folder:PATH` is a user's own images.
-DATASET_NAMES = ("glyphs", "cub200", "cars196", "sop", "inshop")
+# The data sets `--dataset` names (cub200-cropped: CUB-200-2011 cropped to the birds' boxes, the AUC
+# paper's table 2); `folder:PATH` is a user's own images.
+DATASET_NAMES = ("glyphs", "cub200", "cub200-cropped", "cars196", "sop", "inshop")
 FOLDER_PREFIX = "folder:"
 
 

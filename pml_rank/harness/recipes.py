@@ -138,6 +138,25 @@ def with_params(recipe, params):
     return dataclasses.replace(recipe, **changes)
 
 
+def with_batches(recipe, samples_per_class=None, class_mining=True):
+    """`recipe` with the batches a budget asks for: without `class_mining`, a row that mines
+    hard negative classes (the N-pair rows) draws them at random, 2 per class (PML's
+    `MPerClassSampler`); `samples_per_class` gives every other row PML's sampler with that
+    many of each class (None: the row's own)."""
+    if recipe.make_sampler is hard_negative_classes:
+        if class_mining:
+            return recipe
+        return dataclasses.replace(recipe, make_sampler=m_per_class(2), batches="N classes x 2, random classes")
+    if samples_per_class is None:
+        return recipe
+    return dataclasses.replace(
+        recipe,
+        make_sampler=m_per_class(samples_per_class),
+        per_class=samples_per_class,
+        batches=f"m={samples_per_class} per class",
+    )
+
+
 def search_spaces():
     """``{row name: space(trial) -> params}``: the plugins' spaces and the baselines'."""
     return {**registry.search_spaces(), **{row: spec.space for row, spec in baselines.BASELINES.items()}}

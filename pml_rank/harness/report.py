@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from . import outputs
-from .budget import MAP_AT_R
+from .budget import MAP_AT_R, STANDARD_PROTOCOL
 from .components import PML_PREFIX
 from .evaluation import METRICS, SHORT_NAMES, summarize
 from .runner import RAW_INPUT, UNTRAINED
@@ -49,6 +49,24 @@ def _cell(mean, half_width):
     return f"{100 * mean:.2f} ± {100 * half_width:.2f}"
 
 
+def _protocol_words(c):
+    """What the bench's protocol trains and tests, for the table's title (`c`: its budget;
+    a bench from before the ``protocol`` key is a Reality Check one)."""
+    if c.get("protocol") == STANDARD_PROTOCOL:
+        return (
+            f"Standard protocol on {c['dataset']} (preset {c['preset']}): one model trained on the training split "
+            "for every epoch, tested on the test split (concatenated and separated: the same model)"
+        )
+    return (
+        f"Reality Check protocol on {c['dataset']} (preset {c['preset']}): {c['num_folds']}-fold CV over the "
+        f"first half of the classes ({c['num_classes']}), test on the second half"
+    )
+
+
+def _concatenated_size(c):
+    return "" if c.get("protocol") == STANDARD_PROTOCOL else f" (concatenated: {c['num_folds'] * c['embedding_size']})"
+
+
 def format_table(result):
     """The accuracy table as text, in percent: mean ± 95% CI half width over seeds."""
     summary = result.summary()
@@ -79,13 +97,12 @@ def format_table(result):
         images = f", {c['image_size']} px crops of a {c['resize']} px resize ({c['augmentation']})"
     patience = f", early stopping after {c['patience']} epochs without progress" if c["patience"] else ""
     title = (
-        f"Reality Check protocol on {c['dataset']} (preset {c['preset']}): {c['num_folds']}-fold CV over the "
-        f"first half of the classes ({c['num_classes']}), test on the second half; {c['seeds']} seed(s); "
+        f"{_protocol_words(c)}; {c['seeds']} seed(s); "
         f"{c['trunk']}{' (random init)' if c['random_init'] and c['trunk'] != 'small-cnn' else ''}"
         f"{', frozen BatchNorm' if c['freeze_batchnorm'] else ''}, {c['epochs']} epochs x "
         f"{c['iterations_per_epoch']} iterations{patience}, batch {c['batch_size']}, "
-        f"{c['optimizer']} lr {c['lr']:g} ({c['lr_schedule']}), embeddings {c['embedding_size']} "
-        f"(concatenated: {c['num_folds'] * c['embedding_size']}){', mixed precision' if c['amp'] else ''}"
+        f"{c['optimizer']} lr {c['lr']:g} ({c['lr_schedule']}), embeddings {c['embedding_size']}"
+        f"{_concatenated_size(c)}{', mixed precision' if c['amp'] else ''}"
         f"{images}. "
         f"Percent, mean ± 95% CI; {result.total_seconds:.0f} s of training and evaluation in all."
     )
@@ -229,7 +246,7 @@ def bench_figure(result):
         means = np.array([100 * summary[r][kind][metric][0] for r in result.rows])
         cis = np.array([100 * summary[r][kind][metric][1] for r in result.rows])
         label = (
-            f"{kind} ({c['num_folds']}x{c['embedding_size']}-dim)"
+            f"{kind} ({c.get('num_folds') or 1}x{c['embedding_size']}-dim)"
             if kind == "concatenated"
             else f"{kind} ({c['embedding_size']}-dim, mean)"
         )

@@ -1,7 +1,8 @@
 """The experiment runner: data set x trunk x budget x recipe (row and parameters) x seed ->
-the Reality Check's fold models -> metrics. `pml-rank bench` runs many experiments as jobs,
-`pml-rank tune` scores parameters with the same fold loop on the validation classes only,
-and the example scripts call it with the papers' setups.
+the budget's protocol (the Reality Check's fold models, or the standard protocol's one model)
+-> metrics. `pml-rank bench` runs many experiments as jobs, `pml-rank tune` scores parameters
+with the Reality Check's fold loop on the validation classes only, and the example scripts
+call it with the papers' setups.
 
 `check_rows` and `check` do every check that can fail before any training (the batch size
 against the rows and the classes, then the trunk's weights and the data set's files); `run`
@@ -9,6 +10,7 @@ runs one experiment in the calling process.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -19,15 +21,28 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from pytorch_metric_learning.utils import common_functions as c_f
 
 from . import backbones, recipes
-from .budget import BudgetError, class_count, digest, training_key
-from .data import SmallCNN
-from .datasets import DataError, data_root_missing, image_transforms, load_dataset, needs_data_root
-from .evaluation import TrainingConfig, raw_input_accuracy, run_protocol, test_set_and_folds
+from .budget import STANDARD_PROTOCOL, BudgetError, class_count, digest, training_key
+from .data import SmallCNN, real
+from .data.glyphs import DEFAULT_CACHE_DIR
+from .datasets import DataError, Transformed, data_root_missing, image_transforms, load_dataset, needs_data_root
+from .evaluation import (
+    METRICS,
+    STANDARD_MODEL,
+    StandardSplits,
+    TrainingConfig,
+    raw_input_accuracy,
+    run_protocol,
+    run_standard_protocol,
+    test_set_and_folds,
+)
 
 RAW_INPUT = "raw input"
 UNTRAINED = "untrained"
+# The papers' data sets, which the standard protocol reads, are colour photographs.
+STANDARD_CHANNELS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +124,91 @@ def transforms_of(budget, data):
     return None if budget["dataset"] == "glyphs" else image_transforms(budget, data.channels)
 
 
-def check_rows(budget, row_recipes):
+@functools.cache
+def _standard_splits(name, data_root, cache_dir):
+    spec = real.DATASETS[name]
+    try:
+        train, query = (
+            spec.load(data_root, split, cache_dir=cache_dir) for split in (spec.train_split, spec.query_split)
+        )
+        same = spec.reference_split == spec.query_split
+        reference = None if same else spec.load(data_root, spec.reference_split, cache_dir=cache_dir)
+    except (real.DataSetNotFoundError, real.ImageReadError) as error:
+        raise DataError(str(error)) from None
+    return StandardSplits(train, query, reference)
+
+
+def standard_splits(budget, machine, transforms=None):
+    """The budget's data set as the standard protocol reads it, its own training, query and
+    reference splits (`evaluation.StandardSplits`), loaded once per process; with
+    ``transforms=(train, eval)``, the training split through the first, the others through
+    the second."""
+    if machine.data_root is None:
+        raise data_root_missing(budget["dataset"])
+    splits = _standard_splits(budget["dataset"], machine.data_root, machine.cache_dir or DEFAULT_CACHE_DIR)
+    if transforms is None:
+        return splits
+    train, evaluation = transforms
+    return StandardSplits(
+        Transformed(splits.train, train),
+        Transformed(splits.query, evaluation),
+        None if splits.reference is None else Transformed(splits.reference, evaluation),
+    )
+
+
+def recipes_for(budget, rows):
+    """``{row: Recipe}`` of the rows (neither `RAW_INPUT` nor `UNTRAINED`) with the
+    budget's batches (`with_budget_batches`)."""
+    return with_budget_batches(budget, recipes.rows([r for r in rows if r not in (RAW_INPUT, UNTRAINED)]))
+
+
+def with_budget_batches(budget, row_recipes):
+    """``{row: Recipe}`` of `row_recipes` (``{row: Recipe}``) with the budget's samples per class
+    and class mining (`recipes.with_batches`)."""
+    return {
+        row: recipes.with_batches(recipe, budget["samples_per_class"], budget["class_mining"])
+        for row, recipe in row_recipes.items()
+    }
+
+
+def items_per_model(budget, data):
+    """Training items of one model of the budget's protocol on `data` (what `check`
+    returned): the standard protocol's training split, or a fold's share of the Reality
+    Check's training half."""
+    if budget["protocol"] == STANDARD_PROTOCOL:
+        return len(data.train)
+    folds = budget["num_folds"]
+    return len(data) // 2 * (folds - 1) // folds
+
+
+def check_rows(budget, row_recipes, validation_only=False):
     """Refuses (`budget.BudgetError`) a batch size that the rows `row_recipes` (``{row:
-    Recipe}``, the rows that train) cannot make, and a number of classes too small for them
-    when the budget gives one. Reads nothing, so it runs first; `check` does the rest."""
-    recipes.check_budget(row_recipes, budget["batch_size"], budget["num_classes"], budget["num_folds"])
+    Recipe}`` with the budget's batches, the rows that train) cannot make, and a number of
+    classes too small for them when the budget gives one; ``validation_only`` (tuning, which
+    scores validation folds): the standard protocol, which has none. Reads nothing, so it
+    runs first; `check` does the rest."""
+    standard = budget["protocol"] == STANDARD_PROTOCOL
+    if standard and validation_only:
+        raise BudgetError("--protocol", "standard: tuning scores validation folds, which only reality-check has")
+    recipes.check_budget(
+        row_recipes, budget["batch_size"], None if standard else budget["num_classes"], budget["num_folds"]
+    )
 
 
 def check(budget, row_recipes, machine):
     """Everything else that can refuse an experiment of the rows `row_recipes` (``{row:
     Recipe}``, checked by `check_rows`), before any training: the trunk's weights
     (`backbones.WeightsNotFoundError`), the data set (files, images, classes with fewer
-    than 2 images: `datasets.DataError`) and, when the budget takes all its classes, their
-    number for the rows (`budget.BudgetError`). Returns the loaded data set."""
+    than 2 images: `datasets.DataError`) and, when the budget takes all its classes or on
+    the standard protocol's training split, their number for the rows (`budget.BudgetError`).
+    Returns the loaded data set (on the standard protocol, its `evaluation.StandardSplits`)."""
+    standard = budget["protocol"] == STANDARD_PROTOCOL
     if budget["trunk"] != "small-cnn" and not budget["random_init"]:
         backbones.require_weights(budget["trunk"])
+    if standard:
+        splits = standard_splits(budget, machine)
+        _check_training_classes(row_recipes, budget["batch_size"], splits.train)
+        return splits
     if needs_data_root(budget["dataset"]) and machine.data_root is None:
         raise data_root_missing(budget["dataset"])
     try:
@@ -138,6 +223,18 @@ def check(budget, row_recipes, machine):
     if budget["dataset"] != "glyphs" and budget["image_size"] is None:
         _check_one_image_size(budget["dataset"], data)
     return data
+
+
+def _check_training_classes(row_recipes, batch_size, train_set):
+    """Raises `BudgetError` unless the standard protocol's training split holds the classes
+    of a batch of every row."""
+    classes = len(np.unique(np.asarray(train_set.labels)))
+    for name, recipe in row_recipes.items():
+        needed = batch_size // (recipe.per_class or batch_size)
+        if needed > classes:
+            raise BudgetError(
+                "--batch-size", f"{batch_size}: a batch of {name} holds {needed} classes, the training split {classes}"
+            )
 
 
 def _image_paths(data):
@@ -169,53 +266,82 @@ def _check_one_image_size(dataset, data):
 
 
 def rows_without_training(budget):
-    """The reference rows of a bench: the raw pixels (only where the images are used as
-    they are, "none" augmentation: cropped photographs' pixels would not fit in memory)
-    and the untrained networks."""
-    return [RAW_INPUT, UNTRAINED] if budget["augmentation"] == "none" else [UNTRAINED]
+    """The reference rows of a bench: the raw pixels (on the Reality Check protocol, only
+    where the images are used as they are, "none" augmentation: cropped photographs' pixels
+    would not fit in memory) and the untrained networks."""
+    raw = budget["augmentation"] == "none" and budget["protocol"] != STANDARD_PROTOCOL
+    return [RAW_INPUT, UNTRAINED] if raw else [UNTRAINED]
 
 
-def run(budget, row, params, seed, machine=Machine(), on_iteration=None, validation_only=False, on_fold=None):
+def recipe_of(budget, row, params=None):
+    """The `Recipe` `run` trains `row` with: the row's, with its `params`
+    (`recipes.with_params`) and the budget's batches (`recipes.with_batches`)."""
+    if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
+        return recipes.Recipe(make_loss=lambda: None, name=UNTRAINED)
+    recipe = recipes.with_params(recipes.rows([row])[row], params)
+    return recipes.with_batches(recipe, budget["samples_per_class"], budget["class_mining"])
+
+
+def run(
+    budget, row, params, seed, machine=Machine(), on_iteration=None, validation_only=False, on_fold=None, metrics=None
+):
     """One experiment; returns ``{"run": {"concatenated": {metric: value}, "separated":
     {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
     ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
     in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
-    `seed` (and the device's arithmetic). With ``machine.models_dir``, a trained experiment
-    keeps each fold's models and logs in `models_folder` (``fold<k>/models``: PML's
-    ``trunk_best<epoch>.pth`` and ``embedder_best<epoch>.pth``, the models it measured),
-    which appears only once the experiment is complete."""
+    `seed` (and the device's arithmetic). The budget's protocol decides what trains: the
+    Reality Check's fold models, measured on `evaluation.METRICS`, or the standard
+    protocol's one model (``concatenated`` and ``separated`` are then its values, of
+    `metrics`: names as `evaluation.accuracy` takes them, default `evaluation.METRICS`).
+    With ``machine.models_dir``, a trained experiment keeps its models and logs in
+    `models_folder` (``fold<k>/models``: PML's ``trunk_best<epoch>.pth`` and
+    ``embedder_best<epoch>.pth``, the models it measured; standard: ``model/models``, the
+    last epoch's), which appears only once the experiment is complete (a failure after
+    training leaves the models in a ``.partial-*`` folder beside it)."""
     started = time.perf_counter()
-    data = dataset_of(budget, machine)
-    transforms = transforms_of(budget, data)
+    standard = budget["protocol"] == STANDARD_PROTOCOL
+    if standard and (row == RAW_INPUT or validation_only):
+        raise BudgetError("--protocol", "standard: raw input rows and validation runs are the Reality Check's")
+    if not standard and metrics not in (None, METRICS):
+        raise ValueError(f"metrics {metrics}: the Reality Check protocol measures {', '.join(METRICS)}")
+    data = None if standard else dataset_of(budget, machine)
+    transforms = None if standard else transforms_of(budget, data)
     if row == RAW_INPUT:
         raw = raw_input_accuracy(data, transforms[1] if transforms else None)
         seconds = time.perf_counter() - started
         return {"run": {"concatenated": raw, "separated": raw}, "histories": [], "best_epochs": [], "seconds": seconds}
-    if row == UNTRAINED:  # the same protocol with zero epochs (no loss is ever called)
-        recipe, epochs = recipes.Recipe(make_loss=lambda: None, name=UNTRAINED), 0
-    else:
-        recipe, epochs = recipes.with_params(recipes.rows([row])[row], params), budget["epochs"]
-    make_trunk, make_embedder = model_factories(budget, data.channels)
+    recipe, epochs = recipe_of(budget, row, params), 0 if row == UNTRAINED else budget["epochs"]
+    channels = STANDARD_CHANNELS if standard else data.channels
+    make_trunk, make_embedder = model_factories(budget, channels)
     final = partial = None
     if machine.models_dir is not None and epochs > 0 and not validation_only:
         final = models_folder(machine.models_dir, budget, row, params, seed)
         partial = _start_partial_folder(final)
-    config = TrainingConfig.from_budget(budget, machine.device, machine.loader_workers)
-    result = run_protocol(
-        data,
-        recipe,
-        make_trunk,
-        dataclasses.replace(config, epochs=epochs),
+    config = dataclasses.replace(
+        TrainingConfig.from_budget(budget, machine.device, machine.loader_workers), epochs=epochs
+    )
+    common = dict(
         make_embedder=make_embedder,
         seed=seed,
-        transforms=transforms,
         on_iteration=on_iteration,
-        validation_only=validation_only,
-        on_fold=on_fold,
         folder=None if partial is None else str(partial),
     )
+    if standard:
+        splits = standard_splits(budget, machine, image_transforms(budget, channels))
+        result = run_standard_protocol(splits, recipe, make_trunk, config, metrics=metrics or METRICS, **common)
+    else:
+        result = run_protocol(
+            data,
+            recipe,
+            make_trunk,
+            config,
+            transforms=transforms,
+            validation_only=validation_only,
+            on_fold=on_fold,
+            **common,
+        )
     if partial is not None:
-        record = {"row": row, "seed": seed, "params": params, "budget": budget, "channels": data.channels}
+        record = {"row": row, "seed": seed, "params": params, "budget": budget, "channels": channels}
         (partial / "experiment.json").write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
         if final.exists():  # the same experiment, run again because it was never recorded as finished
             shutil.rmtree(final)
@@ -230,21 +356,22 @@ def run(budget, row, params, seed, machine=Machine(), on_iteration=None, validat
 
 
 def load_models(folder, device="cpu"):
-    """The fold models `run` kept in `folder` (a `models_folder`): ``[(trunk, embedder)]``
-    in fold order, each at its best epoch (the models the experiment measured), in eval mode
-    on `device`. Needs no pretrained weights: the architecture comes from the folder's
-    ``experiment.json``, the weights from its files."""
-    from pytorch_metric_learning.utils import common_functions as c_f
-
+    """The models `run` kept in `folder` (a `models_folder`): ``[(trunk, embedder)]``, in
+    fold order, each at its best epoch (the models the experiment measured; the standard
+    protocol's one model at its last epoch), in eval mode on `device`. Needs no pretrained
+    weights: the architecture comes from the folder's ``experiment.json``, the weights from
+    its files."""
     folder = Path(folder)
     record = json.loads((folder / "experiment.json").read_text())
     make_trunk, make_embedder = model_factories(record["budget"], record["channels"], load_weights=False)
+    standard = record["budget"].get("protocol") == STANDARD_PROTOCOL
+    folds = sorted(folder.glob("fold*"), key=lambda path: int(path.name.removeprefix("fold")))
     models = []
-    for fold in sorted(folder.glob("fold*"), key=lambda path: int(path.name.removeprefix("fold"))):
+    for model_folder in [folder / STANDARD_MODEL] if standard else folds:
         pair = {"trunk": make_trunk(), "embedder": make_embedder() if make_embedder else torch.nn.Identity()}
         # As PML's hooks load the best models after training (`load_latest_saved_models`).
-        _, best = c_f.latest_version(str(fold / "models"), "trunk_*.pth", best=True)
-        c_f.load_dict_of_models(pair, best, str(fold / "models"), device, assert_success=True)
+        _, suffix = c_f.latest_version(str(model_folder / "models"), "trunk_*.pth", best=not standard)
+        c_f.load_dict_of_models(pair, suffix, str(model_folder / "models"), device, assert_success=True)
         models.append((pair["trunk"].to(device).eval(), pair["embedder"].to(device).eval()))
     return models
 
@@ -253,11 +380,15 @@ def load_test_set(folder, data_root=None, cache_dir=None):
     """The test set of the experiment saved in `folder` (a `models_folder`) exactly as `run`
     evaluated its models: the test classes of the budget's data set, in the same order,
     through the same evaluation transform; items ``(image tensor, label)``, ``labels`` an
-    array. A ``folder:`` data set is read from the path the bench recorded, the papers' from
-    `data_root`, the glyphs from `cache_dir`. Every image is checked as the bench does."""
+    array (the standard protocol's: its query split). A ``folder:`` data set is read from
+    the path the bench recorded, the papers' from `data_root`, the glyphs from `cache_dir`.
+    Every image is checked as the bench does."""
     budget = json.loads((Path(folder) / "experiment.json").read_text())["budget"]
     if needs_data_root(budget["dataset"]) and data_root is None:
         raise data_root_missing(budget["dataset"])
-    data = dataset_of(budget, Machine(data_root=data_root, cache_dir=cache_dir))
+    machine = Machine(data_root=data_root, cache_dir=cache_dir)
+    if budget.get("protocol") == STANDARD_PROTOCOL:
+        return standard_splits(budget, machine, image_transforms(budget, STANDARD_CHANNELS)).query
+    data = dataset_of(budget, machine)
     _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
     return test_set

@@ -15,9 +15,13 @@ import pytest
 import torch
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
-from pml_rank.harness import backbones, reproduce
-from pml_rank.harness.data import tiny_layouts
-from pml_rank.harness.evaluation import accuracy
+from pml_rank.harness import backbones, reproduce, runner
+from pml_rank.harness.budget import BudgetError, resolve
+from pml_rank.harness.data import SmallCNN, tiny_layouts
+from pml_rank.harness.data.real import DATASETS
+from pml_rank.harness.evaluation import TrainingConfig, accuracy, protocol
+from pml_rank.harness.evaluation.training import _optimized
+from pml_rank.harness.reproduce.running import SMOKE
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = {p.stem: p for p in sorted(EXAMPLES.glob("*.py")) if "SCRIPT = Script(" in p.read_text()}
@@ -99,7 +103,7 @@ def test_missing_data_gives_the_download_instructions_not_a_traceback(name, tmp_
         )
         err = capsys.readouterr().err
         assert code == 2
-        layout = reproduce.DATASETS[dataset].layout
+        layout = DATASETS[dataset].layout
         assert os.path.join(str(tmp_path), layout.folder) in err
         assert "never downloads" in err and "Traceback" not in err
 
@@ -118,13 +122,11 @@ def test_a_loss_that_is_not_registered_is_named_before_any_work(tmp_path, capsys
     script = load("auc_cub200")
     variant = next(iter(script.variants.values()))
     missing = reproduce.Run("missing", loss="NoSuchLoss")
-    script = reproduce.dataclasses.replace(
-        script, variants={variant.dataset: reproduce.dataclasses.replace(variant, runs=(missing,))}
-    )
+    script = dataclasses.replace(script, variants={variant.dataset: dataclasses.replace(variant, runs=(missing,))})
     code = script.main(["--smoke", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "NoSuchLoss is not registered" in err and "pml-rank list" in err and "Traceback" not in err
+    assert "unknown loss NoSuchLoss; available:" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
 
 
@@ -137,11 +139,18 @@ def test_every_script_runs_from_the_command_line(name):
     assert "--data-root" in result.stdout and "--smoke" in result.stdout
 
 
+def setup_training(name, dataset="cub200"):
+    """The `TrainingConfig` the runner builds from a script's setup."""
+    setup = load(name).variants[dataset].setup
+    return TrainingConfig.from_budget(resolve(dataset, "reality-check", **setup.budget, iterations_per_epoch=1))
+
+
 def test_the_learning_rate_drop_is_a_pml_lr_scheduler():
-    setup = load("auc_cub200").variants["cub200"].setup
-    after_epoch, factor = setup.lr_drop
+    config = setup_training("auc_cub200")
+    after_epoch, factor = load("auc_cub200").variants["cub200"].setup.budget["lr_drop"]
+    assert config.lr_drop == (after_epoch, factor)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = reproduce.standard_training(setup, 1).make_lr_scheduler(optimizer)
+    scheduler = config.make_lr_scheduler(optimizer)
     rates = []
     for _ in range(after_epoch + 2):  # PML's trainer steps it at the end of every epoch
         rates.append(optimizer.param_groups[0]["lr"])
@@ -195,11 +204,11 @@ def test_recall_at_1_is_pmls_precision_at_1():
 
 
 class _Images(torch.utils.data.Dataset):
-    """16 random 3x8x8 images of 4 classes."""
+    """16 random 3x16x16 images of 4 classes."""
 
     def __init__(self):
         generator = torch.Generator().manual_seed(0)
-        self.images = torch.randn(16, 3, 8, 8, generator=generator)
+        self.images = torch.randn(16, 3, 16, 16, generator=generator)
         self.labels = [i % 4 for i in range(16)]
 
     def __len__(self):
@@ -211,9 +220,6 @@ class _Images(torch.utils.data.Dataset):
 
 def tiny_training(**changes):
     """A tiny budget for the trainer: batches of 8, 2 iterations per epoch."""
-    from pml_rank.harness.budget import resolve
-    from pml_rank.harness.evaluation import TrainingConfig
-
     budget = resolve("glyphs", batch_size=8, iterations_per_epoch=2, lr_schedule="constant", embedding_size=4)
     return dataclasses.replace(TrainingConfig.from_budget(budget), **changes)
 
@@ -225,7 +231,7 @@ def test_frozen_batchnorm_is_pmls_trainer_option(freeze):
     from pml_rank.harness.evaluation import train_model
 
     torch.manual_seed(0)
-    trunk = backbones.TinyTrunk()
+    trunk = SmallCNN(embedding_size=4, in_channels=3)
     batchnorm = next(m for m in trunk.modules() if isinstance(m, torch.nn.BatchNorm2d))
     before = batchnorm.running_mean.clone()
     config = tiny_training(epochs=1, freeze_batchnorm=freeze)
@@ -248,7 +254,7 @@ def test_pmls_trainer_steps_the_learning_rate_scheduler_every_epoch(monkeypatch)
 
     config = tiny_training(epochs=3, lr=1.0)
     monkeypatch.setattr(type(config), "make_lr_scheduler", lambda self, optimizer: make_lr_scheduler(optimizer))
-    train_model(ContrastiveLoss(), _Images(), config, trunk=backbones.TinyTrunk())
+    train_model(ContrastiveLoss(), _Images(), config, trunk=SmallCNN(embedding_size=4, in_channels=3))
     assert seen == [1.0, 1.0, pytest.approx(0.3)]
 
 
@@ -274,25 +280,12 @@ def test_only_the_training_folds_get_the_training_transform():
 
 
 def test_embedding_layer_gets_its_learning_rate_factor():
-    setup = reproduce.Setup(
-        backbone="tiny",
-        embedding_size=4,
-        batch_size=8,
-        samples_per_class=4,
-        optimizer="adam",
-        lr=1e-3,
-        epochs=1,
-        embedder_lr_factor=10,
-        weight_decay=4e-4,
-    )
-    from pml_rank.harness.evaluation.training import _optimized
-
-    models = backbones.build_models("tiny", 4, pretrained=False)
-    config = reproduce.standard_training(setup, 1)
-    _, optimizers, _ = _optimized(config, models["trunk"], models["embedder"], torch.nn.Identity(), None, None)
-    assert optimizers["trunk_optimizer"].param_groups[0]["lr"] == pytest.approx(1e-3)
+    config = setup_training("rambo_retrieval")  # Adam 5e-6, x10 on the embedding layer, weight decay 4e-4
+    trunk, embedder = torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)
+    _, optimizers, _ = _optimized(config, trunk, embedder, torch.nn.Identity(), None, None)
+    assert optimizers["trunk_optimizer"].param_groups[0]["lr"] == pytest.approx(5e-6)
     embedder_optimizer = optimizers["embedder_optimizer"]
-    assert embedder_optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    assert embedder_optimizer.param_groups[0]["lr"] == pytest.approx(5e-5)
     assert embedder_optimizer.param_groups[0]["weight_decay"] == 4e-4
 
 
@@ -301,12 +294,10 @@ def test_embedding_layer_gets_its_learning_rate_factor():
 
 def test_backbones_output_their_pooled_features():
     name = "resnet50"  # GoogLeNet: see the weights test below
-    models = backbones.build_models(name, embedding_size=12, pretrained=False)
-    models["trunk"].eval()
+    trunk = backbones.build_trunk(name, pretrained=False).eval()
     with torch.no_grad():
-        features = models["trunk"](torch.randn(2, 3, 32, 32))
+        features = trunk(torch.randn(2, 3, 32, 32))
     assert features.shape == (2, backbones.BACKBONES[name].features)
-    assert models["embedder"](features).shape == (2, 12)
 
 
 def test_pretrained_weights_are_read_from_the_local_torch_cache(tmp_path, monkeypatch):
@@ -347,12 +338,13 @@ def test_trained_weights_are_saved_before_evaluation(tmp_path, monkeypatch):
     def evaluation_fails(*args, **kwargs):
         raise RuntimeError("evaluation failed")
 
-    monkeypatch.setattr(reproduce, "compute_embeddings", evaluation_fails)
+    monkeypatch.setattr(protocol, "compute_embeddings", evaluation_fails)
     with pytest.raises(RuntimeError, match="evaluation failed"):
         script.main(["--smoke", "--out", str(tmp_path)])
-    (saved,) = (tmp_path / "models-auc_cub200-cub200-smoke").glob("*.pt")
-    weights = torch.load(saved, weights_only=True)
-    assert weights["loss"] == "AUCLoss" and weights["trunk"]
+    # The runner's folder for the run, not yet complete: PML's file names, the last epoch.
+    (saved,) = (tmp_path / "models-auc_cub200-cub200-smoke" / "AUCLoss").rglob("trunk_1.pth")
+    assert ".partial-" in saved.parent.parent.parent.name
+    assert torch.load(saved, weights_only=True)
     assert not list(tmp_path.rglob("*.tmp"))
 
 
@@ -364,7 +356,7 @@ def test_reality_check_keeps_each_folds_models(tmp_path, capsys):
 
 
 def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
-    data_root = tiny_layouts.make_all(tmp_path / "data", size=reproduce.SMOKE_SETUP["image_size"], only=["cub200"])
+    data_root = tiny_layouts.make_all(tmp_path / "data", size=SMOKE["image_size"], only=["cub200"])
     images = sorted((Path(data_root) / "CUB_200_2011" / "images").rglob("*.jpg"))
     images[0].write_bytes(images[0].read_bytes()[:100])
     script = load("auc_cub200")
@@ -375,30 +367,57 @@ def test_an_unreadable_image_stops_the_script_before_training(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_reality_check_smoke_records_what_its_fold_models_trained_with(tmp_path):
-    """One truth: every setting the script's JSON records equals what each fold model's
-    experiment.json says it trained with, through the script as the README runs it."""
+@pytest.mark.parametrize("name", ["reality_check", "npair_table2"])
+def test_smoke_records_what_its_models_trained_with(name, tmp_path):
+    """One truth: every setting the script's JSON records for a row equals what the row's
+    models (the Reality Check's fold models, the standard protocol's one model) say in their
+    experiment.json they trained with, through the script as the README runs it."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS["reality_check"]), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPTS[name]), "--smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert done.returncode == 0, done.stderr
-    written = json.loads((tmp_path / "reproduce-reality_check-cub200-smoke.json").read_text())
-    assert "setup" not in written  # the script's declarations are not what trained
-    recorded = written["budget"]
-    experiments = list((tmp_path / "models-reality_check-cub200-smoke").rglob("experiment.json"))
-    assert experiments
-    for path in experiments:
-        trained = json.loads(path.read_text())["budget"]
-        assert trained == recorded, path
+    script = load(name)
+    variant = next(iter(script.variants.values()))
+    written = json.loads((tmp_path / f"reproduce-{name}-{variant.dataset}-smoke.json").read_text())
+    assert "setup" not in written and "budget" not in written  # the script's declarations are not what trained
+    trained_with = {label: e for label, e in written["trained_with"].items() if e["row"] != runner.UNTRAINED}
+    experiments = [
+        (path.parent, json.loads(path.read_text()))
+        for path in (tmp_path / f"models-{name}-{variant.dataset}-smoke").rglob("experiment.json")
+    ]
+    assert len(experiments) == len(trained_with) > 0
+    for label, entry in trained_with.items():
+        [(folder, record)] = [e for e in experiments if e[1]["row"] == entry["row"]]
+        assert record["budget"] == entry["budget"] and record["params"] == entry["params"], label
+        assert record["budget"]["protocol"] == variant.setup.protocol
+        models = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        expected = ["model"] if variant.setup.protocol == "standard" else [f"fold{k}" for k in range(4)]
+        assert models == expected, label
+    for label, run in ((r.label, r) for r in variant.runs if r.label in trained_with):
+        for key, value in run.budget.items():  # a run's own setting reached its models
+            assert trained_with[label]["budget"][key] == value, (label, key)
 
 
-def test_a_setup_field_the_runner_cannot_honour_is_refused():
-    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, lr_drop=(10, 0.1))
-    with pytest.raises(reproduce.BudgetError, match="lr_drop"):
-        reproduce.reality_check_budget("cub200", setup, pretrained=True)
-    setup = dataclasses.replace(load("reality_check").variants["cub200"].setup, weight_decay=0.25, optimizer="adam")
-    budget = reproduce.reality_check_budget("cub200", setup, pretrained=True)
-    assert budget["weight_decay"] == 0.25 and budget["optimizer"] == "adam"
+def test_a_setting_the_runner_cannot_honour_is_refused(tmp_path, capsys):
+    reality_check = load("reality_check").variants["cub200"].setup.budget
+    with pytest.raises(BudgetError, match="--lr-drop"):
+        resolve("cub200", "reality-check", **{**reality_check, "lr_schedule": "cosine", "lr_drop": (10, 0.1)})
+    standard = load("auc_cub200").variants["cub200"].setup.budget
+    with pytest.raises(BudgetError, match="--patience"):
+        resolve("cub200", "reality-check", **{**standard, "patience": 5})
+    with pytest.raises(BudgetError, match="--embedder-lr-factor"):
+        resolve("cub200", "reality-check", **{**standard, "trunk": "small-cnn"})
+    with pytest.raises(TypeError, match="unknown budget keys backbone"):
+        reproduce.Setup(budget={"backbone": "resnet50"})
+    # Through the script: one line, before any work.
+    script = load("auc_cub200")
+    variant = script.variants["cub200"]
+    stopping = dataclasses.replace(variant.runs[0], budget={"patience": 3})
+    script = dataclasses.replace(script, variants={"cub200": dataclasses.replace(variant, runs=(stopping,))})
+    assert script.main(["--smoke", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "argument --patience: 3: the standard protocol" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())

@@ -4,11 +4,13 @@ and tune end to end on the tiny generated copies), trunks' weights from the torc
 and the data problems refused before any training."""
 
 import dataclasses
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +19,11 @@ import torch
 from PIL import Image
 
 from pml_rank.cli import main
-from pml_rank.harness import backbones, runner
-from pml_rank.harness.budget import resolve
+from pml_rank.harness import backbones, recipes, runner
+from pml_rank.harness.budget import BudgetError, resolve
 from pml_rank.harness.data import load_glyphs, tiny_layouts
-from pml_rank.harness.datasets import ImageFolder
+from pml_rank.harness.datasets import ImageFolder, image_transforms
+from pml_rank.harness.evaluation import accuracy, compute_embeddings
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -128,6 +131,65 @@ def test_the_reality_check_preset_runs_tune_end_to_end(tmp_path, capsys):
     entry = json.loads((tmp_path / "out" / "tuned.json").read_text())["pml:TripletMarginLoss"]
     assert entry["trials"] == 2 and entry["budget"]["preset"] == "reality-check"
     assert entry["budget"]["dataset"] == "cub200" and "--data-root" in entry["command"]
+
+
+@pytest.mark.parametrize("dataset", ["cub200", "inshop"])
+def test_the_standard_protocol_runs_bench_end_to_end_and_its_model_gives_the_table(dataset, tmp_path, capsys):
+    """`--protocol standard`: one model per seed trained on the data set's training split,
+    measured on its test split (in-shop: its queries among its gallery); the model the bench
+    kept, on the test split loaded back, gives the bench's numbers."""
+    root = tiny_layouts.make_all(tmp_path / "data", size=24, only=[dataset])
+    tiny = ["--trunk", "small-cnn", "--image-size", "16", "--epochs", "2", "--iterations", "1", "--batch-size", "8"]
+    args = ["bench", "pml:TripletMarginLoss", "--dataset", dataset, "--data-root", str(root), "--protocol",
+            "standard", *tiny, "--seeds", "1", "--workers", "1", "--save-models",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(args) == 0
+    assert f"Standard protocol on {dataset} (preset reality-check)" in capsys.readouterr().out
+    config = json.loads((tmp_path / "out" / "bench.json").read_text())["config"]
+    assert config["protocol"] == "standard" and config["num_folds"] is None and config["patience"] is None
+    rows = bench_rows(tmp_path / "out")
+    assert list(rows) == ["untrained", "pml:TripletMarginLoss"]
+    [measured] = rows["pml:TripletMarginLoss"]
+    assert measured["concatenated"] == measured["separated"]  # one model
+    [folder] = (tmp_path / "out" / "models" / "pml_TripletMarginLoss").glob("*/seed0")
+    [(trunk, embedder)] = runner.load_models(folder)
+    budget = json.loads((folder / "experiment.json").read_text())["budget"]
+    splits = runner.standard_splits(budget, runner.Machine(data_root=str(root)), image_transforms(budget, 3))
+    assert len(runner.load_test_set(folder, data_root=str(root))) == len(splits.query)
+    query, query_labels = compute_embeddings(trunk, splits.query, embedder, normalize=True)
+    reference = reference_labels = None
+    if splits.reference is not None:
+        reference, reference_labels = compute_embeddings(trunk, splits.reference, embedder, normalize=True)
+    scores = accuracy(query, query_labels, reference, reference_labels)
+    assert (dataset == "inshop") == (reference is not None)
+    for metric, value in measured["concatenated"].items():
+        assert scores[metric] == pytest.approx(value, abs=1e-6), metric
+
+
+def _first_batch_counts(recipe, labels, batch_size):
+    """Items of each class in the first batch the recipe's sampler draws."""
+    sampler = recipe.make_sampler(types.SimpleNamespace(labels=labels), batch_size=batch_size)
+    first = list(itertools.islice(iter(sampler), batch_size))
+    return set(np.unique(labels[first], return_counts=True)[1])
+
+
+def test_the_budgets_batches_reach_each_rows_sampler():
+    """--samples-per-class and --class-mining change the sampler a row trains with, its
+    miner kept; without them each row keeps its own."""
+    labels = np.repeat(np.arange(16), 10)
+    changed = resolve("cub200", "reality-check", samples_per_class=8, class_mining=False)
+    for row in ("AUCLoss", "pml:TripletMarginLoss"):
+        recipe = runner.recipe_of(changed, row, {})
+        assert recipe.per_class == 8 and _first_batch_counts(recipe, labels, 32) == {8}, row
+    assert runner.recipe_of(changed, "AUCLoss").make_miner is not None
+    random_pairs = runner.recipe_of(changed, "NPairsMCLoss")
+    assert random_pairs.per_class == 2 and _first_batch_counts(random_pairs, labels, 32) == {2}
+    own = resolve("cub200", "reality-check")
+    assert runner.recipe_of(own, "pml:TripletMarginLoss", {}).per_class == 4
+    assert runner.recipe_of(own, "NPairsMCLoss").make_sampler is recipes.hard_negative_classes
+    with pytest.raises(BudgetError, match="--batch-size"):  # the checks see the budget's batches
+        three = resolve("cub200", "reality-check", samples_per_class=3)
+        runner.check_rows(three, runner.recipes_for(three, ["AUCLoss"]))
 
 
 def test_a_trunk_reads_its_weights_from_the_torch_cache_and_a_missing_file_is_refused(tmp_path, monkeypatch, capsys):

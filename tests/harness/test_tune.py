@@ -280,6 +280,11 @@ def test_every_budget_key_makes_a_study_of_its_own():
         resize=72,
         augmentation="crop-flip",
         amp=True,
+        protocol="standard",
+        samples_per_class=8,
+        class_mining=False,
+        embedder_lr_factor=10.0,
+        lr_drop=(2, 0.5),
     )
     assert set(others) == set(TRAINING_KEYS)  # a key added to the budget must be added here
     assert all(base[key] != value for key, value in others.items())

@@ -1,5 +1,5 @@
-"""The Reality Check evaluation protocol (Musgrave et al., ECCV 2020) with PML's own
-trainer, tester, hooks and `AccuracyCalculator`.
+"""The Reality Check evaluation protocol (Musgrave et al., ECCV 2020) and the older papers'
+standard protocol, with PML's own trainer, tester, hooks and `AccuracyCalculator`.
 
     from pml_rank.harness.evaluation import Recipe, run_protocol, summarize
     config = TrainingConfig.from_budget(budget.resolve("glyphs"))
@@ -13,10 +13,13 @@ Building blocks, usable on their own:
 
 from .metrics import METRICS, PML_NAMES, SHORT_NAMES, accuracy, concatenate, concatenated_and_separated, mean_and_ci
 from .protocol import (
+    STANDARD_MODEL,
     ProtocolResult,
     Recipe,
+    StandardSplits,
     raw_input_accuracy,
     run_protocol,
+    run_standard_protocol,
     summarize,
     test_set_and_folds,
     train_fold_model,
@@ -38,9 +41,11 @@ __all__ = [
     "METRICS",
     "PML_NAMES",
     "SHORT_NAMES",
+    "STANDARD_MODEL",
     "LabelledSubset",
     "ProtocolResult",
     "Recipe",
+    "StandardSplits",
     "TrainingConfig",
     "TrainResult",
     "accuracy",
@@ -57,6 +62,7 @@ __all__ = [
     "quiet_pml",
     "raw_input_accuracy",
     "run_protocol",
+    "run_standard_protocol",
     "seed_everything",
     "summarize",
     "test_set_and_folds",

@@ -1,14 +1,19 @@
-"""The Reality Check protocol end to end: class-disjoint split, one model per
-cross-validation fold (trained on three partitions of the training classes, its best
-epoch chosen on the fourth), accuracy of the concatenated and separated test embeddings,
-and means with 95% confidence intervals over repeated runs."""
+"""The evaluation protocols end to end. The Reality Check's (`run_protocol`): class-disjoint
+split, one model per cross-validation fold (trained on three partitions of the training
+classes, its best epoch chosen on the fourth), accuracy of the concatenated and separated
+test embeddings, and means with 95% confidence intervals over repeated runs. The older
+papers' standard protocol (`run_standard_protocol`): one model trained on a data set's
+training split, measured on its test split."""
 
 import dataclasses
 import time
+import typing
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
+from pytorch_metric_learning.utils import common_functions as c_f
 
 from ..budget import NUM_FOLDS
 from ..datasets import Transformed
@@ -195,6 +200,65 @@ def run_protocol(
         best_epochs,
         time.perf_counter() - started,
     )
+
+
+class StandardSplits(typing.NamedTuple):
+    """A data set's own splits for the standard protocol: the model trains on ``train``;
+    each item of ``query`` is retrieved among ``reference`` (None: among the other queries,
+    leave-one-out)."""
+
+    train: object
+    query: object
+    reference: object = None
+
+
+# Where the standard protocol keeps its one model, in its folder (the Reality Check's: fold<k>).
+STANDARD_MODEL = "model"
+
+
+def run_standard_protocol(
+    splits, recipe, make_trunk, config, *, make_embedder=None, seed=0, folder=None, on_iteration=None, metrics=METRICS
+):
+    """One run of the older papers' protocol with one `Recipe` and a `TrainingConfig`;
+    returns a `ProtocolResult`.
+
+    Trains one model (``make_trunk()``, ``make_embedder()``, seeded with `seed`) on
+    ``splits.train`` (`StandardSplits`) for all ``config.epochs``: there is no validation
+    set, the last epoch is measured, as the papers report. Then retrieves each embedded,
+    L2-normalised query among the references and measures `metrics` (names as
+    `metrics.accuracy` takes them: ``"R@8"``, ``"NMI"``, ...). One model: ``concatenated``
+    and ``separated`` are the same values. `folder`, when given, keeps the model's
+    record-keeper logs in ``<folder>/model`` and its weights, saved before any evaluation, in
+    ``<folder>/model/models`` (PML's ``trunk_<epoch>.pth`` and ``embedder_<epoch>.pth``).
+    ``config.epochs`` 0 measures the untrained networks."""
+    started = time.perf_counter()
+    model_folder = None if folder is None else f"{folder}/{STANDARD_MODEL}"
+    result = train_fold_model(
+        recipe,
+        make_trunk,
+        splits.train,
+        None,
+        seed,
+        config,
+        make_embedder=make_embedder,
+        folder=model_folder,
+        on_iteration=on_iteration,
+    )
+    if model_folder is not None and config.epochs > 0:
+        models = {"trunk": result.trunk, "embedder": result.embedder}
+        Path(model_folder, "models").mkdir(parents=True, exist_ok=True)
+        c_f.save_dict_of_models(models, config.epochs, f"{model_folder}/models", assert_success=True)
+
+    def embed(dataset):
+        return compute_embeddings(
+            result.trunk, dataset, result.embedder, config.device, normalize=True, loader_workers=config.loader_workers
+        )
+
+    query, query_labels = embed(splits.query)
+    reference, reference_labels = (None, None) if splits.reference is None else embed(splits.reference)
+    scores = accuracy(query, query_labels, reference, reference_labels, metrics=metrics, device=config.device)
+    seconds = time.perf_counter() - started
+    return ProtocolResult(scores, scores, [scores], [result.history], [result.best_epoch], seconds)
 
 
 def raw_input_accuracy(dataset, transform=None):

@@ -62,9 +62,10 @@ class TrainingConfig:
     epochs without a better validation MAP@R (None: never). ``freeze_batchnorm``: the
     trunk's BatchNorm layers stay in eval mode (PML's ``freeze_trunk_batchnorm``).
     ``amp``: mixed precision (`MixedPrecisionTrainer`). ``embedding_size``: for losses that
-    need it. ``num_folds``: the protocol's cross-validation folds.
-    ``embedder_lr_factor`` and ``lr_drop`` (after this epoch, multiply the learning rate by)
-    are the papers' standard-protocol setups (`reproduce`); a budget has neither.
+    need it. ``num_folds``: the Reality Check protocol's cross-validation folds (None on the
+    standard protocol). ``embedder_lr_factor``: the embedding layer's learning rate is
+    ``lr`` times it. ``lr_drop``: ``(epoch, factor)``, after this epoch multiply the
+    learning rate by factor, or None.
     """
 
     epochs: int
@@ -79,11 +80,11 @@ class TrainingConfig:
     freeze_batchnorm: bool
     amp: bool
     embedding_size: int
-    num_folds: int
+    num_folds: int | None
+    embedder_lr_factor: float
+    lr_drop: tuple | None
     device: str = "cpu"
     loader_workers: int = 0
-    embedder_lr_factor: float = 1.0
-    lr_drop: tuple | None = None
     quiet: bool = True
     log_freq: int = 10  # record-keeper logs the trainer's statistics every log_freq iterations
 
