@@ -52,8 +52,12 @@ class JobReader:
             try:
                 self.storage = optuna.storages.RDBStorage(self.url, skip_table_creation=True)
             except Exception:  # the bench is still making its tables
-                with warnings.catch_warnings():  # the half-made storage's connection: closed now,
-                    warnings.simplefilter("ignore", ResourceWarning)  # not in a later test
+                pass
+            if self.storage is None:
+                # The half-made storage's connection, closed now rather than in a later test
+                # (collected here, once the exception's traceback no longer holds it).
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ResourceWarning)
                     gc.collect()
                 return []
         try:
