@@ -142,16 +142,16 @@ def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
 
 
 def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server, freeze_when):
-    # Heartbeats every 3 s, stale after 6 s: the 15 s outage stops them for longer than that,
+    # Heartbeats every 2 s, stale after 4 s: the 10 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
     url = postgres_server.new_database("outage")
     bench = subprocess.Popen(
-        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--heartbeat", "3"),
+        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--heartbeat", "2"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         stop_mid_job(bench, url, postgres_server, freeze_when)
-        time.sleep(15)  # the outage
+        time.sleep(10)  # the outage
         assert postgres_server.start().returncode == 0
         stdout, stderr = bench.communicate(timeout=DEADLINE)
     finally:
@@ -169,7 +169,7 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
 ):
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
-        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--storage-retry", "5"),
+        bench_command(tmp_path, url, glyph_cache, "--workers", "2", "--storage-retry", "5", "--heartbeat", "2"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -193,7 +193,11 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     kept = [t for t in job_trials(url) if t.state.name == "COMPLETE"]
     assert kept
     rerun = subprocess.run(
-        bench_command(tmp_path, url, glyph_cache, "--workers", "1"), capture_output=True, text=True, timeout=DEADLINE
+        # Short heartbeats: the jobs the first bench left RUNNING are retried once seen stale for 4 s.
+        bench_command(tmp_path, url, glyph_cache, "--workers", "1", "--heartbeat", "2"),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
     )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"resumed: {len(kept)} finished job(s)" in rerun.stdout
