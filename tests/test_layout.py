@@ -50,3 +50,31 @@ def test_the_rule_sees_own_imports_in_functions_only():
         ]
     )
     assert function_level_own_imports(source) == [5, 8, 9]
+
+
+LONGEST_FUNCTION = 100  # lines: a longer one does several things
+
+
+def long_functions(source):
+    """``(name, lines)`` of every function of `source` longer than `LONGEST_FUNCTION` lines."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+
+
+def test_no_function_of_the_package_is_over_100_lines():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}: {name}, {lines} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path.read_text())
+    ]
+    assert found == []
+
+
+def test_the_length_rule_counts_a_function_from_its_def_to_its_last_line():
+    body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST_FUNCTION - 1))
+    assert long_functions(f"def f():\n{body}\n") == []
+    assert long_functions(f"def f():\n{body}\n    return 0\n") == [("f", LONGEST_FUNCTION + 1)]
