@@ -15,7 +15,14 @@ import dataclasses
 import os
 
 import torch
-import torchvision
+
+
+def _torchvision_models():
+    """torchvision.models, imported on first use: importing it loads torch's compiler (over
+    a second at every start of ``pml-rank``), which the small CNN never needs."""
+    import torchvision.models
+
+    return torchvision.models
 
 
 class WeightsNotFoundError(FileNotFoundError):
@@ -33,7 +40,7 @@ class Backbone:
 
     def weights_enum(self):
         enum_name, member = self.weights.split(".")
-        return getattr(getattr(torchvision.models, enum_name), member)
+        return getattr(getattr(_torchvision_models(), enum_name), member)
 
     def weights_file(self):
         """Where torchvision's own cache would keep the weights file."""
@@ -84,7 +91,7 @@ def build_trunk(name, pretrained=True, load_weights=True):
     if name not in BACKBONES:
         raise ValueError(f"pml-rank: unknown backbone {name!r}; known: {', '.join(BACKBONES)}")
     backbone = BACKBONES[name]
-    build = getattr(torchvision.models, backbone.builder)
+    build = getattr(_torchvision_models(), backbone.builder)
     options = {}
     if backbone.builder == "googlenet":
         # No auxiliary classifiers; torchvision's ImageNet GoogLeNet expects its input transform.
