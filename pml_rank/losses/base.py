@@ -152,17 +152,22 @@ class NegativesAboveFunction(torch.autograd.Function):
     j that `negative` marks for q, as a [queries, most positives] tensor (0 in the
     padding). `kernel` gives h elementwise (``kernel.value(x)``) and its derivative
     (``kernel.slope(x)``), both free to overwrite x. The backward pass recomputes each
-    slot: memory stays a few queries x references matrices whatever the class sizes."""
+    slot: memory stays a few queries x references matrices whatever the class sizes.
+
+    A slot is taken a block of queries at a time (`query_blocks`), so that the kernel's
+    elementwise passes over a block's differences run in the CPU's cache rather than
+    through memory; each entry's arithmetic is the same."""
 
     @staticmethod
     def forward(ctx, scores, positive_columns, negative, slots, kernel):
         own = scores.gather(1, positive_columns)
         counts = torch.zeros_like(own)
-        buffer = torch.empty_like(scores)
-        not_negative = ~negative
+        negative_weight = _as_weights(negative, scores.dtype)
+        buffer = scores.new_empty(min(len(scores), _block_rows(scores)) * scores.shape[1])
         for slot, rows in slots:
-            values = kernel.value(_differences(scores, own, rows, slot, buffer))
-            counts[rows, slot] = values.masked_fill_(_rows_of(not_negative, rows), 0).sum(1)
+            for block in query_blocks(rows, len(scores), _block_rows(scores)):
+                values = kernel.value(_differences(scores, own, block, slot, buffer))
+                counts[block, slot] = values.mul_(negative_weight[block]).sum(1)
         ctx.save_for_backward(scores, positive_columns, negative)
         ctx.slots, ctx.kernel = slots, kernel
         return counts
@@ -173,32 +178,55 @@ class NegativesAboveFunction(torch.autograd.Function):
         scores, positive_columns, negative = ctx.saved_tensors
         own = scores.gather(1, positive_columns)
         grad_scores = torch.zeros_like(scores)
-        buffer = torch.empty_like(scores)
-        not_negative = ~negative
+        negative_weight = _as_weights(negative, scores.dtype)
+        buffer = scores.new_empty(min(len(scores), _block_rows(scores)) * scores.shape[1])
         for slot, rows in ctx.slots:
-            slopes = ctx.kernel.slope(_differences(scores, own, rows, slot, buffer))
-            slopes.masked_fill_(_rows_of(not_negative, rows), 0).mul_(grad_counts[rows, slot].unsqueeze(1))
-            # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
-            if len(rows) == len(scores):
-                grad_scores += slopes
-            else:
-                grad_scores.index_add_(0, rows, slopes)
-            grad_scores.index_put_((rows, positive_columns[rows, slot]), -slopes.sum(1), accumulate=True)
+            for block in query_blocks(rows, len(scores), _block_rows(scores)):
+                slopes = ctx.kernel.slope(_differences(scores, own, block, slot, buffer))
+                slopes.mul_(negative_weight[block]).mul_(grad_counts[block, slot].unsqueeze(1))
+                # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
+                if isinstance(block, slice):
+                    grad_scores[block] += slopes
+                    block = torch.arange(block.start, block.stop, device=scores.device)
+                else:
+                    grad_scores.index_add_(0, block, slopes)
+                grad_scores.index_put_((block, positive_columns[block, slot]), -slopes.sum(1), accumulate=True)
         return grad_scores, None, None, None, None
 
 
-def _rows_of(matrix, rows):
-    return matrix if len(rows) == len(matrix) else matrix[rows]  # rows is then 0, 1, ..., n - 1
+def _as_weights(mask, dtype):
+    """A boolean mask as 1 and 0 of `dtype`: multiplying by it leaves the kept entries as they
+    are and zeroes the others (finite ones), several times faster than `masked_fill_` with a
+    boolean mask; converted through bytes, as booleans convert several times slower."""
+    return mask.view(torch.uint8).to(dtype)
 
 
-def _differences(scores, own, rows, slot, buffer):
-    """s_qj − s_qi for one slot's (query q, positive i) pairs over every reference j,
-    written into `buffer` (one buffer for every slot: a fresh matrix per slot costs more
-    in page faults than the subtraction that fills it)."""
-    out = buffer[: len(rows)]
-    if len(rows) == len(scores):
-        return torch.sub(scores, own[:, slot].unsqueeze(1), out=out)
-    return torch.index_select(scores, 0, rows, out=out).sub_(own[rows, slot].unsqueeze(1))
+# Entries of one block of differences: 1 MB in float32, in a CPU core's cache through the
+# kernel's passes over it.
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _block_rows(scores):
+    return max(1, BLOCK_ELEMENTS // max(1, scores.shape[1]))
+
+
+def query_blocks(rows, num_queries, block_rows):
+    """`rows` (a slot's queries, in order) in blocks of at most `block_rows`: slices when
+    `rows` holds every query (0, 1, ..., n − 1), else index tensors."""
+    if len(rows) == num_queries:
+        return [slice(start, min(start + block_rows, num_queries)) for start in range(0, num_queries, block_rows)]
+    return list(rows.split(block_rows))
+
+
+def _differences(scores, own, block, slot, buffer):
+    """s_qj − s_qi for a block of one slot's (query q, positive i) pairs over every
+    reference j, written into `buffer` (one buffer for every block: a fresh matrix per
+    block costs more in page faults than the subtraction that fills it)."""
+    if isinstance(block, slice):
+        out = buffer[: (block.stop - block.start) * scores.shape[1]].view(-1, scores.shape[1])
+        return torch.sub(scores[block], own[block, slot].unsqueeze(1), out=out)
+    out = buffer[: len(block) * scores.shape[1]].view(-1, scores.shape[1])
+    return torch.index_select(scores, 0, block, out=out).sub_(own[block, slot].unsqueeze(1))
 
 
 def with_query_as_positive(distance, embeddings, ref_emb, scores, positive, negative):

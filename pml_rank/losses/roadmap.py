@@ -45,20 +45,28 @@ class SupAPBound:
         # = offset − start − σ(δ/τ) (0 when H⁻ is continuous): elementwise passes only,
         # no boolean indexing (a B x B nonzero costs more than the rest).
         extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
+        # The steps as 1.0 and 0.0 written straight into floats (boolean tensors are several
+        # times slower to make and to add).
+        step = torch.empty_like(x) if self.jump or self.start else None
         if self.jump:
-            extra.add_(x > self.delta, alpha=self.jump)
+            extra.add_(torch.gt(x, self.delta, out=step), alpha=self.jump)
         if self.start:
-            extra.add_(x > 0, alpha=self.start)
+            extra.add_(torch.gt(x, 0, out=step), alpha=self.start)
         # The clamp keeps float32 away from the denormals of σ(−88) and below.
         values = x.clamp_(max=self.delta).div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
         return values.add_(extra)
 
     def slope(self, x):
-        beyond = x > self.delta
+        # ρ beyond δ, σ's slope up to it, as slope · [x ≤ δ] + ρ · [x > δ] in floats (the same
+        # numbers as a boolean masked_fill_, several times faster).
+        beyond, within = (
+            torch.gt(x, self.delta, out=torch.empty_like(x)),
+            torch.le(x, self.delta, out=torch.empty_like(x)),
+        )
         # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
         sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
         slopes = sigmoid.sub_(sigmoid.square()).div_(self.temperature)
-        return slopes.masked_fill_(beyond, self.rho)
+        return slopes.mul_(within).add_(beyond, alpha=self.rho)
 
 
 class SupAPLoss(RankLossBase):
