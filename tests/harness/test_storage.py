@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tiny_bench import ARGUMENTS, ROW
 
 optuna = pytest.importorskip("optuna")
 
@@ -25,15 +26,12 @@ from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
 pytestmark = pytest.mark.slow  # a PostgreSQL server and bench processes
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-ROW = "pml:TripletMarginLoss"
-# test_workers.py's tiny bench: 5 jobs (raw input, untrained x 2 seeds, the row x 2 seeds).
-TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
 DEADLINE = 600  # seconds: generous, the machine may be loaded
 
 
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", ROW, *TINY, "--untuned", "--storage", url, "--out", str(out),
-            "--cache-dir", str(cache), *extra]  # fmt: skip
+    return [str(PML_RANK), "bench", *ARGUMENTS, "--storage", url, "--out", str(out), "--cache-dir", str(cache),
+            *extra]  # fmt: skip
 
 
 class JobReader:
@@ -107,20 +105,6 @@ def table(out):
     return payload
 
 
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory, glyph_cache):
-    """The bench run by one process on a storage of its own: what every other run must give."""
-    out = tmp_path_factory.mktemp("serial")
-    result = subprocess.run(
-        bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache, "--workers", "1"),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return table(out)
-
-
 def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
     """Stops `server` (`pg_ctl stop -m fast`) while `bench` runs a training job (and `also` holds
     of the job trials): the bench's processes are frozen (SIGSTOP) from the moment the test sees
@@ -141,7 +125,7 @@ def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
         os.killpg(bench.pid, signal.SIGCONT)
 
 
-def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server, freeze_when):
+def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when):
     # Heartbeats every 2 s, stale after 4 s: the 10 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
     url = postgres_server.new_database("outage")
@@ -159,13 +143,13 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, po
             os.killpg(bench.pid, signal.SIGKILL)
     assert bench.returncode == 0, stdout + stderr
     assert "Traceback" not in stderr and "unreachable" in stderr and "reachable again" in stderr, stderr
-    assert table(tmp_path) == serial
+    assert table(tmp_path) == table(serial_bench)
     every = job_trials(url)
     assert sorted(t.state.name for t in every) == ["COMPLETE"] * 5  # none failed as stale, none run twice
 
 
 def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
-    tmp_path, glyph_cache, serial, postgres_server, freeze_when
+    tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when
 ):
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
@@ -201,7 +185,7 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"resumed: {len(kept)} finished job(s)" in rerun.stdout
-    assert table(tmp_path) == serial
+    assert table(tmp_path) == table(serial_bench)
 
 
 def _locked(path):
@@ -217,7 +201,9 @@ def _locked(path):
         connection.close()
 
 
-def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_path, glyph_cache, serial, freeze_when):
+def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
+    tmp_path, glyph_cache, serial_bench, freeze_when
+):
     path = tmp_path / "shared.db"
     url = f"sqlite:///{path}"
     paused = subprocess.Popen(
@@ -255,7 +241,7 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_
     )
     assert stderr.count("retried by another process") == 1 and line in stderr, stderr
     assert "Traceback" not in stderr and "UpdateFinishedTrialError" not in stderr, stderr
-    assert table(tmp_path / "a") == table(tmp_path / "b") == serial
+    assert table(tmp_path / "a") == table(tmp_path / "b") == table(serial_bench)
     attempts = sorted(t.state.name for t in job_trials(url) if t.user_attrs["job"]["key"] == job["key"])
     assert attempts == ["COMPLETE", "FAIL"]
 

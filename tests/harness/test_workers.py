@@ -13,23 +13,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_bench import ARGUMENTS, BUDGET, ROW
 
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs  # noqa: E402
-from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
+from pml_rank.harness.budget import MAP_AT_R  # noqa: E402
 from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-ROWS = ["pml:TripletMarginLoss"]
-TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
-BUDGET = resolve("glyphs", num_classes=24, epochs=2, iterations_per_epoch=8, batch_size=16)
 
 
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--workers", "1", "--heartbeat", "1",
-            "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
+    return [str(PML_RANK), "bench", *ARGUMENTS, "--workers", "1", "--heartbeat", "1", "--storage", url,
+            "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
 def run(command, timeout=600):
@@ -56,14 +54,6 @@ def without_timings(folder):
     return payload, csv
 
 
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory, glyph_cache):
-    """The same bench run by one process on a storage of its own: what every shared run must give."""
-    out = tmp_path_factory.mktemp("serial")
-    run(bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache))
-    return out
-
-
 def running_training_job(storage, pid):
     """The key of the training job process `pid` is running according to `storage`, or None."""
     try:
@@ -71,7 +61,7 @@ def running_training_job(storage, pid):
     except KeyError:  # no study yet
         return None
     mine = [t for t in running if t.user_attrs["worker"].endswith(f":{pid}")]
-    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
+    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] == ROW else None
 
 
 def freeze_mid_job(process, url, freeze_when):
@@ -83,10 +73,10 @@ def freeze_mid_job(process, url, freeze_when):
         close_storage(storage)
 
 
-def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when):
+def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when, run_cli):
     """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
-    with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
-    killed job)."""
+    with SIGKILL, lets the second finish, then reruns (through `cli.main` in this process: a
+    rerun has nothing to train); returns (second's output, rerun's output, killed job)."""
     first = subprocess.Popen(
         bench_command(tmp_path / "a", url, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -101,11 +91,12 @@ def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when):
         first.wait()
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, out + err
-    rerun = run(bench_command(tmp_path / "c", url, cache))
-    return out, rerun.stdout, killed
+    status, rerun, err = run_cli(bench_command(tmp_path / "c", url, cache)[1:])
+    assert status == 0, rerun + err
+    return out, rerun, killed
 
 
-def check_shared_run(tmp_path, url, serial):
+def check_shared_run(tmp_path, url, serial_bench):
     storage = open_storage(url)
     try:
         every = trials(storage)
@@ -116,17 +107,17 @@ def check_shared_run(tmp_path, url, serial):
     assert len(keys) == len(set(keys)) == 1 + 2 + 2  # raw input, untrained x 2, the row x 2 seeds: once each
     assert not [t for t in every if t.state.name in ("RUNNING", "WAITING")]
     for folder in ("b", "c"):
-        assert without_timings(tmp_path / folder) == without_timings(serial)
+        assert without_timings(tmp_path / folder) == without_timings(serial_bench)
     # Rebuilt from the same storage, the PNG is the same file, bit for bit.
     assert (tmp_path / "b" / "bench.png").read_bytes() == (tmp_path / "c" / "bench.png").read_bytes()
     return every
 
 
 @pytest.mark.slow
-def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial, freeze_when):
+def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, freeze_when, run_cli):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
-    every = check_shared_run(tmp_path, url, serial)
+    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when, run_cli)
+    every = check_shared_run(tmp_path, url, serial_bench)
     assert "resumed: 5 finished job(s)" in rerun
     # The killed job failed when its heartbeat went stale and ran again, to completion, once.
     attempts = [t for t in every if t.user_attrs["job"]["key"] == killed]
@@ -134,7 +125,9 @@ def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, seria
 
 
 @pytest.mark.slow
-def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url, freeze_when):
+def test_two_processes_on_postgresql_one_killed_mid_job(
+    tmp_path, glyph_cache, serial_bench, postgres_url, freeze_when, run_cli
+):
     url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
     from sqlalchemy import create_engine, text
 
@@ -145,16 +138,15 @@ def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, s
     finally:
         engine.dispose()
     url = url.rsplit("/", 1)[0] + "/bench_jobs"
-    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
-    check_shared_run(tmp_path, url, serial)
+    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when, run_cli)
+    check_shared_run(tmp_path, url, serial_bench)
     assert "secret-password" not in out + rerun
 
 
 @pytest.mark.slow
-def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial):
-    url = f"sqlite:///{serial / 'bench.db'}"
-    status = run([str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--status", "--storage", url,
-                  "--out", str(tmp_path)])  # fmt: skip
+def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial_bench):
+    url = f"sqlite:///{serial_bench / 'bench.db'}"
+    status = run([str(PML_RANK), "bench", *ARGUMENTS, "--status", "--storage", url, "--out", str(tmp_path)])
     lines = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[2:]}
     assert lines["pml:TripletMarginLoss"] == ["2", "0", "0"] and lines["all"] == ["5", "0", "0"]
     other = bench_command(tmp_path, url, glyph_cache, "--epochs", "3")
@@ -172,13 +164,15 @@ def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_pat
     assert result.returncode == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
-def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache):
-    result = subprocess.run(bench_command(tmp_path, url, glyph_cache), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
-    assert "secret" not in result.stdout + result.stderr
+def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache, run_cli):
+    # Through `cli.main` in this process: the script's refusals are tested in test_cli.py.
+    status, printed, err = run_cli(
+        ["bench", *ARGUMENTS, "--storage", url, "--out", tmp_path, "--cache-dir", glyph_cache]
+    )
+    assert status == 2
+    assert "argument --storage: cannot open" in err and "Traceback" not in err
+    assert "secret" not in printed + err
     assert not (tmp_path / "bench.json").exists()
 
 
