@@ -29,9 +29,14 @@ PML_RANK = Path(sys.executable).parent / "pml-rank"
 DEADLINE = 600  # seconds: generous, the machine may be loaded
 
 
+def bench_argv(out, url, cache, *extra):
+    """The arguments of `pml-rank` for the tiny bench on the storage `url`."""
+    return ["bench", *ARGUMENTS, "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]
+
+
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", *ARGUMENTS, "--storage", url, "--out", str(out), "--cache-dir", str(cache),
-            *extra]  # fmt: skip
+    """`bench_argv` through the installed script."""
+    return [str(PML_RANK), *bench_argv(out, url, cache, *extra)]
 
 
 class JobReader:
@@ -149,7 +154,7 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial_ben
 
 
 def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
-    tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when
+    tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when, run_cli
 ):
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
@@ -176,15 +181,11 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     assert postgres_server.start().returncode == 0
     kept = [t for t in job_trials(url) if t.state.name == "COMPLETE"]
     assert kept
-    rerun = subprocess.run(
-        # Short heartbeats: the jobs the first bench left RUNNING are retried once seen stale for 4 s.
-        bench_command(tmp_path, url, glyph_cache, "--workers", "1", "--heartbeat", "2"),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"resumed: {len(kept)} finished job(s)" in rerun.stdout
+    # Through `cli.main` in this process: its own start of Python and torch is not the point. Short
+    # heartbeats: the jobs the first bench left RUNNING are retried once seen stale for 4 s.
+    status, printed, err = run_cli(bench_argv(tmp_path, url, glyph_cache, "--workers", "1", "--heartbeat", "2"))
+    assert status == 0, printed + err
+    assert f"resumed: {len(kept)} finished job(s)" in printed
     assert table(tmp_path) == table(serial_bench)
 
 
@@ -202,7 +203,7 @@ def _locked(path):
 
 
 def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
-    tmp_path, glyph_cache, serial_bench, freeze_when
+    tmp_path, glyph_cache, serial_bench, freeze_when, run_cli
 ):
     path = tmp_path / "shared.db"
     url = f"sqlite:///{path}"
@@ -219,13 +220,11 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
 
         held = freeze_when(paused, training_outside_a_transaction, "the first process trains")
         reader.close()
-        other = subprocess.run(
-            bench_command(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE,
+        # The other process is this one, through `cli.main`: a start of Python and torch fewer.
+        status, printed, err = run_cli(
+            bench_argv(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1")
         )
-        assert other.returncode == 0, other.stdout + other.stderr
+        assert status == 0, printed + err
         os.killpg(paused.pid, signal.SIGCONT)
         stdout, stderr = paused.communicate(timeout=DEADLINE)
     finally:

@@ -48,6 +48,13 @@ def run_tune(*args, cache, check=True, timeout=300):
     return result
 
 
+def tune_here(run_cli, *args, cache):
+    """`run_tune` through `cli.main` in this process (`run_cli`): the command's workers are still
+    processes of their own, one start of Python, torch and Optuna fewer."""
+    status, printed, err = run_cli(["tune", *args, *TINY, "--cache-dir", cache])
+    assert status == 0, printed + err
+
+
 def trials_of(url, loss):
     """The trials of `loss`'s study at the TINY budget; the storage's connections are closed
     before returning (KeyError while the study does not exist)."""
@@ -68,7 +75,7 @@ def finished(trials):
     return [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
 
 
-def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache):
+def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache, run_cli):
     url = f"sqlite:///{tmp_path / 't.db'}"
     result = run_tune(
         "RaMBORecallLoss",
@@ -93,18 +100,8 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
     assert (tmp_path / "tune-RaMBORecallLoss.png").read_bytes()[:4] == b"\x89PNG"
     assert max(t.value for t in trials if t.value is not None) == pytest.approx(entry["value"])
 
-    run_tune(
-        "RaMBORecallLoss",
-        "--trials",
-        "4",
-        "--workers",
-        "1",
-        "--storage",
-        url,
-        "--out",
-        str(tmp_path),
-        cache=glyph_cache,
-    )
+    tune_here(run_cli, "RaMBORecallLoss", "--trials", "4", "--workers", "1", "--storage", url, "--out", tmp_path,
+              cache=glyph_cache)  # fmt: skip
     trials = trials_of(url, "RaMBORecallLoss")
     assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
     assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
@@ -123,7 +120,7 @@ def a_trial_finished_and_another_drew_its_parameters(url):
     return len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials)
 
 
-def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache, freeze_when):
+def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache, freeze_when, run_cli):
     url = f"sqlite:///{tmp_path / 't.db'}"
     args = [
         str(PML_RANK),
@@ -156,21 +153,8 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     assert "RUNNING" in states(trials)
     target = len(finished(trials)) + 1
 
-    run_tune(
-        "pml:TripletMarginLoss",
-        "--trials",
-        str(target),
-        "--workers",
-        "1",
-        "--heartbeat",
-        "1",
-        "--no-prune",
-        "--storage",
-        url,
-        "--out",
-        str(tmp_path),
-        cache=glyph_cache,
-    )
+    tune_here(run_cli, "pml:TripletMarginLoss", "--trials", target, "--workers", "1", "--heartbeat", "1", "--no-prune",
+              "--storage", url, "--out", tmp_path, cache=glyph_cache)  # fmt: skip
     trials = trials_of(url, "pml:TripletMarginLoss")
     assert len(finished(trials)) == target and "RUNNING" not in states(trials)
     failed = [t for t in trials if t.state.name == "FAIL"]

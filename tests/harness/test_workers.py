@@ -25,9 +25,15 @@ from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 
 
+def bench_argv(out, url, cache, *extra):
+    """The arguments of `pml-rank` for the tiny bench on the storage `url`, one worker."""
+    return ["bench", *ARGUMENTS, "--workers", "1", "--heartbeat", "1", "--storage", url, "--out", str(out),
+            "--cache-dir", str(cache), *extra]  # fmt: skip
+
+
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", *ARGUMENTS, "--workers", "1", "--heartbeat", "1", "--storage", url,
-            "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
+    """`bench_argv` through the installed script."""
+    return [str(PML_RANK), *bench_argv(out, url, cache, *extra)]
 
 
 def run(command, timeout=600):
@@ -73,10 +79,10 @@ def freeze_mid_job(process, url, freeze_when):
         close_storage(storage)
 
 
-def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when, run_cli):
+def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when):
     """Starts a bench process on `url`, freezes it mid-job, starts a second one, kills the first
-    with SIGKILL, lets the second finish, then reruns (through `cli.main` in this process: a
-    rerun has nothing to train); returns (second's output, rerun's output, killed job)."""
+    with SIGKILL, lets the second finish, then reruns; returns (second's output, rerun's output,
+    killed job)."""
     first = subprocess.Popen(
         bench_command(tmp_path / "a", url, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -91,9 +97,9 @@ def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when, run_cli):
         first.wait()
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, out + err
-    status, rerun, err = run_cli(bench_command(tmp_path / "c", url, cache)[1:])
-    assert status == 0, rerun + err
-    return out, rerun, killed
+    # A process of its own: its PNG must be the second's, bit for bit (`check_shared_run`).
+    rerun = run(bench_command(tmp_path / "c", url, cache))
+    return out, rerun.stdout, killed
 
 
 def check_shared_run(tmp_path, url, serial_bench):
@@ -114,9 +120,9 @@ def check_shared_run(tmp_path, url, serial_bench):
 
 
 @pytest.mark.slow
-def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, freeze_when, run_cli):
+def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, freeze_when):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when, run_cli)
+    _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
     every = check_shared_run(tmp_path, url, serial_bench)
     assert "resumed: 5 finished job(s)" in rerun
     # The killed job failed when its heartbeat went stale and ran again, to completion, once.
@@ -125,9 +131,7 @@ def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, seria
 
 
 @pytest.mark.slow
-def test_two_processes_on_postgresql_one_killed_mid_job(
-    tmp_path, glyph_cache, serial_bench, postgres_url, freeze_when, run_cli
-):
+def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, postgres_url, freeze_when):
     url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
     from sqlalchemy import create_engine, text
 
@@ -138,30 +142,27 @@ def test_two_processes_on_postgresql_one_killed_mid_job(
     finally:
         engine.dispose()
     url = url.rsplit("/", 1)[0] + "/bench_jobs"
-    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when, run_cli)
+    out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
     check_shared_run(tmp_path, url, serial_bench)
     assert "secret-password" not in out + rerun
 
 
 @pytest.mark.slow
-def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial_bench):
+def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial_bench, run_cli):
     url = f"sqlite:///{serial_bench / 'bench.db'}"
     status = run([str(PML_RANK), "bench", *ARGUMENTS, "--status", "--storage", url, "--out", str(tmp_path)])
     lines = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[2:]}
     assert lines["pml:TripletMarginLoss"] == ["2", "0", "0"] and lines["all"] == ["5", "0", "0"]
-    other = bench_command(tmp_path, url, glyph_cache, "--epochs", "3")
-    result = subprocess.run(other, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "epochs 2 there, 3 now" in result.stderr and "Traceback" not in result.stderr
+    # The refusals through `cli.main` in this process (the script's own are in test_cli.py).
+    status, _, err = run_cli(bench_argv(tmp_path, url, glyph_cache, "--epochs", "3"))
+    assert status == 2 and "epochs 2 there, 3 now" in err and "Traceback" not in err
     # The parameters of a row are part of the bench too.
     params = tmp_path / "tuned.json"
     params.write_text(json.dumps({"pml:TripletMarginLoss": {"params": {"margin": 0.2}}}))
-    result = subprocess.run(
-        [c for c in bench_command(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", str(params)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    status, _, err = run_cli(
+        [c for c in bench_argv(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", params]
     )
-    assert result.returncode == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in result.stderr
+    assert status == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in err
 
 
 @pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
