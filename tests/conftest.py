@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pml_rank
+from pml_rank import cli
 
 
 def pytest_collection_modifyitems(config, items):
@@ -97,8 +98,6 @@ def run_cli(tmp_path, monkeypatch, capsys, caplog):
     script calls, in this process with `tmp_path` as the working folder; a refusal then costs
     no start of Python and torch. As in a process of its own, a record logged at WARNING or
     above is a line of stderr. The warning filters and torch's threads are restored after."""
-    from pml_rank import cli
-
     monkeypatch.chdir(tmp_path)
 
     def run(argv):

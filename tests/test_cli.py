@@ -1,5 +1,6 @@
-"""The `pml-rank` command line at its edges, driven through the real entry point: every
-bad argument is refused before any work, in one line naming it, with exit status 2."""
+"""The `pml-rank` command line at its edges, driven through the real entry point or, where one
+start of Python and torch per case is not the point, its function `cli.main` in this process:
+every bad argument is refused before any work, in one line naming it, with exit status 2."""
 
 import argparse
 import dataclasses
