@@ -97,6 +97,7 @@ BAD_ARGUMENTS = [
     (["bench", "--optimizer", "adamw"], ["--optimizer", "adamw"]),
     (["bench", "--weight-decay", "-0.5"], ["--weight-decay", "-0.5"]),
     (["bench", "--momentum", "nan"], ["--momentum", "nan"]),
+    (["bench", "--momentum", "0.9"], ["--momentum", "Adam"]),
     (["bench", "--patience", "0"], ["--patience"]),
     (["bench", "--image-size", "8"], ["--image-size", "16"]),
     (["bench", "--augmentation", "mixup"], ["--augmentation", "mixup"]),

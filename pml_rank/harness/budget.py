@@ -290,7 +290,8 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
     protocol no folds and no patience). Also holds ``dataset``, ``preset`` (its name) and
     ``num_folds`` (`NUM_FOLDS`; not an option: fewer folds only make tests faster). Raises
     `BudgetError` for a value that would not be applied (an image size on the glyphs, a
-    learning rate drop on the cosine schedule, a patience on the standard protocol)."""
+    learning rate drop on the cosine schedule, a momentum with Adam, a patience on the
+    standard protocol)."""
     name = preset_for(dataset, preset)
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
@@ -305,6 +306,7 @@ def resolve(dataset="glyphs", preset=AUTO_PRESET, **given):
         budget["random_init"] = True
     _apply_image_keys(budget, given)
     _check_learning_rates(budget)
+    _apply_optimizer_keys(budget, given)
     if budget["protocol"] == STANDARD_PROTOCOL:
         _apply_standard_protocol(budget, given)
     return budget
@@ -344,6 +346,18 @@ def _check_learning_rates(budget):
         raise BudgetError(
             "--embedder-lr-factor", f"{budget['embedder_lr_factor']:g}: the small CNN has no separate embedding layer"
         )
+
+
+def _apply_optimizer_keys(budget, given):
+    """Adam has no momentum setting: a momentum given with it is refused, and the budget
+    records the none it applies (the reality-check preset's 0.9 belongs to RMSprop)."""
+    if budget["optimizer"] != "adam":
+        return
+    if given.get("momentum", 0) != 0:
+        raise BudgetError(
+            "--momentum", f"{given['momentum']:g}: Adam has no momentum setting (give --optimizer rmsprop or sgd)"
+        )
+    budget["momentum"] = 0.0
 
 
 def _apply_standard_protocol(budget, given):

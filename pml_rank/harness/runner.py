@@ -380,15 +380,29 @@ def load_test_set(folder, data_root=None, cache_dir=None):
     """The test set of the experiment saved in `folder` (a `models_folder`) exactly as `run`
     evaluated its models: the test classes of the budget's data set, in the same order,
     through the same evaluation transform; items ``(image tensor, label)``, ``labels`` an
-    array (the standard protocol's: its query split). A ``folder:`` data set is read from
-    the path the bench recorded, the papers' from `data_root`, the glyphs from `cache_dir`.
-    Every image is checked as the bench does."""
+    array (the standard protocol's: its query split, retrieved among `load_reference_set`
+    on in-shop). A ``folder:`` data set is read from the path the bench recorded, the
+    papers' from `data_root`, the glyphs from `cache_dir`. Every image is checked as the
+    bench does."""
+    return _saved_test_splits(folder, data_root, cache_dir)[0]
+
+
+def load_reference_set(folder, data_root=None, cache_dir=None):
+    """What `load_test_set`'s items were retrieved among when it is another set, in the same
+    form: in-shop's gallery on the standard protocol. None where each test item is retrieved
+    among the other test items (every other data set and protocol)."""
+    return _saved_test_splits(folder, data_root, cache_dir)[1]
+
+
+def _saved_test_splits(folder, data_root, cache_dir):
+    """``(test set, reference set or None)`` of the experiment saved in `folder`."""
     budget = json.loads((Path(folder) / "experiment.json").read_text())["budget"]
     if needs_data_root(budget["dataset"]) and data_root is None:
         raise data_root_missing(budget["dataset"])
     machine = Machine(data_root=data_root, cache_dir=cache_dir)
     if budget.get("protocol") == STANDARD_PROTOCOL:
-        return standard_splits(budget, machine, image_transforms(budget, STANDARD_CHANNELS)).query
+        splits = standard_splits(budget, machine, image_transforms(budget, STANDARD_CHANNELS))
+        return splits.query, splits.reference
     data = dataset_of(budget, machine)
     _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
-    return test_set
+    return test_set, None

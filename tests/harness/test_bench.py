@@ -11,7 +11,7 @@ import torch
 
 from pml_rank.cli import main
 from pml_rank.harness import bench, recipes, report, runner, tune
-from pml_rank.harness.budget import TRAINING_KEYS, class_count, minimum_classes, resolve
+from pml_rank.harness.budget import TRAINING_KEYS, BudgetError, class_count, minimum_classes, resolve
 from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import (
     METRICS,
@@ -413,3 +413,12 @@ def test_all_classes_is_a_budget_of_its_own():
     recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 32, "all")  # known only once loaded: no error
     with pytest.raises(recipes.BudgetError, match="--classes"):
         recipes.check_budget(recipes.rows(["NPairsMCLoss"]), 32, 24)
+
+
+def test_a_budget_records_the_momentum_its_optimizer_applies():
+    assert resolve("cub200", "reality-check")["momentum"] == 0.9  # RMSprop's
+    assert resolve("cub200", "reality-check", optimizer="sgd")["momentum"] == 0.9
+    assert resolve("cub200", "reality-check", optimizer="adam")["momentum"] == 0.0  # Adam applies none
+    assert resolve("glyphs", momentum=0.0)["momentum"] == 0.0
+    with pytest.raises(BudgetError, match="--momentum"):
+        resolve("glyphs", momentum=0.9)

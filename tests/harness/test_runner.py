@@ -155,13 +155,17 @@ def test_the_standard_protocol_runs_bench_end_to_end_and_its_model_gives_the_tab
     [(trunk, embedder)] = runner.load_models(folder)
     budget = json.loads((folder / "experiment.json").read_text())["budget"]
     splits = runner.standard_splits(budget, runner.Machine(data_root=str(root)), image_transforms(budget, 3))
-    assert len(runner.load_test_set(folder, data_root=str(root))) == len(splits.query)
-    query, query_labels = compute_embeddings(trunk, splits.query, embedder, normalize=True)
+    test_set = runner.load_test_set(folder, data_root=str(root))
+    reference_set = runner.load_reference_set(folder, data_root=str(root))
+    assert list(test_set.labels) == list(splits.query.labels)
+    assert (dataset == "inshop") == (reference_set is not None)  # in-shop's queries among its gallery
+    if reference_set is not None:
+        assert list(reference_set.labels) == list(splits.reference.labels)
+    query, query_labels = compute_embeddings(trunk, test_set, embedder, normalize=True)
     reference = reference_labels = None
-    if splits.reference is not None:
-        reference, reference_labels = compute_embeddings(trunk, splits.reference, embedder, normalize=True)
+    if reference_set is not None:
+        reference, reference_labels = compute_embeddings(trunk, reference_set, embedder, normalize=True)
     scores = accuracy(query, query_labels, reference, reference_labels)
-    assert (dataset == "inshop") == (reference is not None)
     for metric, value in measured["concatenated"].items():
         assert scores[metric] == pytest.approx(value, abs=1e-6), metric
 
@@ -344,6 +348,7 @@ def test_saved_models_on_a_folder_reproduce_the_table_with_the_bench_test_set(tm
     assert [path.name for path in saved] == ["seed0", "seed1"]
     for seed, path in enumerate(saved):
         test_set = runner.load_test_set(path, cache_dir=cache)
+        assert runner.load_reference_set(path, cache_dir=cache) is None  # queries among the test set itself
         image, _ = test_set[0]
         assert isinstance(image, torch.Tensor) and image.shape == (3, 16, 16)
         embeddings = [compute_embeddings(trunk, test_set, embedder)[0] for trunk, embedder in runner.load_models(path)]
