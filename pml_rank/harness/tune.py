@@ -358,7 +358,9 @@ def write_tuned(out, entries):
 
 
 def write_png(study, path):
-    """Optimisation history beside the slice plot of every parameter (Optuna's matplotlib plots)."""
+    """Optimisation history beside the slice plot of every parameter (Optuna's matplotlib
+    plots). Leaves matplotlib's settings and the warning filters as it found them (Optuna's
+    plots switch matplotlib to its ggplot style for the whole process)."""
     import io
 
     import matplotlib
@@ -371,24 +373,25 @@ def write_png(study, path):
     from PIL import Image
 
     _quiet_optuna()
-    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", module="optuna")
-    warnings.filterwarnings("ignore", message=".*tight_layout")
-    warnings.filterwarnings("ignore", message=".*identical low and high xlims")
     images = []
     plots = [ovm.plot_optimization_history]
     if study.best_trial.params:
         plots.append(ovm.plot_slice)
-    for plot in plots:
-        axes = plot(study)
-        figure = np.asarray(axes).flat[0].figure
-        figure.suptitle(study.study_name, fontsize=9)
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, dpi=90)
-        plt.close(figure)
-        buffer.seek(0)
-        images.append(Image.open(buffer).convert("RGB"))
+    with warnings.catch_warnings(), matplotlib.rc_context():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", module="optuna")
+        warnings.filterwarnings("ignore", message=".*tight_layout")
+        warnings.filterwarnings("ignore", message=".*identical low and high xlims")
+        for plot in plots:
+            axes = plot(study)
+            figure = np.asarray(axes).flat[0].figure
+            figure.suptitle(study.study_name, fontsize=9)
+            figure.tight_layout()
+            buffer = io.BytesIO()
+            figure.savefig(buffer, dpi=90)
+            plt.close(figure)
+            buffer.seek(0)
+            images.append(Image.open(buffer).convert("RGB"))
     width = sum(i.width for i in images)
     canvas = Image.new("RGB", (width, max(i.height for i in images)), "white")
     x = 0

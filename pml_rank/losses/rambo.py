@@ -87,6 +87,10 @@ class ZeroRankGradientWarning(UserWarning):
 # small batch now and then moves no rank; a network that never moves gives one every call.
 ZERO_GRADIENT_CALLS = 5
 
+# The settings (loss, λ, margin, memory) this process has warned about: a loss made anew for
+# each model (the bench's fold models) would repeat the same paragraph model after model.
+_warned_settings = set()
+
 
 class _RaMBOLoss(RankLossBase):
     def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
@@ -128,8 +132,8 @@ class _RaMBOLoss(RankLossBase):
     def watch_gradient(self, scores, something_to_learn):
         """Have the backward pass count the calls whose batch has `something_to_learn` (a
         bool tensor: a negative ranks above a positive) but in which Algorithm 1, ranking
-        `scores`, moves no rank (an exactly zero gradient), and warn, once per loss object,
-        after ZERO_GRADIENT_CALLS of them in a row."""
+        `scores`, moves no rank (an exactly zero gradient), and warn after ZERO_GRADIENT_CALLS
+        of them in a row: once per loss object, and once per process for its settings."""
         if scores.requires_grad and not self._warned_zero_gradient:
             self._watched = (scores, something_to_learn)
 
@@ -142,6 +146,10 @@ class _RaMBOLoss(RankLossBase):
             self._zero_gradient_calls = self._zero_gradient_calls + 1 if stuck else 0
             if self._zero_gradient_calls >= ZERO_GRADIENT_CALLS:
                 self._warned_zero_gradient = True
+                settings = (type(self), self.lambda_val, self.margin, self.memory_size, self.memory_variant)
+                if settings in _warned_settings:
+                    return
+                _warned_settings.add(settings)
                 warnings.warn(
                     f"{type(self).__name__}: the loss is positive but its gradient has been exactly zero "
                     f"{ZERO_GRADIENT_CALLS} calls in a row: "
@@ -152,7 +160,7 @@ class _RaMBOLoss(RankLossBase):
                     "network (cosine similarities 0.996-0.9996). Raise lambda_val (on such embeddings 4 "
                     "moves the recall loss without a score memory; a memory of 3 batches shares the gradient "
                     "among 4 times the pairs and needs about 16) or lower margin (0 moves it). "
-                    "Warned once per loss object.",
+                    "Warned once per process for these settings.",
                     ZeroRankGradientWarning,
                     stacklevel=2,
                 )

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,24 @@ def test_every_budget_key_makes_a_study_of_its_own():
     assert tune.study_name("AUCLoss", spelled) == tune.study_name(
         "AUCLoss", tune.study_budget(preset="reality-check", epochs=2, lr=1e-6, optimizer="rmsprop")
     )
+
+
+def test_the_tune_plot_leaves_matplotlib_and_the_warning_filters_as_it_found_them(tmp_path):
+    """Optuna's plots switch matplotlib to its ggplot style for the whole process: a bench
+    plotted after a tune in the same process came out in that style."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # what write_png selects; the test compares everything else
+    study = optuna.create_study(study_name="plotted")
+    for x in (0.1, 0.5, 0.9):
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"x": x}, distributions={"x": optuna.distributions.FloatDistribution(0, 1)}, value=x
+            )
+        )
+    settings, filters = dict(matplotlib.rcParams), list(warnings.filters)
+    tune.write_png(study, tmp_path / "tune.png")
+    assert (tmp_path / "tune.png").read_bytes().startswith(b"\x89PNG")
+    changed = {key for key, value in matplotlib.rcParams.items() if settings[key] != value}
+    assert not changed, changed
+    assert warnings.filters == filters

@@ -17,7 +17,7 @@ import pml_rank
 from pml_rank import ranking
 from pml_rank.harness import speed
 from pml_rank.harness.references import rambo as reference
-from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss
+from pml_rank.losses import RaMBOAPLoss, RaMBORecallLoss, rambo
 from pml_rank.losses.rambo import ZERO_GRADIENT_CALLS, ZeroRankGradientWarning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -523,6 +523,13 @@ def test_memory_variants_example_runs_in_smoke_mode(capsys):
 # An exactly zero gradient on a batch with something to learn is reported, once.
 
 
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """A process that has not warned about any RaMBO setting yet (it warns once per process
+    for each)."""
+    monkeypatch.setattr(rambo, "_warned_settings", set())
+
+
 def collapsed_batch(seed, size=32, dim=64):
     """Embeddings around one direction, as from an untrained pooled-ReLU trunk: cosine
     similarities 0.998-0.9998, all within the default margin (0.02) of one another."""
@@ -531,7 +538,7 @@ def collapsed_batch(seed, size=32, dim=64):
     return (direction + 0.03 * noise / dim**0.5).requires_grad_(), torch.arange(size) // 4
 
 
-def test_collapsed_embeddings_warn_once_that_the_gradient_is_zero():
+def test_collapsed_embeddings_warn_once_that_the_gradient_is_zero(fresh_warnings):
     loss = RaMBORecallLoss()
     similarities = torch.nn.functional.normalize(collapsed_batch(0)[0].detach(), dim=1)
     similarities = (similarities @ similarities.T)[~torch.eye(32, dtype=torch.bool)]
@@ -548,7 +555,23 @@ def test_collapsed_embeddings_warn_once_that_the_gradient_is_zero():
     assert "lambda_val=0.2" in message and "margin (0.02)" in message and "Raise lambda_val" in message
 
 
-def test_only_zero_gradients_in_a_row_warn():
+def test_a_new_loss_with_the_same_settings_does_not_warn_again(fresh_warnings):
+    """The bench makes a loss for each fold model: the untuned RaMBOAPLoss row printed the
+    same paragraph for 10 of its 12 models."""
+
+    def warnings_of(loss):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seed in range(2 * ZERO_GRADIENT_CALLS):
+                loss(*collapsed_batch(seed)).backward()
+        return [w for w in caught if issubclass(w.category, ZeroRankGradientWarning)]
+
+    assert len(warnings_of(RaMBORecallLoss())) == 1
+    assert len(warnings_of(RaMBORecallLoss())) == 0  # the same settings: said already
+    assert len(warnings_of(RaMBORecallLoss(margin=0.015))) == 1  # other settings: other advice
+
+
+def test_only_zero_gradients_in_a_row_warn(fresh_warnings):
     loss = RaMBORecallLoss(memory_size=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -576,7 +599,7 @@ def test_what_the_warning_advises_moves_collapsed_embeddings(kwargs):
             assert embeddings.grad.any()
 
 
-def test_the_ap_loss_warns_when_its_gradient_stays_zero():
+def test_the_ap_loss_warns_when_its_gradient_stays_zero(fresh_warnings):
     """Random batches of 32 with the default memory: the AP loss's perturbation, shared
     among 4 times the rows, moves no rank from the third call on."""
     loss = RaMBOAPLoss()
