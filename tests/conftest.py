@@ -1,13 +1,16 @@
 import importlib
+import logging
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 import pml_rank
+from pml_rank import cli
 
 
 def pytest_collection_modifyitems(config, items):
@@ -87,3 +90,29 @@ def start_interruptible():
         )
 
     return start
+
+
+@pytest.fixture
+def run_cli(tmp_path, monkeypatch, capsys, caplog):
+    """``run_cli(argv) -> (status, stdout, stderr)``: `pml_rank.cli.main`, what the `pml-rank`
+    script calls, in this process with `tmp_path` as the working folder; a refusal then costs
+    no start of Python and torch. As in a process of its own, a record logged at WARNING or
+    above is a line of stderr. The warning filters and torch's threads are restored after."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(argv):
+        capsys.readouterr()
+        caplog.clear()
+        threads = torch.get_num_threads()
+        try:
+            with warnings.catch_warnings():
+                status = cli.main([str(a) for a in argv])
+        except SystemExit as error:  # argparse's refusals
+            status = error.code
+        finally:
+            torch.set_num_threads(threads)
+        printed = capsys.readouterr()
+        logged = "".join(f"{r.getMessage()}\n" for r in caplog.records if r.levelno >= logging.WARNING)
+        return status, printed.out, printed.err + logged
+
+    return run

@@ -1,5 +1,6 @@
-"""The `pml-rank` command line at its edges, driven through the real entry point: every
-bad argument is refused before any work, in one line naming it, with exit status 2."""
+"""The `pml-rank` command line at its edges, driven through the real entry point or, where one
+start of Python and torch per case is not the point, its function `cli.main` in this process:
+every bad argument is refused before any work, in one line naming it, with exit status 2."""
 
 import argparse
 import dataclasses
@@ -30,16 +31,36 @@ def _entry_point():
     return [found] if found else [sys.executable, "-m", "pml_rank.cli"]
 
 
-def run(command, tmp_path, cwd=None):
-    """Runs a command line with its own --out and data cache under `tmp_path`; returns
-    ``(status, stderr)`` and checks that no output or data was written (no work was done)."""
+def assert_no_work(tmp_path):
+    """No data set was loaded into the cache and no result written to --out, under `tmp_path`."""
     out, cache = tmp_path / "out", tmp_path / "cache"
-    env = dict(os.environ, PML_RANK_CACHE=str(cache), PYTHONWARNINGS="ignore")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or tmp_path, timeout=TIMEOUT)
     assert not cache.exists(), "the data set was loaded"
     if out.exists():
         assert not any(out.iterdir()), f"results were written: {sorted(out.iterdir())}"
+
+
+def run(command, tmp_path, cwd=None):
+    """Runs a command line with its own --out and data cache under `tmp_path`; returns
+    ``(status, stderr)`` and checks that no output or data was written (no work was done)."""
+    env = dict(os.environ, PML_RANK_CACHE=str(tmp_path / "cache"), PYTHONWARNINGS="ignore")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd or tmp_path, timeout=TIMEOUT)
+    assert_no_work(tmp_path)
     return done.returncode, done.stderr
+
+
+@pytest.fixture
+def run_here(run_cli, tmp_path, monkeypatch):
+    """``run_here(argv) -> (status, stderr)``: `run` for `pml-rank argv` through `cli.main`, the
+    console script's function, in this process (`run_cli`): one start of Python and torch per
+    refusal is not needed where the script itself refuses in the tests around."""
+    monkeypatch.setenv("PML_RANK_CACHE", str(tmp_path / "cache"))
+
+    def run_in_process(argv):
+        status, _, stderr = run_cli(argv)
+        assert_no_work(tmp_path)
+        return status, stderr
+
+    return run_in_process
 
 
 def assert_refused(status, stderr, *names):
@@ -111,18 +132,8 @@ BAD_ARGUMENTS = [
 
 
 @pytest.mark.parametrize("argv,names", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
-def test_bad_argument_is_refused_before_any_work(argv, names, tmp_path, monkeypatch, capsys):
-    """Through `cli.main`, the console script's function, in this process (the script itself
-    refuses in the tests around: one start of Python and torch per case is not needed)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PML_RANK_CACHE", str(tmp_path / "cache"))
-    try:
-        status = cli.main([*argv, "--out", str(tmp_path / "out")])
-    except SystemExit as error:
-        status = error.code
-    assert_refused(status, capsys.readouterr().err, *names)
-    assert not (tmp_path / "cache").exists(), "the data set was loaded"
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "results were written"
+def test_bad_argument_is_refused_before_any_work(argv, names, tmp_path, run_here):
+    assert_refused(*run_here([*argv, "--out", tmp_path / "out"]), *names)
 
 
 @pytest.mark.slow
@@ -134,10 +145,9 @@ def test_a_cuda_device_without_cuda_is_refused(command, tmp_path):
     assert_refused(status, stderr, "--device", "cuda")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
-def test_a_bench_storage_that_cannot_be_opened_is_refused_before_the_data_are_loaded(url, tmp_path):
-    status, stderr = run(_entry_point() + ["bench", "--storage", url, "--out", str(tmp_path / "out")], tmp_path)
+def test_a_bench_storage_that_cannot_be_opened_is_refused_before_the_data_are_loaded(url, tmp_path, run_here):
+    status, stderr = run_here(["bench", "--storage", url, "--out", tmp_path / "out"])
     assert_refused(status, stderr, "--storage", "cannot open")
     assert "secret" not in stderr
 
@@ -154,28 +164,22 @@ def test_batch_size_refusal_says_what_each_kind_of_row_needs(tmp_path):
     assert_refused(status, stderr, "--batch-size", "multiple of 4", "m=4 rows", "even", "N-pair rows")
 
 
-@pytest.mark.slow
-def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path):
+def test_batch_size_refusal_depends_on_the_chosen_rows(tmp_path, run_here):
     # 6 is even: the N-pair rows alone take it (and are refused for their too few classes instead).
-    status, stderr = run(
-        _entry_point()
-        + ["bench", "pml:NPairsLoss", "--batch-size", "6", "--classes", "2", "--out", str(tmp_path / "out")],
-        tmp_path,
+    status, stderr = run_here(
+        ["bench", "pml:NPairsLoss", "--batch-size", "6", "--classes", "2", "--out", tmp_path / "out"]
     )
     assert_refused(status, stderr, "--classes")
     assert "--batch-size" not in stderr
-    status, stderr = run(
-        _entry_point()
-        + ["bench", "pml:NPairsLoss", "pml:TripletMarginLoss", "--batch-size", "6", "--out", str(tmp_path / "out")],
-        tmp_path,
+    status, stderr = run_here(
+        ["bench", "pml:NPairsLoss", "pml:TripletMarginLoss", "--batch-size", "6", "--out", tmp_path / "out"]
     )
     assert_refused(status, stderr, "--batch-size", "multiple of 4", "pml:TripletMarginLoss")
 
 
-@pytest.mark.slow
-def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
+def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path, run_here):
     batch = budget.GLYPHS["batch_size"]
-    status, stderr = run(_entry_point() + ["bench", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path)
+    status, stderr = run_here(["bench", "--classes", "9", "--out", tmp_path / "out"])
     assert_refused(
         status,
         stderr,
@@ -184,9 +188,7 @@ def test_too_few_classes_names_the_minimum_for_the_chosen_rows(tmp_path):
         f"{budget.minimum_classes(2, batch)} for the N-pair rows",
     )
     # With the m=4 rows alone, the N-pair minimum is not asked for.
-    status, stderr = run(
-        _entry_point() + ["bench", "AUCLoss", "--classes", "9", "--out", str(tmp_path / "out")], tmp_path
-    )
+    status, stderr = run_here(["bench", "AUCLoss", "--classes", "9", "--out", tmp_path / "out"])
     assert_refused(status, stderr, "--classes", str(budget.minimum_classes(4, batch)))
     assert "N-pair" not in stderr
 
@@ -204,12 +206,11 @@ def test_minimum_classes_follows_the_protocols_folds():
         assert budget.fold_training_classes(minimum - 1) < batch // per_class
 
 
-@pytest.mark.slow
-def test_out_that_is_a_file_is_refused_before_any_work(tmp_path):
+def test_out_that_is_a_file_is_refused_before_any_work(tmp_path, run_here):
     a_file = tmp_path / "results.txt"
     a_file.write_text("keep me")
     for out in (a_file, a_file / "below"):
-        status, stderr = run(_entry_point() + ["bench", "AUCLoss", "--classes", "24", "--out", str(out)], tmp_path)
+        status, stderr = run_here(["bench", "AUCLoss", "--classes", "24", "--out", out])
         assert_refused(status, stderr, "--out", str(out))
     assert a_file.read_text() == "keep me"
 

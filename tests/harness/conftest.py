@@ -3,11 +3,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import tiny_bench
 
 from pml_rank.harness.data import load_glyphs
 
@@ -18,6 +20,19 @@ def glyph_cache(tmp_path_factory):
     folder = tmp_path_factory.getbasetemp() / "glyph-cache"
     load_glyphs(cache_dir=folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def serial_bench(tmp_path_factory, glyph_cache):
+    """The --out folder of `tiny_bench`'s bench run by one `pml-rank` process on a SQLite storage of
+    its own (bench.db there): what every run of that bench on a shared storage must give."""
+    out = tmp_path_factory.mktemp("serial")
+    storage = f"sqlite:///{out / 'bench.db'}"
+    command = [str(Path(sys.executable).with_name("pml-rank")), "bench", *tiny_bench.ARGUMENTS, "--workers", "1",
+               "--storage", storage, "--out", str(out), "--cache-dir", str(glyph_cache)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
 
 
 def _freeze_when(process, condition, what, deadline=600):

@@ -69,17 +69,16 @@ def _bench(args, tmp_path):
     return done.returncode, done.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", BAD_FILES)
-def test_a_bad_file_after_colour_images_is_refused_in_one_line_before_any_job(name, tmp_path):
+def test_a_bad_file_after_colour_images_is_refused_in_one_line_before_any_job(name, tmp_path, run_cli):
+    """Through `cli.main` in this process (the script itself refuses a bad image below)."""
     folder = write_colour_folder(tmp_path / "photos")
     bad = folder / "c3" / name  # the last class: read after many colour images
     BAD_FILES[name](bad)
     out = tmp_path / "out"
-    status, err = _bench(
-        ["pml:TripletMarginLoss", "--dataset", f"folder:{folder}", *TINY, "--cache-dir", str(tmp_path / "cache"),
-         "--out", str(out)],
-        tmp_path,
+    status, _, err = run_cli(
+        ["bench", "pml:TripletMarginLoss", "--dataset", f"folder:{folder}", *TINY, "--cache-dir",
+         tmp_path / "cache", "--out", out]
     )  # fmt: skip
     assert status == 2, err
     assert len(err.strip().splitlines()) == 1 and str(bad) in err and "Traceback" not in err, err

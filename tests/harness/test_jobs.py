@@ -210,7 +210,9 @@ def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_pa
 
 
 @pytest.mark.slow
-def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, glyph_cache, start_interruptible):
+def test_interrupted_bench_resumes_and_refuses_another_configuration(
+    tmp_path, glyph_cache, start_interruptible, run_cli
+):
     out = tmp_path / "out"
     url = default_url(out, bench.STORE_FILE)
     args = [
@@ -244,10 +246,11 @@ def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, g
     assert process.returncode == 130 and "resumes" in stderr, stdout + stderr
     assert 1 <= len(kept) < 3
 
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    # The rerun and the refusal through `cli.main` in this process: the script's part is done.
+    status, printed, err = run_cli(args[1:])
+    assert status == 0, printed + err
     # the raw input, the untrained row's 3 seeds and the kept runs
-    assert f"resumed: {4 + len(kept)} finished job(s)" in result.stdout
+    assert f"resumed: {4 + len(kept)} finished job(s)" in printed
     payload = json.loads((out / "bench.json").read_text())
     (triplet,) = [row for row in payload["rows"] if row["row"] == "pml:TripletMarginLoss"]
     assert len(triplet["runs"]) == 3
@@ -256,11 +259,8 @@ def test_interrupted_bench_resumes_and_refuses_another_configuration(tmp_path, g
     keys = Counter(key for key, _, _ in complete_jobs(url))
     assert len(keys) == 7 and set(keys.values()) == {1}
 
-    changed = subprocess.run(
-        [*args[:-2], "--out", str(out), "--epochs", "2"], capture_output=True, text=True, timeout=300
-    )
-    assert changed.returncode == 2 and "another budget" in changed.stderr
-    assert "epochs 1 there, 2 now" in changed.stderr
+    status, _, err = run_cli([*args[1:], "--epochs", "2"])
+    assert status == 2 and "another budget" in err and "epochs 1 there, 2 now" in err
     assert (out / "bench.json").read_text() == json.dumps(payload, indent=1)  # nothing overwritten
 
 
@@ -303,25 +303,31 @@ def test_bench_trains_with_the_tuned_parameters_and_records_them(tmp_path, glyph
 
 @pytest.mark.slow
 def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path):
-    # Each process imports first, then opens the storage at one agreed moment: they race to
-    # create its tables, as several `pml-rank bench` commands started together do.
+    # Each process imports first, then opens the storage once every process has arrived: they
+    # race to create its tables, as several `pml-rank bench` commands started together do.
     url = default_url(tmp_path, "new.db")  # new.db0 to new.db3
-    start = time.time() + 5
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
     script = (  # storage.py alone, without pml_rank's package (and torch): the processes start faster
-        "import importlib.util, sys, time\n"
-        "spec = importlib.util.spec_from_file_location('storage', sys.argv[3])\n"
+        "import importlib.util, os, sys, time\n"
+        "url, module, arrived, me, count = sys.argv[1:]\n"
+        "spec = importlib.util.spec_from_file_location('storage', module)\n"
         "storage = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(storage)\n"
         "import optuna, sqlalchemy\n"
         "for k in range(4):  # four new storages, each opened by every process at one moment\n"
-        "    time.sleep(max(0.0, float(sys.argv[2]) + k - time.time()))\n"
-        "    storage.close_storage(storage.open_storage(sys.argv[1] + str(k)))\n"
+        "    open(os.path.join(arrived, f'{k}-{me}'), 'w').close()\n"
+        "    while sum(name.startswith(f'{k}-') for name in os.listdir(arrived)) < int(count):\n"
+        "        time.sleep(0.001)\n"
+        "    storage.close_storage(storage.open_storage(url + str(k)))\n"
     )
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", script, url, str(start), storage.__file__], stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", script, url, storage.__file__, str(arrived), str(me), "6"],
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for _ in range(6)
+        for me in range(6)
     ]
     errors = [p.communicate(timeout=120)[1] for p in processes]
     assert [p.returncode for p in processes] == [0] * 6, "\n".join(errors)

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tiny_bench import ARGUMENTS, ROW
 
 optuna = pytest.importorskip("optuna")
 
@@ -25,15 +26,17 @@ from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
 pytestmark = pytest.mark.slow  # a PostgreSQL server and bench processes
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-ROW = "pml:TripletMarginLoss"
-# test_workers.py's tiny bench: 5 jobs (raw input, untrained x 2 seeds, the row x 2 seeds).
-TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
 DEADLINE = 600  # seconds: generous, the machine may be loaded
 
 
+def bench_argv(out, url, cache, *extra):
+    """The arguments of `pml-rank` for the tiny bench on the storage `url`."""
+    return ["bench", *ARGUMENTS, "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]
+
+
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", ROW, *TINY, "--untuned", "--storage", url, "--out", str(out),
-            "--cache-dir", str(cache), *extra]  # fmt: skip
+    """`bench_argv` through the installed script."""
+    return [str(PML_RANK), *bench_argv(out, url, cache, *extra)]
 
 
 class JobReader:
@@ -107,20 +110,6 @@ def table(out):
     return payload
 
 
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory, glyph_cache):
-    """The bench run by one process on a storage of its own: what every other run must give."""
-    out = tmp_path_factory.mktemp("serial")
-    result = subprocess.run(
-        bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache, "--workers", "1"),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return table(out)
-
-
 def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
     """Stops `server` (`pg_ctl stop -m fast`) while `bench` runs a training job (and `also` holds
     of the job trials): the bench's processes are frozen (SIGSTOP) from the moment the test sees
@@ -141,7 +130,7 @@ def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
         os.killpg(bench.pid, signal.SIGCONT)
 
 
-def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, postgres_server, freeze_when):
+def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when):
     # Heartbeats every 2 s, stale after 4 s: the 10 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
     url = postgres_server.new_database("outage")
@@ -159,13 +148,13 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial, po
             os.killpg(bench.pid, signal.SIGKILL)
     assert bench.returncode == 0, stdout + stderr
     assert "Traceback" not in stderr and "unreachable" in stderr and "reachable again" in stderr, stderr
-    assert table(tmp_path) == serial
+    assert table(tmp_path) == table(serial_bench)
     every = job_trials(url)
     assert sorted(t.state.name for t in every) == ["COMPLETE"] * 5  # none failed as stale, none run twice
 
 
 def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
-    tmp_path, glyph_cache, serial, postgres_server, freeze_when
+    tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when, run_cli
 ):
     url = postgres_server.new_database("gives_up")
     bench = subprocess.Popen(
@@ -192,16 +181,12 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     assert postgres_server.start().returncode == 0
     kept = [t for t in job_trials(url) if t.state.name == "COMPLETE"]
     assert kept
-    rerun = subprocess.run(
-        # Short heartbeats: the jobs the first bench left RUNNING are retried once seen stale for 4 s.
-        bench_command(tmp_path, url, glyph_cache, "--workers", "1", "--heartbeat", "2"),
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"resumed: {len(kept)} finished job(s)" in rerun.stdout
-    assert table(tmp_path) == serial
+    # Through `cli.main` in this process: its own start of Python and torch is not the point. Short
+    # heartbeats: the jobs the first bench left RUNNING are retried once seen stale for 4 s.
+    status, printed, err = run_cli(bench_argv(tmp_path, url, glyph_cache, "--workers", "1", "--heartbeat", "2"))
+    assert status == 0, printed + err
+    assert f"resumed: {len(kept)} finished job(s)" in printed
+    assert table(tmp_path) == table(serial_bench)
 
 
 def _locked(path):
@@ -217,7 +202,9 @@ def _locked(path):
         connection.close()
 
 
-def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_path, glyph_cache, serial, freeze_when):
+def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
+    tmp_path, glyph_cache, serial_bench, freeze_when, run_cli
+):
     path = tmp_path / "shared.db"
     url = f"sqlite:///{path}"
     paused = subprocess.Popen(
@@ -233,13 +220,11 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_
 
         held = freeze_when(paused, training_outside_a_transaction, "the first process trains")
         reader.close()
-        other = subprocess.run(
-            bench_command(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1"),
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE,
+        # The other process is this one, through `cli.main`: a start of Python and torch fewer.
+        status, printed, err = run_cli(
+            bench_argv(tmp_path / "b", url, glyph_cache, "--workers", "1", "--heartbeat", "1")
         )
-        assert other.returncode == 0, other.stdout + other.stderr
+        assert status == 0, printed + err
         os.killpg(paused.pid, signal.SIGCONT)
         stdout, stderr = paused.communicate(timeout=DEADLINE)
     finally:
@@ -255,7 +240,7 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(tmp_
     )
     assert stderr.count("retried by another process") == 1 and line in stderr, stderr
     assert "Traceback" not in stderr and "UpdateFinishedTrialError" not in stderr, stderr
-    assert table(tmp_path / "a") == table(tmp_path / "b") == serial
+    assert table(tmp_path / "a") == table(tmp_path / "b") == table(serial_bench)
     attempts = sorted(t.state.name for t in job_trials(url) if t.user_attrs["job"]["key"] == job["key"])
     assert attempts == ["COMPLETE", "FAIL"]
 

@@ -1,6 +1,6 @@
 """`pml-rank tune` end to end through the console script, on tiny budgets: SQLite (resume to N,
 two workers on one file), a PostgreSQL server the test starts itself, a worker killed with
-SIGKILL mid-trial, and the plugins' search spaces."""
+SIGKILL mid-trial, Ctrl-C, and the plugins' search spaces."""
 
 import gc
 import json
@@ -18,7 +18,7 @@ optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import tune  # noqa: E402
 from pml_rank.harness.budget import TRAINING_KEYS  # noqa: E402
-from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
+from pml_rank.harness.storage import close_storage, default_url, open_storage  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 # A connection the tests leave open (an Optuna storage never closed) fails the test that left it.
@@ -49,6 +49,13 @@ def run_tune(*args, cache, check=True, timeout=300):
     return result
 
 
+def tune_here(run_cli, *args, cache):
+    """`run_tune` through `cli.main` in this process (`run_cli`): the command's workers are still
+    processes of their own, one start of Python, torch and Optuna fewer."""
+    status, printed, err = run_cli(["tune", *args, *TINY, "--cache-dir", cache])
+    assert status == 0, printed + err
+
+
 def trials_of(url, loss):
     """The trials of `loss`'s study at the TINY budget; the storage's connections are closed
     before returning (KeyError while the study does not exist)."""
@@ -69,7 +76,7 @@ def finished(trials):
     return [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
 
 
-def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache):
+def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyph_cache, run_cli):
     url = f"sqlite:///{tmp_path / 't.db'}"
     result = run_tune(
         "RaMBORecallLoss",
@@ -94,32 +101,14 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
     assert (tmp_path / "tune-RaMBORecallLoss.png").read_bytes()[:4] == b"\x89PNG"
     assert max(t.value for t in trials if t.value is not None) == pytest.approx(entry["value"])
 
-    run_tune(
-        "RaMBORecallLoss",
-        "--trials",
-        "4",
-        "--workers",
-        "1",
-        "--storage",
-        url,
-        "--out",
-        str(tmp_path),
-        cache=glyph_cache,
-    )
+    tune_here(run_cli, "RaMBORecallLoss", "--trials", "4", "--workers", "1", "--storage", url, "--out", tmp_path,
+              cache=glyph_cache)  # fmt: skip
     trials = trials_of(url, "RaMBORecallLoss")
     assert len(finished(trials)) == 4 and "RUNNING" not in states(trials)
     assert json.loads((tmp_path / "tuned.json").read_text())["RaMBORecallLoss"]["trials"] == 4
     # A different budget is a different study: the old trials are not mixed in.
     budget = tune.study_budget(epochs=2, iterations_per_epoch=2, num_classes=24, batch_size=16)
     assert tune.study_name("RaMBORecallLoss", budget) != entry["study"]
-
-
-def test_example_plugins_search_space_is_used(tmp_path, glyph_cache):
-    run_tune("BinomialDevianceLoss", "--trials", "1", "--workers", "1", "--out", str(tmp_path), cache=glyph_cache)
-    entry = json.loads((tmp_path / "tuned.json").read_text())["BinomialDevianceLoss"]
-    assert set(entry["params"]) == {"alpha", "beta", "cost"}
-    assert entry["trials"] == 1
-    assert (tmp_path / "tune.db").exists()  # the default storage: SQLite in --out
 
 
 def a_trial_finished_and_another_drew_its_parameters(url):
@@ -132,7 +121,7 @@ def a_trial_finished_and_another_drew_its_parameters(url):
     return len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials)
 
 
-def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache, freeze_when):
+def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path, glyph_cache, freeze_when, run_cli):
     url = f"sqlite:///{tmp_path / 't.db'}"
     args = [
         str(PML_RANK),
@@ -165,21 +154,8 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     assert "RUNNING" in states(trials)
     target = len(finished(trials)) + 1
 
-    run_tune(
-        "pml:TripletMarginLoss",
-        "--trials",
-        str(target),
-        "--workers",
-        "1",
-        "--heartbeat",
-        "1",
-        "--no-prune",
-        "--storage",
-        url,
-        "--out",
-        str(tmp_path),
-        cache=glyph_cache,
-    )
+    tune_here(run_cli, "pml:TripletMarginLoss", "--trials", target, "--workers", "1", "--heartbeat", "1", "--no-prune",
+              "--storage", url, "--out", tmp_path, cache=glyph_cache)  # fmt: skip
     trials = trials_of(url, "pml:TripletMarginLoss")
     assert len(finished(trials)) == target and "RUNNING" not in states(trials)
     failed = [t for t in trials if t.state.name == "FAIL"]
@@ -188,30 +164,19 @@ def test_sigkilled_worker_loses_only_its_trial_and_the_rerun_completes(tmp_path,
     assert len(retried) == 1 and retried[0].params == failed[0].params  # the lost trial, run again
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache, start_interruptible):
-    url = f"sqlite:///{tmp_path / 't.db'}"
-    args = [
-        str(PML_RANK),
-        "tune",
-        "pml:TripletMarginLoss",
-        "--trials",
-        "50",
-        "--workers",
-        "1",
-        "--no-prune",
-        "--storage",
-        url,
-        "--out",
-        str(tmp_path),
-        *TINY,
-        "--cache-dir",
-        str(glyph_cache),
-    ]
+def test_ctrl_c_stops_cleanly_and_keeps_finished_trials_of_the_example_plugins_space(
+    tmp_path, glyph_cache, start_interruptible
+):
+    """Tunes the example plugin's loss in the default storage (SQLite in --out) until Ctrl-C."""
+    loss = "BinomialDevianceLoss"
+    args = [str(PML_RANK), "tune", loss, "--trials", "50", "--workers", "1", "--no-prune", "--out", str(tmp_path),
+            *TINY, "--cache-dir", str(glyph_cache)]  # fmt: skip
+    url = default_url(tmp_path, "tune.db")
     process = start_interruptible(args)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:
-            if finished(trials_of(url, "pml:TripletMarginLoss")):
+            if (tmp_path / "tune.db").exists() and finished(trials_of(url, loss)):
                 break
         except KeyError:
             pass
@@ -220,8 +185,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path, glyph_cache, s
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, out + err
     assert "interrupted" in err and "Traceback" not in err
-    assert json.loads((tmp_path / "tuned.json").read_text())["pml:TripletMarginLoss"]["trials"] >= 1
-    assert "RUNNING" not in states(trials_of(url, "pml:TripletMarginLoss"))
+    entry = json.loads((tmp_path / "tuned.json").read_text())[loss]
+    assert entry["trials"] >= 1 and set(entry["params"]) == {"alpha", "beta", "cost"}
+    assert "RUNNING" not in states(trials_of(url, loss))
 
 
 # ----------------------------------------------------------------------------- PostgreSQL
@@ -248,12 +214,22 @@ def test_two_workers_share_one_study_on_postgresql(tmp_path, glyph_cache, postgr
     assert "secret-password" not in text and "secret-password" not in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
-def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, tmp_path, glyph_cache):
-    result = run_tune("AUCLoss", "--storage", url, "--out", str(tmp_path), cache=glyph_cache, check=False)
-    assert result.returncode == 2
-    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
-    assert "secret" not in result.stdout + result.stderr
+@pytest.mark.parametrize(
+    "url, through",
+    [("nosuchdialect://x/y", "cli.main"), ("postgresql+psycopg://user:secret@127.0.0.1:1/db", "pml-rank")],
+)
+def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(url, through, tmp_path, glyph_cache, run_cli):
+    """One through the console script, one through its `cli.main` in this process (a start of
+    Python, torch and Optuna takes seconds)."""
+    args = ["AUCLoss", "--storage", url, "--out", str(tmp_path)]
+    if through == "pml-rank":
+        result = run_tune(*args, cache=glyph_cache, check=False)
+        status, printed, err = result.returncode, result.stdout, result.stderr
+    else:
+        status, printed, err = run_cli(["tune", *args, *TINY, "--cache-dir", glyph_cache])
+    assert status == 2
+    assert "argument --storage: cannot open" in err and "Traceback" not in err
+    assert "secret" not in printed + err
     assert not (tmp_path / "tuned.json").exists()
 
 

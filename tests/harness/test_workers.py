@@ -13,23 +13,27 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_bench import ARGUMENTS, BUDGET, ROW
 
 optuna = pytest.importorskip("optuna")
 
 from pml_rank.harness import jobs  # noqa: E402
-from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
+from pml_rank.harness.budget import MAP_AT_R  # noqa: E402
 from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
 from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
-ROWS = ["pml:TripletMarginLoss"]
-TINY = ["--classes", "24", "--epochs", "2", "--iterations", "8", "--batch-size", "16", "--seeds", "2"]
-BUDGET = resolve("glyphs", num_classes=24, epochs=2, iterations_per_epoch=8, batch_size=16)
+
+
+def bench_argv(out, url, cache, *extra):
+    """The arguments of `pml-rank` for the tiny bench on the storage `url`, one worker."""
+    return ["bench", *ARGUMENTS, "--workers", "1", "--heartbeat", "1", "--storage", url, "--out", str(out),
+            "--cache-dir", str(cache), *extra]  # fmt: skip
 
 
 def bench_command(out, url, cache, *extra):
-    return [str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--workers", "1", "--heartbeat", "1",
-            "--storage", url, "--out", str(out), "--cache-dir", str(cache), *extra]  # fmt: skip
+    """`bench_argv` through the installed script."""
+    return [str(PML_RANK), *bench_argv(out, url, cache, *extra)]
 
 
 def run(command, timeout=600):
@@ -56,14 +60,6 @@ def without_timings(folder):
     return payload, csv
 
 
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory, glyph_cache):
-    """The same bench run by one process on a storage of its own: what every shared run must give."""
-    out = tmp_path_factory.mktemp("serial")
-    run(bench_command(out, f"sqlite:///{out / 'bench.db'}", glyph_cache))
-    return out
-
-
 def running_training_job(storage, pid):
     """The key of the training job process `pid` is running according to `storage`, or None."""
     try:
@@ -71,7 +67,7 @@ def running_training_job(storage, pid):
     except KeyError:  # no study yet
         return None
     mine = [t for t in running if t.user_attrs["worker"].endswith(f":{pid}")]
-    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] in ROWS else None
+    return mine[0].user_attrs["job"]["key"] if mine and mine[0].user_attrs["job"]["row"] == ROW else None
 
 
 def freeze_mid_job(process, url, freeze_when):
@@ -101,11 +97,12 @@ def kill_mid_job_then_finish(tmp_path, url, cache, freeze_when):
         first.wait()
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, out + err
+    # A process of its own: its PNG must be the second's, bit for bit (`check_shared_run`).
     rerun = run(bench_command(tmp_path / "c", url, cache))
     return out, rerun.stdout, killed
 
 
-def check_shared_run(tmp_path, url, serial):
+def check_shared_run(tmp_path, url, serial_bench):
     storage = open_storage(url)
     try:
         every = trials(storage)
@@ -116,17 +113,17 @@ def check_shared_run(tmp_path, url, serial):
     assert len(keys) == len(set(keys)) == 1 + 2 + 2  # raw input, untrained x 2, the row x 2 seeds: once each
     assert not [t for t in every if t.state.name in ("RUNNING", "WAITING")]
     for folder in ("b", "c"):
-        assert without_timings(tmp_path / folder) == without_timings(serial)
+        assert without_timings(tmp_path / folder) == without_timings(serial_bench)
     # Rebuilt from the same storage, the PNG is the same file, bit for bit.
     assert (tmp_path / "b" / "bench.png").read_bytes() == (tmp_path / "c" / "bench.png").read_bytes()
     return every
 
 
 @pytest.mark.slow
-def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial, freeze_when):
+def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, freeze_when):
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     _, rerun, killed = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
-    every = check_shared_run(tmp_path, url, serial)
+    every = check_shared_run(tmp_path, url, serial_bench)
     assert "resumed: 5 finished job(s)" in rerun
     # The killed job failed when its heartbeat went stale and ran again, to completion, once.
     attempts = [t for t in every if t.user_attrs["job"]["key"] == killed]
@@ -134,7 +131,7 @@ def test_two_processes_on_sqlite_one_killed_mid_job(tmp_path, glyph_cache, seria
 
 
 @pytest.mark.slow
-def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial, postgres_url, freeze_when):
+def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, serial_bench, postgres_url, freeze_when):
     url = postgres_url.rsplit("/", 1)[0] + "/" + "postgres"
     from sqlalchemy import create_engine, text
 
@@ -146,39 +143,37 @@ def test_two_processes_on_postgresql_one_killed_mid_job(tmp_path, glyph_cache, s
         engine.dispose()
     url = url.rsplit("/", 1)[0] + "/bench_jobs"
     out, rerun, _ = kill_mid_job_then_finish(tmp_path, url, glyph_cache, freeze_when)
-    check_shared_run(tmp_path, url, serial)
+    check_shared_run(tmp_path, url, serial_bench)
     assert "secret-password" not in out + rerun
 
 
 @pytest.mark.slow
-def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial):
-    url = f"sqlite:///{serial / 'bench.db'}"
-    status = run([str(PML_RANK), "bench", *ROWS, *TINY, "--untuned", "--status", "--storage", url,
-                  "--out", str(tmp_path)])  # fmt: skip
+def test_status_shows_every_row_and_a_mismatch_is_refused_naming_the_key(tmp_path, glyph_cache, serial_bench, run_cli):
+    url = f"sqlite:///{serial_bench / 'bench.db'}"
+    status = run([str(PML_RANK), "bench", *ARGUMENTS, "--status", "--storage", url, "--out", str(tmp_path)])
     lines = {line.split()[0]: line.split()[1:] for line in status.stdout.splitlines()[2:]}
     assert lines["pml:TripletMarginLoss"] == ["2", "0", "0"] and lines["all"] == ["5", "0", "0"]
-    other = bench_command(tmp_path, url, glyph_cache, "--epochs", "3")
-    result = subprocess.run(other, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "epochs 2 there, 3 now" in result.stderr and "Traceback" not in result.stderr
+    # The refusals through `cli.main` in this process (the script's own are in test_cli.py).
+    status, _, err = run_cli(bench_argv(tmp_path, url, glyph_cache, "--epochs", "3"))
+    assert status == 2 and "epochs 2 there, 3 now" in err and "Traceback" not in err
     # The parameters of a row are part of the bench too.
     params = tmp_path / "tuned.json"
     params.write_text(json.dumps({"pml:TripletMarginLoss": {"params": {"margin": 0.2}}}))
-    result = subprocess.run(
-        [c for c in bench_command(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", str(params)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    status, _, err = run_cli(
+        [c for c in bench_argv(tmp_path, url, glyph_cache) if c != "--untuned"] + ["--params", params]
     )
-    assert result.returncode == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in result.stderr
+    assert status == 2 and "pml:TripletMarginLoss: {} there, {'margin': 0.2} now" in err
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("url", ["nosuchdialect://x/y", "postgresql+psycopg://user:secret@127.0.0.1:1/db"])
-def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache):
-    result = subprocess.run(bench_command(tmp_path, url, glyph_cache), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "argument --storage: cannot open" in result.stderr and "Traceback" not in result.stderr
-    assert "secret" not in result.stdout + result.stderr
+def test_a_storage_that_cannot_be_opened_is_refused(url, tmp_path, glyph_cache, run_cli):
+    # Through `cli.main` in this process: the script's refusals are tested in test_cli.py.
+    status, printed, err = run_cli(
+        ["bench", *ARGUMENTS, "--storage", url, "--out", tmp_path, "--cache-dir", glyph_cache]
+    )
+    assert status == 2
+    assert "argument --storage: cannot open" in err and "Traceback" not in err
+    assert "secret" not in printed + err
     assert not (tmp_path / "bench.json").exists()
 
 
