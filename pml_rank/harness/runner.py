@@ -384,25 +384,32 @@ def load_test_set(folder, data_root=None, cache_dir=None):
     on in-shop). A ``folder:`` data set is read from the path the bench recorded, the
     papers' from `data_root`, the glyphs from `cache_dir`. Every image is checked as the
     bench does."""
-    return _saved_test_splits(folder, data_root, cache_dir)[0]
+    budget, machine = _saved_budget(folder, data_root, cache_dir)
+    if budget.get("protocol") == STANDARD_PROTOCOL:
+        return _saved_standard_splits(budget, machine).query
+    data = dataset_of(budget, machine)
+    _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
+    return test_set
 
 
 def load_reference_set(folder, data_root=None, cache_dir=None):
     """What `load_test_set`'s items were retrieved among when it is another set, in the same
     form: in-shop's gallery on the standard protocol. None where each test item is retrieved
-    among the other test items (every other data set and protocol)."""
-    return _saved_test_splits(folder, data_root, cache_dir)[1]
+    among the other test items (every other data set and protocol), without loading them."""
+    budget, machine = _saved_budget(folder, data_root, cache_dir)
+    if budget.get("protocol") != STANDARD_PROTOCOL:
+        return None
+    return _saved_standard_splits(budget, machine).reference
 
 
-def _saved_test_splits(folder, data_root, cache_dir):
-    """``(test set, reference set or None)`` of the experiment saved in `folder`."""
+def _saved_budget(folder, data_root, cache_dir):
+    """``(budget, Machine)`` of the experiment saved in `folder`; refuses a papers' data set
+    without `data_root`."""
     budget = json.loads((Path(folder) / "experiment.json").read_text())["budget"]
     if needs_data_root(budget["dataset"]) and data_root is None:
         raise data_root_missing(budget["dataset"])
-    machine = Machine(data_root=data_root, cache_dir=cache_dir)
-    if budget.get("protocol") == STANDARD_PROTOCOL:
-        splits = standard_splits(budget, machine, image_transforms(budget, STANDARD_CHANNELS))
-        return splits.query, splits.reference
-    data = dataset_of(budget, machine)
-    _, test_set = test_set_and_folds(data, budget["num_folds"], transforms_of(budget, data))
-    return test_set, None
+    return budget, Machine(data_root=data_root, cache_dir=cache_dir)
+
+
+def _saved_standard_splits(budget, machine):
+    return standard_splits(budget, machine, image_transforms(budget, STANDARD_CHANNELS))
