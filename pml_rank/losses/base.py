@@ -7,6 +7,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_embeddings, check_references, checked_constructor
+from .query_panels import block_rows, mask_weights, query_blocks
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -162,12 +163,10 @@ class NegativesAboveFunction(torch.autograd.Function):
     def forward(ctx, scores, positive_columns, negative, slots, kernel):
         own = scores.gather(1, positive_columns)
         counts = torch.zeros_like(own)
-        negative_weight = _as_weights(negative, scores.dtype)
-        buffer = scores.new_empty(min(len(scores), _block_rows(scores)) * scores.shape[1])
-        for slot, rows in slots:
-            for block in query_blocks(rows, len(scores), _block_rows(scores)):
-                values = kernel.value(_differences(scores, own, block, slot, buffer))
-                counts[block, slot] = values.mul_(negative_weight[block]).sum(1)
+        negative_weight, buffer, slot_blocks = _blocked(scores, negative, slots)
+        for slot, block in slot_blocks:
+            values = kernel.value(_differences(scores, own, block, slot, buffer))
+            counts[block, slot] = values.mul_(negative_weight[block]).sum(1)
         ctx.save_for_backward(scores, positive_columns, negative)
         ctx.slots, ctx.kernel = slots, kernel
         return counts
@@ -178,44 +177,28 @@ class NegativesAboveFunction(torch.autograd.Function):
         scores, positive_columns, negative = ctx.saved_tensors
         own = scores.gather(1, positive_columns)
         grad_scores = torch.zeros_like(scores)
-        negative_weight = _as_weights(negative, scores.dtype)
-        buffer = scores.new_empty(min(len(scores), _block_rows(scores)) * scores.shape[1])
-        for slot, rows in ctx.slots:
-            for block in query_blocks(rows, len(scores), _block_rows(scores)):
-                slopes = ctx.kernel.slope(_differences(scores, own, block, slot, buffer))
-                slopes.mul_(negative_weight[block]).mul_(grad_counts[block, slot].unsqueeze(1))
-                # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
-                if isinstance(block, slice):
-                    grad_scores[block] += slopes
-                    block = torch.arange(block.start, block.stop, device=scores.device)
-                else:
-                    grad_scores.index_add_(0, block, slopes)
-                grad_scores.index_put_((block, positive_columns[block, slot]), -slopes.sum(1), accumulate=True)
+        negative_weight, buffer, slot_blocks = _blocked(scores, negative, ctx.slots)
+        for slot, block in slot_blocks:
+            slopes = ctx.kernel.slope(_differences(scores, own, block, slot, buffer))
+            slopes.mul_(negative_weight[block]).mul_(grad_counts[block, slot].unsqueeze(1))
+            # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
+            if isinstance(block, slice):
+                grad_scores[block] += slopes
+                block = torch.arange(block.start, block.stop, device=scores.device)
+            else:
+                grad_scores.index_add_(0, block, slopes)
+            grad_scores.index_put_((block, positive_columns[block, slot]), -slopes.sum(1), accumulate=True)
         return grad_scores, None, None, None, None
 
 
-def _as_weights(mask, dtype):
-    """A boolean mask as 1 and 0 of `dtype`: multiplying by it leaves the kept entries as they
-    are and zeroes the others (finite ones), several times faster than `masked_fill_` with a
-    boolean mask; converted through bytes, as booleans convert several times slower."""
-    return mask.view(torch.uint8).to(dtype)
-
-
-# Entries of one block of differences: 1 MB in float32, in a CPU core's cache through the
-# kernel's passes over it.
-BLOCK_ELEMENTS = 1 << 18
-
-
-def _block_rows(scores):
-    return max(1, BLOCK_ELEMENTS // max(1, scores.shape[1]))
-
-
-def query_blocks(rows, num_queries, block_rows):
-    """`rows` (a slot's queries, in order) in blocks of at most `block_rows`: slices when
-    `rows` holds every query (0, 1, ..., n − 1), else index tensors."""
-    if len(rows) == num_queries:
-        return [slice(start, min(start + block_rows, num_queries)) for start in range(0, num_queries, block_rows)]
-    return list(rows.split(block_rows))
+def _blocked(scores, negative, slots):
+    """What both passes of `NegativesAboveFunction` go over: `negative` as float weights
+    (`mask_weights`), one buffer for a block's differences, and every ``(slot, block)`` of
+    `slots` (`query_blocks`)."""
+    rows_per_block = block_rows(scores.shape[1])
+    buffer = scores.new_empty(min(len(scores), rows_per_block) * scores.shape[1])
+    slot_blocks = [(slot, block) for slot, rows in slots for block in query_blocks(rows, len(scores), rows_per_block)]
+    return mask_weights(negative, scores.dtype), buffer, slot_blocks
 
 
 def _differences(scores, own, block, slot, buffer):
