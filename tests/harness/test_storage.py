@@ -8,7 +8,6 @@ import json
 import multiprocessing
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from tiny_bench import ARGUMENTS, ROW
+from tiny_bench import ARGUMENTS, ROW, write_locked
 
 optuna = pytest.importorskip("optuna")
 
@@ -189,19 +188,6 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     assert table(tmp_path) == table(serial_bench)
 
 
-def _locked(path):
-    """Whether a process holds the SQLite file's write lock."""
-    connection = sqlite3.connect(path, timeout=0.1, isolation_level=None)
-    try:
-        connection.execute("BEGIN IMMEDIATE")
-        connection.execute("ROLLBACK")
-        return False
-    except sqlite3.OperationalError:
-        return True
-    finally:
-        connection.close()
-
-
 def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
     tmp_path, glyph_cache, serial_bench, freeze_when, run_cli
 ):
@@ -216,7 +202,7 @@ def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
 
         def training_outside_a_transaction():  # the other process will need the write lock
             held = training_job(reader(), paused.pid)
-            return held if held is not None and not _locked(path) else None
+            return held if held is not None and not write_locked(path) else None
 
         held = freeze_when(paused, training_outside_a_transaction, "the first process trains")
         reader.close()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_bench import ARGUMENTS, BUDGET, ROW
+from tiny_bench import ARGUMENTS, BUDGET, ROW, write_locked
 
 optuna = pytest.importorskip("optuna")
 
@@ -71,10 +71,20 @@ def running_training_job(storage, pid):
 
 
 def freeze_mid_job(process, url, freeze_when):
-    """Freezes `process` (SIGSTOP) while it runs a training job (`freeze_when`); returns that job's key."""
+    """Freezes `process` (SIGSTOP) while it runs a training job (`freeze_when`), on SQLite outside
+    a write transaction; returns that job's key."""
+    path = url[len("sqlite:///") :] if url.startswith("sqlite:///") else None
     storage = open_storage(url)  # one connection: a read costs milliseconds, a job about a second
+
+    def training_outside_a_transaction():
+        # The lock first: frozen holding it, the process would keep out this test's reads too
+        # (they waited for the storage's whole retry time, then failed, on a loaded machine).
+        if path is not None and write_locked(path):
+            return None
+        return running_training_job(storage, process.pid)
+
     try:
-        return freeze_when(process, lambda: running_training_job(storage, process.pid), "a training job runs")
+        return freeze_when(process, training_outside_a_transaction, "a training job runs")
     finally:
         close_storage(storage)
 
