@@ -100,6 +100,29 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
     return positive, negative
 
 
+def label_pairs(labels, ref_labels):
+    """The positive pairs by label as ``(queries, references)`` index tensors in row-major
+    order: ``true_entries(pair_masks(labels, ref_labels)[0])`` without building any
+    [queries, references] mask (comparing every pair of labels costs more than the loss's
+    own work on the pairs): each query's run of equal labels among the references sorted
+    stably by label. (i, i) is left out when `reference_is_batch`."""
+    batch = reference_is_batch(labels, ref_labels)
+    common = torch.promote_types(labels.dtype, ref_labels.dtype)
+    labels, ref_labels = labels.to(common), ref_labels.to(common)
+    sorted_labels, order = torch.sort(ref_labels, stable=True)
+    first = torch.searchsorted(sorted_labels, labels)
+    counts = torch.searchsorted(sorted_labels, labels, right=True).sub_(first)
+    queries = torch.repeat_interleave(torch.arange(len(labels), device=labels.device), counts)
+    # Each pair's place in its query's run: 0, 1, ..., count − 1.
+    run_starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
+    within = torch.arange(len(queries), device=labels.device).sub_(run_starts)
+    references = order[first.repeat_interleave(counts).add_(within)]
+    if batch:
+        different = queries != references
+        queries, references = queries[different], references[different]
+    return queries, references
+
+
 def normalized_with_distance_stats(distance, embeddings, ref_emb):
     """`embeddings` and `ref_emb` normalised as `distance` normalises them (one tensor
     when `ref_emb is embeddings`), recording the distance's statistics as its own forward
@@ -212,6 +235,13 @@ def _differences(scores, own, block, slot, buffer):
     return torch.index_select(scores, 0, block, out=out).sub_(own[block, slot].unsqueeze(1))
 
 
+def query_self_scores(distance, embeddings):
+    """Each query's score (higher = closer) against itself under `distance`."""
+    normalized = distance.maybe_normalize(embeddings)
+    self_scores = distance.pairwise_distance(normalized, normalized) ** distance.power
+    return self_scores if distance.is_inverted else -self_scores
+
+
 def with_query_as_positive(distance, embeddings, ref_emb, scores, positive, negative):
     """Scores and masks in which each query is one of its own positives: its column when
     the references are the batch itself, otherwise an extra first column holding its
@@ -220,13 +250,26 @@ def with_query_as_positive(distance, embeddings, ref_emb, scores, positive, nega
         positive.fill_diagonal_(True)
         negative.fill_diagonal_(False)
         return scores, positive, negative
-    normalized = distance.maybe_normalize(embeddings)
-    self_scores = distance.pairwise_distance(normalized, normalized) ** distance.power
-    if not distance.is_inverted:
-        self_scores = -self_scores
     first = torch.ones_like(positive[:, :1])
     return (
-        torch.cat([self_scores.unsqueeze(1), scores], dim=1),
+        torch.cat([query_self_scores(distance, embeddings).unsqueeze(1), scores], dim=1),
         torch.cat([first, positive], dim=1),
         torch.cat([~first, negative], dim=1),
     )
+
+
+def with_query_as_positive_pairs(distance, embeddings, ref_emb, scores, pair_query, pair_positive):
+    """`with_query_as_positive` for positive pairs given as row-major (query, reference)
+    index tensors (`label_pairs`): scores and pairs, still row-major, with (q, q) added
+    for every query q, or (q, 0) and the columns shifted by one when the first column is
+    added."""
+    queries = torch.arange(len(scores), device=scores.device)
+    if ref_emb is embeddings:
+        own_columns = queries
+    else:
+        scores = torch.cat([query_self_scores(distance, embeddings).unsqueeze(1), scores], dim=1)
+        pair_positive = pair_positive + 1
+        own_columns = torch.zeros_like(queries)
+    pair_query, pair_positive = torch.cat([pair_query, queries]), torch.cat([pair_positive, own_columns])
+    order = torch.argsort(pair_query * scores.shape[1] + pair_positive)
+    return scores, pair_query[order], pair_positive[order]

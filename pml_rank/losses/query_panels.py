@@ -127,6 +127,25 @@ def jacobian_buffer(scores, pair_query):
     return jacobian
 
 
+def left_out_filled_(rows, queries, left_out):
+    """`rows`, the [r, references] rows of `queries` (a slice or sorted indices), with
+    −inf at the pairs left out of each query's ranking, in place. `left_out`: None (no
+    pair is), a boolean [queries, references] mask, or the (query, reference) indices of
+    a few left-out pairs sorted by query (the diagonal), written by index: a pass over a
+    boolean mask costs tens of times more."""
+    if left_out is None:
+        return rows
+    if torch.is_tensor(left_out):
+        return rows.masked_fill_(left_out[queries], -torch.inf)
+    at_query, at_reference = left_out
+    if isinstance(queries, slice):
+        queries = torch.arange(queries.start, queries.stop, device=rows.device)
+    place = torch.searchsorted(queries, at_query).clamp_(max=len(queries) - 1)
+    inside = queries[place] == at_query
+    rows[place[inside], at_reference[inside]] = -torch.inf
+    return rows
+
+
 def panel_buffer(like, panels, num_references):
     """One uninitialised tensor, like `like`, large enough for the largest panel's
     [r, c, references] entries: reused by every panel through `differences`, since a

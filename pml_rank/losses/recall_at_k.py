@@ -45,11 +45,12 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks, reference_is_batch
+from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .query_panels import (
     any_per_row,
     differences,
     is_all_true,
+    left_out_filled_,
     panel_buffer,
     query_panels,
     row_counts,
@@ -142,12 +143,26 @@ class RecallAtKSurrogateLoss(RankLossBase):
             )
         # Without a separate ref_emb, PML's distance normalises the embeddings once.
         scores = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
-        positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
         query_index = torch.arange(len(embeddings), device=embeddings.device)
         if self.similarity_mixup:
-            scores, positive, negative, query_index = with_virtual_samples(scores, labels)
-        ranked = positive | negative
-        keep = any_per_row(positive) & any_per_row(negative)
+            scores, labels, query_index = with_virtual_samples(scores, labels)
+            ref_labels = labels
+        if indices_tuple is None:  # no [queries, references] mask is needed
+            pair_query, pair_positive = label_pairs(labels, ref_labels)
+            positives = torch.bincount(pair_query, minlength=len(scores))
+            left_out = None
+            if batch_is_reference:  # each query's own column
+                left_out = (torch.arange(len(scores), device=scores.device),) * 2
+            ranked = torch.full_like(positives, scores.shape[1] - (left_out is not None))
+            has_negative = ranked > positives
+        else:
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
+            pair_query, pair_positive = true_entries(positive)
+            positives = torch.bincount(pair_query, minlength=len(scores))
+            ranked = positive.logical_or_(negative)
+            left_out = None if is_all_true(ranked) else ~ranked
+            ranked, has_negative = row_counts(ranked), any_per_row(negative)
+        keep = (positives > 0) & has_negative
         self.num_queries = int(keep.sum())
         if self.num_queries == 0:
             return self.zero_losses()
@@ -158,15 +173,20 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 normalized = self.distance.maybe_normalize(embeddings)
                 own = self.distance.pairwise_distance(normalized, normalized)
             scores = torch.cat([scores, own.unsqueeze(1)], dim=1)
-            ranked = torch.cat([ranked, ranked.new_ones(len(ranked), 1)], dim=1)
-            positive = torch.cat([positive, positive.new_zeros(len(positive), 1)], dim=1)
-        if not bool(keep.all()):
-            scores, ranked, positive = scores[keep], ranked[keep], positive[keep]
-        k, normalizer = self.k_and_normalizer(ranked, positive, scores.dtype)
-        pair_query, pair_positive = true_entries(positive)
+            ranked = ranked + 1
+            if torch.is_tensor(left_out):
+                left_out = torch.cat([left_out, left_out.new_zeros(len(left_out), 1)], dim=1)
+        if self.num_queries < len(keep):
+            scores, ranked, positives = scores[keep], ranked[keep], positives[keep]
+            pair_query, pair_positive = kept_pairs(keep, pair_query, pair_positive)
+            if torch.is_tensor(left_out):
+                left_out = left_out[keep]
+            elif left_out is not None:
+                left_out = kept_pairs(keep, *left_out)
+        k, normalizer = self.k_and_normalizer(ranked, positives, scores.dtype)
         recall = _RelaxedRecallAtK.apply(
             scores,
-            ranked,
+            left_out,
             pair_query,
             pair_positive,
             k,
@@ -176,13 +196,22 @@ class RecallAtKSurrogateLoss(RankLossBase):
         )
         return {"loss": {"losses": 1 - recall, "indices": query_index[keep], "reduction_type": "element"}}
 
-    def k_and_normalizer(self, ranked, positive, dtype):
-        """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length,
-        and min(that k, the query's number of positives)."""
+    def k_and_normalizer(self, ranked, positives, dtype):
+        """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length
+        (`ranked`: each query's number of ranked references), and min(that k, the
+        query's number of `positives`)."""
         k = torch.tensor(self.k_values, device=ranked.device)
-        k = torch.minimum(k, row_counts(ranked).unsqueeze(1))
-        normalizer = torch.minimum(k, row_counts(positive).unsqueeze(1))
+        k = torch.minimum(k, ranked.unsqueeze(1))
+        normalizer = torch.minimum(k, positives.unsqueeze(1))
         return k.to(dtype), normalizer.to(dtype)
+
+
+def kept_pairs(keep, pair_query, pair_reference):
+    """The (query, reference) pairs of the queries where `keep` is True, their queries
+    renumbered among those."""
+    kept = keep[pair_query]
+    renumbered = torch.cumsum(keep, 0).sub_(1)
+    return renumbered[pair_query[kept]], pair_reference[kept]
 
 
 def same_class_pairs(labels):
@@ -194,38 +223,33 @@ def same_class_pairs(labels):
 def with_virtual_samples(scores, labels):
     """SiMix on a square similarity matrix of the batch against itself: the matrix of the
     batch followed by one virtual sample per same-class pair (i, j), the mixture
-    α·s(i, ·) + (1 − α)·s(j, ·) in rows and then in columns, α ~ U(0, 1); its positive and
-    negative masks (the diagonal in neither); and each row's query index (a virtual
-    sample's is its i)."""
+    α·s(i, ·) + (1 − α)·s(j, ·) in rows and then in columns, α ~ U(0, 1); the labels of
+    all samples; and each row's query index (a virtual sample's is its i)."""
     first, second = same_class_pairs(labels)
     alpha = torch.rand(len(first), dtype=scores.dtype, device=scores.device)
     rows = torch.cat([scores, torch.lerp(scores[second], scores[first], alpha.unsqueeze(1))])
     scores = torch.cat([rows, torch.lerp(rows[:, second], rows[:, first], alpha)], dim=1)
-    all_labels = torch.cat([labels, labels[first]])
-    positive = all_labels.unsqueeze(1) == all_labels.unsqueeze(0)
-    negative = ~positive
-    positive.fill_diagonal_(False)
     query_index = torch.cat([torch.arange(len(labels), device=labels.device), first])
-    return scores, positive, negative, query_index
+    return scores, torch.cat([labels, labels[first]]), query_index
 
 
 class _RelaxedRecallAtK(torch.autograd.Function):
     """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer,
-    from `scores` [queries, references], the `ranked` mask (the references of each
-    query's list), the positive pairs (`pair_query`, `pair_positive`, sorted by query)
+    from `scores` [queries, references], the pairs `left_out` of each query's list (see
+    `query_panels.left_out_filled_`), the positive pairs (`pair_query`, `pair_positive`, sorted by query)
     and per-query k and normalizer [queries, |K|]. The forward pass goes over the
     queries in panels (`query_panels`) and computes each query's gradient row while its
     rank sigmoids are in cache, from the pairs whose gradient is not zero; the backward
     pass scales the rows by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
-        inputs = scores, ranked, pair_query, pair_positive, k, normalizer
+    def forward(ctx, scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
+        inputs = scores, left_out, pair_query, pair_positive, k, normalizer
         recall, ctx.jacobian = _recall_and_jacobian(
             *inputs, rank_temperature, recall_temperature, with_jacobian=ctx.needs_input_grad[0]
         )
-        ctx.save_for_backward(*inputs)
-        ctx.temperatures = rank_temperature, recall_temperature
+        ctx.save_for_backward(scores, pair_query, pair_positive, k, normalizer)
+        ctx.left_out, ctx.temperatures = left_out, (rank_temperature, recall_temperature)
         return recall
 
     @staticmethod
@@ -235,16 +259,18 @@ class _RelaxedRecallAtK(torch.autograd.Function):
         # scaled by the incoming gradient, in place (a fresh matrix costs page faults).
         jacobian, ctx.jacobian = ctx.jacobian, None
         if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
-            _, jacobian = _recall_and_jacobian(*ctx.saved_tensors, *ctx.temperatures, with_jacobian=True)
+            scores, *pairs_and_k = ctx.saved_tensors
+            _, jacobian = _recall_and_jacobian(
+                scores, ctx.left_out, *pairs_and_k, *ctx.temperatures, with_jacobian=True
+            )
         return jacobian.mul_(grad_recall.unsqueeze(1)), None, None, None, None, None, None, None
 
 
 def _recall_and_jacobian(
-    scores, ranked, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature, with_jacobian
+    scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature, with_jacobian
 ):
     """`_RelaxedRecallAtK`'s recall per query and, when asked, the [queries, references]
     Jacobian of each query's recall with respect to its row of `scores` (else None)."""
-    left_out = None if is_all_true(ranked) else ~ranked
     anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
     recall = scores.new_empty(len(scores))
     # Only the pairs whose gradient is not zero add to it: zeros elsewhere.
@@ -252,9 +278,7 @@ def _recall_and_jacobian(
     panels = query_panels(pair_query, *scores.shape)
     buffer = panel_buffer(scores, panels, scores.shape[1])
     for queries, pairs in panels:
-        scaled = scores[queries] * (1 / rank_temperature)
-        if left_out is not None:
-            scaled.masked_fill_(left_out[queries], -torch.inf)
+        scaled = left_out_filled_(scores[queries] * (1 / rank_temperature), queries, left_out)
         # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
         # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
         sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()

@@ -21,12 +21,20 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks, with_query_as_positive
+from .base import (
+    RankLossBase,
+    label_pairs,
+    pair_masks,
+    reference_is_batch,
+    with_query_as_positive,
+    with_query_as_positive_pairs,
+)
 from .query_panels import (
     any_per_row,
     differences,
     is_all_true,
     jacobian_buffer,
+    left_out_filled_,
     panel_buffer,
     query_panels,
     true_entries,
@@ -73,36 +81,56 @@ class SmoothAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        has_positive = any_per_row(positive)
+        if indices_tuple is None:  # no [queries, references] mask is needed
+            pair_query, pair_positive = label_pairs(labels, ref_labels)
+            has_positive = torch.bincount(pair_query, minlength=len(labels)) > 0
+        else:
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+            has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
         # Without a separate ref_emb, PML's distance normalises the embeddings once.
         matrix = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
-        if self.include_query:
-            scores, positive, negative = with_query_as_positive(
-                self.distance, embeddings, ref_emb, scores, positive, negative
-            )
-        if not bool(has_positive.all()):  # a query whose only positive is itself is left out
-            positive[~has_positive] = False
-        ap = SmoothAPFunction.apply(scores, positive, negative, self.temperature)
+        if indices_tuple is None:
+            left_out = None
+            if self.include_query:
+                scores, pair_query, pair_positive = with_query_as_positive_pairs(
+                    self.distance, embeddings, ref_emb, scores, pair_query, pair_positive
+                )
+            elif reference_is_batch(labels, ref_labels):  # each query's own column
+                left_out = (torch.arange(len(labels), device=scores.device),) * 2
+        else:
+            if self.include_query:
+                scores, positive, negative = with_query_as_positive(
+                    self.distance, embeddings, ref_emb, scores, positive, negative
+                )
+            ranked = positive | negative
+            left_out = None if is_all_true(ranked) else ranked.logical_not_()
+            pair_query, pair_positive = true_entries(positive)
+        if self.num_queries < len(has_positive):  # a query whose only positive is itself is left out
+            kept = has_positive[pair_query]
+            pair_query, pair_positive = pair_query[kept], pair_positive[kept]
+        ap = SmoothAPFunction.apply(scores, pair_query, pair_positive, left_out, self.temperature)
         queries = torch.where(has_positive)[0]
         return {"loss": {"losses": 1 - ap[queries], "indices": queries, "reduction_type": "element"}}
 
 
 class SmoothAPFunction(torch.autograd.Function):
     """Smooth-AP of every query (0 for a query without positives) from `scores`
-    (queries x references), boolean `positive` and `negative` masks (a reference in
-    neither is left out of the query's ranking) and τ; exact analytic gradient with
-    respect to `scores`, each query's row computed in the forward pass (`query_panels`)."""
+    (queries x references), the positive pairs (`pair_query`, `pair_positive`: row-major
+    index tensors), the pairs `left_out` of each query's ranking (see
+    `query_panels.left_out_filled_`; every other reference is a negative) and τ; exact
+    analytic gradient with respect to `scores`, each query's row computed in the forward
+    pass (`query_panels`)."""
 
     @staticmethod
-    def forward(ctx, scores, positive, negative, temperature):
-        ap, ctx.jacobian = _ap_and_jacobian(scores, positive, negative, temperature, ctx.needs_input_grad[0])
-        ctx.save_for_backward(scores, positive, negative)
-        ctx.temperature = temperature
+    def forward(ctx, scores, pair_query, pair_positive, left_out, temperature):
+        inputs = scores, pair_query, pair_positive, left_out, temperature
+        ap, ctx.jacobian = _ap_and_jacobian(*inputs, ctx.needs_input_grad[0])
+        ctx.save_for_backward(scores, pair_query, pair_positive)
+        ctx.left_out, ctx.temperature = left_out, temperature
         return ap
 
     @staticmethod
@@ -112,16 +140,13 @@ class SmoothAPFunction(torch.autograd.Function):
         # by the incoming gradient, in place (a fresh matrix costs page faults).
         jacobian, ctx.jacobian = ctx.jacobian, None
         if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
-            _, jacobian = _ap_and_jacobian(*ctx.saved_tensors, ctx.temperature, True)
-        return jacobian.mul_(grad_ap.unsqueeze(1)), None, None, None
+            _, jacobian = _ap_and_jacobian(*ctx.saved_tensors, ctx.left_out, ctx.temperature, True)
+        return jacobian.mul_(grad_ap.unsqueeze(1)), None, None, None, None
 
 
-def _ap_and_jacobian(scores, positive, negative, temperature, with_jacobian):
+def _ap_and_jacobian(scores, pair_query, pair_positive, left_out, temperature, with_jacobian):
     """`SmoothAPFunction`'s AP per query and, when asked, the [queries, references]
     Jacobian of each query's AP with respect to its row of `scores` (else None)."""
-    ranked = positive | negative
-    left_out = None if is_all_true(ranked) else ranked.logical_not_()
-    pair_query, pair_positive = true_entries(positive)
     own = scores[pair_query, pair_positive] / temperature
     ap = scores.new_zeros(len(scores))
     jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
@@ -130,9 +155,7 @@ def _ap_and_jacobian(scores, positive, negative, temperature, with_jacobian):
     for queries, pairs in panels:
         # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
         # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
-        scaled = scores[queries] / temperature
-        if left_out is not None:
-            scaled.masked_fill_(left_out[queries], float("-inf"))
+        scaled = left_out_filled_(scores[queries] / temperature, queries, left_out)
         panel_own = own[pairs]
         over_all = differences(scaled, panel_own, buffer).sigmoid_()
         over_positives = differences(panel_own, panel_own).sigmoid_()

@@ -17,6 +17,7 @@ from pml_rank.harness.references import auc as auc_reference
 from pml_rank.harness.references import npairs as npairs_reference
 from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, query_panels
 from pml_rank.losses.auc import relaxed_roc_area, thresholds
+from pml_rank.losses.base import label_pairs, pair_masks
 from pml_rank.losses.npairs import EXP_FLOOR
 
 
@@ -396,3 +397,33 @@ def test_mask_helpers_equal_torchs_reductions_on_any_layout(shape, density):
             assert torch.equal(ours, expected)
         assert torch.equal(query_panels.row_counts(mask), mask.sum(1, dtype=torch.int32))
         assert query_panels.is_all_true(mask) == bool(mask.all())
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["references are the batch", "separate references"])
+def test_label_pairs_equal_the_positive_mask_entries(batch):
+    """`label_pairs` (sorted labels, no mask) against the entries of `pair_masks`'s
+    positive mask, row-major: shuffled and unequal classes, singletons, negative labels,
+    labels of two integer types, and empty batches."""
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        size = trial % 23
+        labels = torch.randint(-3, 6, (size,), generator=generator)
+        ref_labels = labels if batch else torch.randint(-3, 6, (trial % 17,), generator=generator).int()
+        positive, _ = pair_masks(labels, ref_labels)
+        for ours, expected in zip(label_pairs(labels, ref_labels), positive.nonzero(as_tuple=True)):
+            assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("queries", [slice(2, 6), torch.tensor([0, 3, 4, 6])], ids=["slice", "indices"])
+def test_left_out_pairs_are_filled_alike_from_a_mask_or_indices(queries):
+    """`left_out_filled_` writes −inf at the same entries of a panel's rows whether the
+    left-out pairs come as a boolean mask or as their sorted indices, and leaves the
+    other entries as they were."""
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(7, 9, generator=generator)
+    left_out = torch.rand(7, 9, generator=generator) < 0.2
+    expected = scores[queries].masked_fill(left_out[queries], -torch.inf)
+    assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, left_out), expected)
+    indices = left_out.nonzero(as_tuple=True)
+    assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, indices), expected)
+    assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, None), scores[queries])

@@ -200,22 +200,25 @@ def test_panels_do_not_change_the_result(panel_elements, shuffled, monkeypatch):
     assert_same(value_and_grad(RecallAtKSurrogateLoss(), embeddings, labels), whole, rtol=1e-12, atol=1e-14)
 
 
-def test_gradcheck_of_the_relaxed_recall():
+@pytest.mark.parametrize("as_indices", [False, True], ids=["left out as a mask", "left out as indices"])
+def test_gradcheck_of_the_relaxed_recall(as_indices):
     """The analytic backward against finite differences, on similarities directly
-    (gaps well inside the sigmoid's range: τ1 = 0.2)."""
+    (gaps well inside the sigmoid's range: τ1 = 0.2), with the pairs left out of the
+    ranking given either way `query_panels.left_out_filled_` takes them."""
     generator = torch.Generator().manual_seed(0)
     scores = (torch.rand(6, 9, generator=generator, dtype=torch.float64) * 2 - 1).requires_grad_()
-    ranked = torch.ones(6, 9, dtype=torch.bool)
-    ranked[torch.arange(6), torch.arange(6)] = False
-    ranked[0, 8] = False
-    positive = torch.zeros_like(ranked)
+    left_out = torch.zeros(6, 9, dtype=torch.bool)
+    left_out[torch.arange(6), torch.arange(6)] = True
+    left_out[0, 8] = True
+    positive = torch.zeros_like(left_out)
     positive[[0, 0, 1, 2, 3, 3, 3, 4, 5], [1, 2, 0, 7, 4, 5, 6, 3, 2]] = True
     loss = RecallAtKSurrogateLoss(k_values=[1, 2, 4], rank_temperature=0.2, recall_temperature=0.7)
-    k, normalizer = loss.k_and_normalizer(ranked, positive, torch.float64)
+    k, normalizer = loss.k_and_normalizer((~left_out).sum(1), positive.sum(1), torch.float64)
     query, element = positive.nonzero(as_tuple=True)
+    left_out_arg = left_out.nonzero(as_tuple=True) if as_indices else left_out
 
     def recall(s):
-        return recall_at_k._RelaxedRecallAtK.apply(s, ranked, query, element, k, normalizer, 0.2, 0.7)
+        return recall_at_k._RelaxedRecallAtK.apply(s, left_out_arg, query, element, k, normalizer, 0.2, 0.7)
 
     assert torch.autograd.gradcheck(recall, (scores,))
 
