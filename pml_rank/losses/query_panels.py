@@ -138,8 +138,11 @@ def left_out_filled_(rows, queries, left_out):
     if torch.is_tensor(left_out):
         return rows.masked_fill_(left_out[queries], -torch.inf)
     at_query, at_reference = left_out
-    if isinstance(queries, slice):
-        queries = torch.arange(queries.start, queries.stop, device=rows.device)
+    if isinstance(queries, slice):  # one run of the sorted pairs
+        bounds = torch.tensor([queries.start, queries.stop], device=at_query.device)
+        first, stop = torch.searchsorted(at_query, bounds).tolist()
+        rows[at_query[first:stop] - queries.start, at_reference[first:stop]] = -torch.inf
+        return rows
     place = torch.searchsorted(queries, at_query).clamp_(max=len(queries) - 1)
     inside = queries[place] == at_query
     rows[place[inside], at_reference[inside]] = -torch.inf

@@ -50,6 +50,7 @@ from .query_panels import (
     any_per_row,
     differences,
     is_all_true,
+    jacobian_buffer,
     left_out_filled_,
     panel_buffer,
     query_panels,
@@ -273,8 +274,8 @@ def _recall_and_jacobian(
     Jacobian of each query's recall with respect to its row of `scores` (else None)."""
     anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
     recall = scores.new_empty(len(scores))
-    # Only the pairs whose gradient is not zero add to it: zeros elsewhere.
-    jacobian = torch.zeros_like(scores) if with_jacobian else None
+    # Each panel zeroes its queries' rows, then adds the pairs whose gradient is not zero.
+    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
     panels = query_panels(pair_query, *scores.shape)
     buffer = panel_buffer(scores, panels, scores.shape[1])
     for queries, pairs in panels:
@@ -290,6 +291,11 @@ def _recall_and_jacobian(
         recall[queries] = (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
         if jacobian is None:
             continue
+        if isinstance(queries, slice):
+            target, to_row = jacobian[queries].zero_(), None
+        else:
+            jacobian[queries] = 0
+            target, to_row = jacobian, queries
         # d recall / d r(q, x): through every k whose count is not clipped.
         slope = in_top_k.mul_(1 - in_top_k).mul_(margins.abs_() < SIGMOID_LIMIT)
         weight = ((counts < k[queries]) / normalizer[queries]).unsqueeze(1)
@@ -302,7 +308,7 @@ def _recall_and_jacobian(
         # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
         weights = F.threshold_(active.addcmul_(active, active, value=-1), _SLOPE_AT_LIMIT, 0.0)
         weights.mul_(grad_ranks[row, column].unsqueeze(1))
-        target, target_rows = (jacobian[queries], row) if isinstance(queries, slice) else (jacobian, queries[row])
+        target_rows = row if to_row is None else to_row[row]
         target.index_add_(0, target_rows, weights)
         target[target_rows, pair_positive[pairs[row, column]]] -= weights.sum(1)
     return recall, jacobian
