@@ -154,15 +154,16 @@ class RecallAtKSurrogateLoss(RankLossBase):
             left_out = None
             if batch_is_reference:  # each query's own column
                 left_out = (torch.arange(len(scores), device=scores.device),) * 2
+            # Each query's number of ranked references, as `positives` counts its positives.
             ranked = torch.full_like(positives, scores.shape[1] - (left_out is not None))
             has_negative = ranked > positives
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
             pair_query, pair_positive = true_entries(positive)
             positives = torch.bincount(pair_query, minlength=len(scores))
-            ranked = positive.logical_or_(negative)
-            left_out = None if is_all_true(ranked) else ~ranked
-            ranked, has_negative = row_counts(ranked), any_per_row(negative)
+            ranked_pairs = positive.logical_or_(negative)
+            left_out = None if is_all_true(ranked_pairs) else ~ranked_pairs
+            ranked, has_negative = row_counts(ranked_pairs), any_per_row(negative)
         keep = (positives > 0) & has_negative
         self.num_queries = int(keep.sum())
         if self.num_queries == 0:
