@@ -132,7 +132,7 @@ def left_out_filled_(rows, queries, left_out):
     −inf at the pairs left out of each query's ranking, in place. `left_out`: None (no
     pair is), a boolean [queries, references] mask, or the (query, reference) indices of
     a few left-out pairs sorted by query (the diagonal), written by index: a pass over a
-    boolean mask costs tens of times more."""
+    boolean mask costs several times more (76 against 15 µs for 128 x 2048 rows)."""
     if left_out is None:
         return rows
     if torch.is_tensor(left_out):
