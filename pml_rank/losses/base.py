@@ -7,7 +7,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_embeddings, check_references, checked_constructor
-from .query_panels import block_rows, mask_weights, query_blocks
+from .query_panels import block_rows, mask_weights, query_blocks, true_entries
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -157,8 +157,8 @@ def positive_slots(positive):
     (query, positive) pairs by slot: ``[(slot, rows)]``, where slot a holds the a-th
     positive of every query that has one, queries in order, so that one slot's work over
     the references is at most queries x references."""
-    rows, columns = positive.nonzero(as_tuple=True)
-    counts = positive.sum(1)
+    rows, columns = true_entries(positive)
+    counts = torch.bincount(rows, minlength=len(positive))  # a sum over a boolean matrix copies it to int64
     slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
     most = int(counts.max()) if len(rows) else 0
     positive_columns = torch.zeros(len(positive), most, dtype=torch.long, device=rows.device)
