@@ -127,6 +127,29 @@ def jacobian_buffer(scores, pair_query):
     return jacobian
 
 
+def left_out_of(positive, negative):
+    """The pairs in neither mask, left out of each query's ranking, as a boolean mask
+    (`left_out_filled_`'s form for many pairs); None when every pair is in one."""
+    ranked = positive | negative
+    return None if is_all_true(ranked) else ranked.logical_not_()
+
+
+def own_columns(num_queries, device):
+    """Each query's own column, (q, q) for every query q, in `left_out_filled_`'s index
+    form: what a ranking by labels leaves out when the references are the batch."""
+    return (torch.arange(num_queries, device=device),) * 2
+
+
+def left_out_per_query(left_out, num_queries):
+    """How many pairs `left_out` (in any of `left_out_filled_`'s forms) takes from each
+    query's ranking."""
+    if left_out is None:
+        return 0
+    if torch.is_tensor(left_out):
+        return row_counts(left_out)
+    return torch.bincount(left_out[0], minlength=num_queries)
+
+
 def left_out_filled_(rows, queries, left_out):
     """`rows`, the [r, references] rows of `queries` (a slice or sorted indices), with
     −inf at the pairs left out of each query's ranking, in place. `left_out`: None (no

@@ -49,12 +49,13 @@ from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .query_panels import (
     any_per_row,
     differences,
-    is_all_true,
     jacobian_buffer,
     left_out_filled_,
+    left_out_of,
+    left_out_per_query,
+    own_columns,
     panel_buffer,
     query_panels,
-    row_counts,
     true_entries,
 )
 
@@ -150,20 +151,16 @@ class RecallAtKSurrogateLoss(RankLossBase):
             ref_labels = labels
         if indices_tuple is None:  # no [queries, references] mask is needed
             pair_query, pair_positive = label_pairs(labels, ref_labels)
-            positives = torch.bincount(pair_query, minlength=len(scores))
-            left_out = None
-            if batch_is_reference:  # each query's own column
-                left_out = (torch.arange(len(scores), device=scores.device),) * 2
-            # Each query's number of ranked references, as `positives` counts its positives.
-            ranked = torch.full_like(positives, scores.shape[1] - (left_out is not None))
-            has_negative = ranked > positives
+            left_out = own_columns(len(scores), scores.device) if batch_is_reference else None
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
             pair_query, pair_positive = true_entries(positive)
-            positives = torch.bincount(pair_query, minlength=len(scores))
-            ranked_pairs = positive.logical_or_(negative)
-            left_out = None if is_all_true(ranked_pairs) else ~ranked_pairs
-            ranked, has_negative = row_counts(ranked_pairs), any_per_row(negative)
+            left_out = left_out_of(positive, negative)
+        positives = torch.bincount(pair_query, minlength=len(scores))
+        # Each query's number of ranked references, as `positives` counts its positives.
+        ranked = torch.full_like(positives, scores.shape[1]) - left_out_per_query(left_out, len(scores))
+        # By labels, every ranked reference that is no positive is a negative.
+        has_negative = ranked > positives if indices_tuple is None else any_per_row(negative)
         keep = (positives > 0) & has_negative
         self.num_queries = int(keep.sum())
         if self.num_queries == 0:

@@ -32,9 +32,10 @@ from .base import (
 from .query_panels import (
     any_per_row,
     differences,
-    is_all_true,
     jacobian_buffer,
     left_out_filled_,
+    left_out_of,
+    own_columns,
     panel_buffer,
     query_panels,
     true_entries,
@@ -99,15 +100,14 @@ class SmoothAPLoss(RankLossBase):
                 scores, pair_query, pair_positive = with_query_as_positive_pairs(
                     self.distance, embeddings, ref_emb, scores, pair_query, pair_positive
                 )
-            elif reference_is_batch(labels, ref_labels):  # each query's own column
-                left_out = (torch.arange(len(labels), device=scores.device),) * 2
+            elif reference_is_batch(labels, ref_labels):
+                left_out = own_columns(len(labels), scores.device)
         else:
             if self.include_query:
                 scores, positive, negative = with_query_as_positive(
                     self.distance, embeddings, ref_emb, scores, positive, negative
                 )
-            ranked = positive | negative
-            left_out = None if is_all_true(ranked) else ranked.logical_not_()
+            left_out = left_out_of(positive, negative)
             pair_query, pair_positive = true_entries(positive)
         if self.num_queries < len(has_positive):  # a query whose only positive is itself is left out
             kept = has_positive[pair_query]
