@@ -124,6 +124,12 @@ class SpeedCommand(Command):
             "--device", type=device, default="cpu", help=f"torch device: {DEVICE_HELP} (default %(default)s)"
         )
         parser.add_argument(
+            "--amp",
+            action="store_true",
+            help="every contender, the floor included, under torch.autocast: float16 on CUDA, bfloat16 on the "
+            "CPU, as mixed-precision training calls a loss (default: float32)",
+        )
+        parser.add_argument(
             "--seed", type=non_negative_int, default=0, help="seed of the random inputs, >= 0 (default %(default)s)"
         )
         parser.add_argument("--out", default="pml-rank-results", help=OUT_HELP + "; writes speed-<loss>.json")

@@ -324,7 +324,7 @@ def test_a_preset_value_is_written_once_and_help_and_resolve_follow_it(monkeypat
 def test_every_option_help_shows_its_default(command):
     for action in _options(command):
         assert action.help, action.option_strings
-        if action.dest in PRESET_FILLED:  # what the presets give it
+        if command != "speed" and action.dest in PRESET_FILLED:  # what the presets give it
             assert any(name in action.help for name in ("glyphs", "reality-check", "both presets")), (
                 action.option_strings
             )

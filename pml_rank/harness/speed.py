@@ -341,10 +341,30 @@ def round_ratios(times, pairs):
     return {key: [x / y for x, y in zip(times[a], times[b]) if y > 0] for key, a, b in pairs}
 
 
-def _prepare(factory, device, prime, inputs):
+def amp_dtype(device):
+    """The half precision of mixed-precision training on `device`: float16 on CUDA (its
+    tensor cores, with a GradScaler), bfloat16 elsewhere (the CPU's autocast type)."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+
+
+def under_autocast(fn, dtype):
+    """`fn` called under `torch.autocast` in `dtype` on its first input's device, as a
+    mixed-precision training step calls a loss; `fn` itself when `dtype` is None."""
+    if dtype is None:
+        return fn
+
+    def call(*inputs):
+        with torch.autocast(inputs[0].device.type, dtype=dtype):
+            return fn(*inputs)
+
+    return call
+
+
+def _prepare(factory, device, prime, inputs, amp=False):
     fn = factory()
     if isinstance(fn, torch.nn.Module):
         fn.to(device)
+    fn = under_autocast(fn, amp_dtype(device) if amp else None)
     for _ in range(prime):
         _run(fn, inputs)
     return fn
@@ -395,13 +415,25 @@ def _machine():
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average": load,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda,
     }
 
 
 def measure(
-    name, sizes=DEFAULT_BATCH_SIZES, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0, progress=True, runs=1
+    name,
+    sizes=DEFAULT_BATCH_SIZES,
+    dim=DEFAULT_DIM,
+    repeats=5,
+    warmup=1,
+    device="cpu",
+    seed=0,
+    progress=True,
+    runs=1,
+    amp=False,
 ):
-    """Time and measure every contender of loss `name` at each size.
+    """Time and measure every contender of loss `name` at each size (`amp`: every one under
+    `torch.autocast` in `amp_dtype`, the floor included).
 
     `runs` repeats the whole measurement (fresh losses, warm-up, `repeats` interleaved
     rounds). Returns a JSON-ready dict with one row per size: median seconds and peak
@@ -423,12 +455,13 @@ def measure(
         times_per_run = []
         for _ in range(runs):
             fns = {
-                label: (_prepare(factory, device, case.prime, inputs), inputs) for label, factory in factories.items()
+                label: (_prepare(factory, device, case.prime, inputs, amp), inputs)
+                for label, factory in factories.items()
             }
             times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
         memory = {}
         for label, factory in factories.items():
-            memory[label] = peak_memory(_prepare(factory, device, case.prime, inputs), inputs, device)
+            memory[label] = peak_memory(_prepare(factory, device, case.prime, inputs, amp), inputs, device)
             bar.update()
         seconds = {label: statistics.median(t for times in times_per_run for t in times[label]) for label in factories}
         stats, run_medians, raw = _aggregate(times_per_run, pairs)
@@ -459,6 +492,7 @@ def measure(
         "repeats": repeats,
         "runs": runs,
         "device": str(device),
+        "autocast": str(amp_dtype(device)).removeprefix("torch.") if amp else None,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "rows": rows,
@@ -520,6 +554,7 @@ def format_table(result):
     lines = [
         f"{result['loss']}: forward+backward, dim {result['dim']}, {result.get('runs', 1)} run(s) of "
         f"{result['repeats']} rounds, {result['device']}, {result['threads']} threads"
+        + (f", autocast {result['autocast']}" if result.get("autocast") else "")
     ]
     header = [result["size_name"]] + [f"{label} s" for label in labels] + [f"{label} MB" for label in labels]
     ratio_keys = sorted({k for row in result["rows"] for k in row["ratios"]})
@@ -556,6 +591,15 @@ def format_underflow(results):
     return format_text_table(("loss", "size", "normal s", "underflow s", "underflow/normal", "min-max"), rows)
 
 
+def _device_lines(report):
+    """Where the measured work ran and in which precision, for the report's header."""
+    results = report["results"] or report["underflow"] or [{}]
+    device, autocast = results[0].get("device", "cpu"), results[0].get("autocast")
+    machine = report["machine"]
+    where = f"GPU {machine.get('gpu')} (CUDA {machine.get('cuda')}, times synchronised)" if "cuda" in device else "CPU"
+    return [f"Device: {device}, {where}; precision: {f'autocast {autocast}' if autocast else 'float32'}.", ""]
+
+
 def report_markdown(report):
     """The readable side of a speed report: time ratios with their spread, memory
     ratios, the no-slow-path case."""
@@ -569,6 +613,7 @@ def report_markdown(report):
         f"Python {machine['python']}, torch {machine['torch']}, {machine['threads']} thread(s); "
         f"load average at start {report['load_average_start']}, at end {report['load_average_end']}.",
         "",
+        *_device_lines(report),
         "Time ratios are ours / other, forward+backward: the median of the per-round ratios "
         "(contenders interleaved within each round) over all rounds of all runs, with their "
         "min-max and each run's median. Memory: peak bytes above the inputs, one measurement. "
@@ -652,7 +697,14 @@ def run_command(names, args, out):
     for name in names:
         sizes = args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES
         result = measure(
-            name, sizes=sizes, dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs
+            name,
+            sizes=sizes,
+            dim=args.dim,
+            repeats=args.repeats,
+            device=args.device,
+            seed=args.seed,
+            runs=args.runs,
+            amp=args.amp,
         )
         results.append(result)
         print(format_table(result))

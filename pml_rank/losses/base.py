@@ -1,3 +1,5 @@
+import contextlib
+
 import torch
 from pytorch_metric_learning.distances import BaseDistance
 from pytorch_metric_learning.losses import BaseMetricLossFunction
@@ -16,10 +18,14 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 class RankLossBase(BaseMetricLossFunction):
     """Base of pml-rank's losses: PML's `BaseMetricLossFunction` that first rejects bad
     input with an error naming the loss and the offending value, so that a NaN never
-    travels silently into training, and computes float16/bfloat16 input in float32
-    (similarities, exponentials and sums overflow or lose all precision in half
-    precision; the gradient flows back in the input's dtype). A batch without rows, or
-    without references, gives PML's zero loss.
+    travels silently into training, and computes in float32 whatever the input's dtype
+    and whether `torch.autocast` is on: float16/bfloat16 input is upcast and autocast is
+    switched off inside the loss, so similarities, counts, ranks and sums are float32 and
+    the loss is a float32 number (in bfloat16, 256 + 1 = 256; a similarity rounded to 8
+    bits moves a sigmoid of temperature 0.01 by a third of its range). The gradient flows
+    back in the input's dtype. PML's `c_f.to_dtype` is a no-op under autocast, so PML's
+    own losses leave this to each loss. A batch without rows, or without references,
+    gives PML's zero loss.
 
     Every constructor argument of a subclass is checked against the annotations of its
     ``__init__`` (``step: float = 0.005``), which every parameter must have, before any
@@ -56,7 +62,8 @@ class RankLossBase(BaseMetricLossFunction):
         same = ref_emb is embeddings
         embeddings = _at_least_float32(embeddings)
         ref_emb = embeddings if same else _at_least_float32(ref_emb)
-        loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        with autocast_off(embeddings.device):
+            loss = super().forward(embeddings, labels, indices_tuple, ref_emb, ref_labels)
         if torch.is_tensor(loss) and not bool(torch.isfinite(loss)):
             # Inputs were finite, so only their scale can have done this (1e20-norm rows).
             norms = [t.double().norm(dim=-1).max().item() for t in (embeddings, ref_emb) if t is not None and t.numel()]
@@ -66,6 +73,15 @@ class RankLossBase(BaseMetricLossFunction):
                 "Normalise or rescale the embeddings."
             )
         return loss
+
+
+def autocast_off(device):
+    """A context in which `torch.autocast` is off for `device`'s type (a no-op for a device
+    type autocast does not know)."""
+    try:
+        return torch.autocast(device.type, enabled=False)
+    except RuntimeError:
+        return contextlib.nullcontext()
 
 
 def _at_least_float32(tensor):

@@ -1,3 +1,4 @@
+import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.losses import BaseMetricLossFunction
@@ -18,10 +19,14 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
         if len(a1) == 0 or len(a2) == 0:
             return self.zero_losses()
-        sim = self.distance(embeddings, ref_emb)
-        positive = F.softplus(-self.alpha * (sim[a1, p] - self.beta))
-        negative = F.softplus(self.alpha * self.cost * (sim[a2, n] - self.beta))
-        loss = positive.mean() + negative.mean()
+        # In float32 under autocast too: the means of many pairs keep no digits in 16 bits.
+        with torch.autocast(embeddings.device.type, enabled=False):
+            dtype = torch.promote_types(embeddings.dtype, torch.float32)
+            queries = embeddings.to(dtype)
+            sim = self.distance(queries, queries if ref_emb is embeddings else ref_emb.to(dtype))
+            positive = F.softplus(-self.alpha * (sim[a1, p] - self.beta))
+            negative = F.softplus(self.alpha * self.cost * (sim[a2, n] - self.beta))
+            loss = positive.mean() + negative.mean()
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
     def get_default_distance(self):

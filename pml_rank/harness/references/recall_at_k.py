@@ -39,7 +39,7 @@ def recall_at_k_loss(
     similarities = queries @ references.T
     losses = []
     for q in range(len(queries)):
-        ranked = torch.ones(len(references), dtype=torch.bool)
+        ranked = torch.ones(len(references), dtype=torch.bool, device=references.device)
         if same_set:
             ranked[q] = False
         positives = (ref_labels == labels[q]) & ranked

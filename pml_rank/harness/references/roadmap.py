@@ -39,13 +39,13 @@ def _similarities(embeddings, labels, ref_emb, ref_labels, allowed_pairs):
     ref_labels = labels if in_batch else ref_labels
     rankings = []
     for q in range(len(queries)):
-        keep = torch.ones(len(references), dtype=torch.bool)
+        keep = torch.ones(len(references), dtype=torch.bool, device=references.device)
         if in_batch:
             keep[q] = False
         if allowed_pairs is not None:
-            keep &= torch.tensor([(q, j) in allowed_pairs for j in range(len(references))])
+            keep &= torch.tensor([(q, j) in allowed_pairs for j in range(len(references))], device=keep.device)
         scores = torch.cat([(queries[q] @ queries[q]).unsqueeze(0), references[keep] @ queries[q]])
-        positive = torch.cat([torch.tensor([True]), ref_labels[keep] == labels[q]])
+        positive = torch.cat([keep.new_ones(1), ref_labels[keep] == labels[q]])
         rankings.append((scores, positive))
     return rankings
 
