@@ -160,3 +160,18 @@ def test_speed_on_cuda_through_the_command_times_every_loss_and_contender(tmp_pa
     for result in written["results"]:
         assert result["device"] == "cuda"
         assert all(ratio > 0 for row in result["rows"] for ratio in row["ratios"].values())
+
+
+def test_validation_on_cuda_measures_what_the_cpu_measures():
+    from pml_rank.harness.evaluation.training import make_tester
+
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(30).repeat_interleave(6)
+    points = torch.randn(30, 16, generator=generator)[labels] + 0.7 * torch.randn(len(labels), 16, generator=generator)
+    dataset = torch.utils.data.TensorDataset(points, labels)
+    accuracies = {}
+    for device in DEVICES:
+        tester = make_tester(device)
+        tester.test({"val": dataset}, 1, torch.nn.Identity().to(device))
+        accuracies[device] = tester.all_accuracies["val"]
+    assert accuracies["cuda"] == pytest.approx(accuracies["cpu"], abs=1e-6)

@@ -22,13 +22,15 @@ import numpy as np
 import torch
 import tqdm as tqdm_module
 from pytorch_metric_learning import samplers, testers, trainers
+from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.testers import base_tester
 from pytorch_metric_learning.trainers import base_trainer
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+from pytorch_metric_learning.utils.inference import CustomKNN
 
-from .metrics import METRICS
+from .metrics import METRICS, knn_backend
 
 VALIDATION_SPLIT = "val"
 
@@ -201,17 +203,28 @@ def quiet_pml(quiet=True):
 EMBEDDING_BATCH = 128
 
 
+# Queries whose distances to every reference are computed at once by the torch k-NN.
+KNN_QUERY_BLOCK = 4096
+
+
 def make_tester(
     device="cpu", batch_size=EMBEDDING_BATCH, end_of_testing_hook=None, normalize_embeddings=True, loader_workers=0
 ):
-    """PML's `GlobalEmbeddingSpaceTester` computing `METRICS` with k = "max_bin_count"."""
+    """PML's `GlobalEmbeddingSpaceTester` computing `METRICS` with k = "max_bin_count",
+    its neighbours searched where `metrics.knn_backend` says: PML's default faiss search,
+    or on a CUDA device without a GPU faiss, PML's torch k-NN (`CustomKNN`, squared L2 as
+    faiss's ``IndexFlatL2``) on the GPU."""
+    device = torch.device(device)
+    knn_func = None
+    if knn_backend(device) == "torch":
+        knn_func = CustomKNN(LpDistance(normalize_embeddings=False, power=2), batch_size=KNN_QUERY_BLOCK)
     return testers.GlobalEmbeddingSpaceTester(
         normalize_embeddings=normalize_embeddings,
         batch_size=batch_size,
         dataloader_num_workers=loader_workers,
-        data_device=torch.device(device),
+        data_device=device,
         end_of_testing_hook=end_of_testing_hook,
-        accuracy_calculator=AccuracyCalculator(include=METRICS, k="max_bin_count"),
+        accuracy_calculator=AccuracyCalculator(include=METRICS, k="max_bin_count", device=device, knn_func=knn_func),
     )
 
 

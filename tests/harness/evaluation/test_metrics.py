@@ -227,12 +227,36 @@ def test_bad_input_is_refused_naming_the_parameter(args, kwargs, message):
         accuracy(*args, **kwargs)
 
 
-@pytest.mark.skipif(faiss.get_num_gpus() > 0, reason="this faiss has GPU support")
-def test_a_cuda_device_with_a_cpu_only_faiss_warns_and_searches_on_the_cpu():
-    embeddings, labels = clustered(13, 100, 20, 4)
-    with pytest.warns(UserWarning, match="no GPU support"):
-        result = accuracy(embeddings, labels, device="cuda")
-    assert result == accuracy(embeddings, labels, device="cpu")
+def test_the_torch_search_finds_faiss_neighbours_in_faiss_order():
+    generator = np.random.default_rng(0)
+    reference = generator.standard_normal((500, 24)).astype(np.float32)
+    queries = generator.standard_normal((70, 24)).astype(np.float32)
+    index = faiss.IndexFlatL2(24)
+    index.add(reference)
+    expected_distances, expected = index.search(queries, 9)
+    distances, found = metrics_module.TorchFlatL2(reference, "cpu").search(queries, 9)
+    np.testing.assert_array_equal(found, expected)
+    np.testing.assert_allclose(distances, expected_distances, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_accuracy_with_the_torch_search_equals_faisss(with_reference, monkeypatch):
+    embeddings, labels = clustered(13, 400, 40, 8)
+    args = (embeddings[:250], labels[:250], embeddings[250:], labels[250:]) if with_reference else (embeddings, labels)
+    with_faiss = accuracy(*args, metrics=(*METRICS, "R@4"), device="cpu")
+    monkeypatch.setattr(metrics_module, "knn_backend", lambda device: "torch")
+    assert accuracy(*args, metrics=(*METRICS, "R@4"), device="cpu") == with_faiss
+
+
+def test_retrieval_without_a_gpu_uses_faiss_on_the_cpu():
+    assert metrics_module.knn_backend("cpu") == "faiss-cpu"
+    if not torch.cuda.is_available():
+        assert metrics_module.knn_backend("cuda") == "faiss-cpu"
+
+
+@pytest.mark.cuda
+def test_retrieval_on_cuda_runs_on_the_gpu():
+    assert metrics_module.knn_backend("cuda") == ("faiss-gpu" if metrics_module.faiss_has_gpu() else "torch")
 
 
 @pytest.mark.cuda
