@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pml_rank import cli
-from pml_rank.harness import arguments, budget
+from pml_rank.harness import arguments, budget, workers
 
 ROOT = Path(__file__).resolve().parents[1]
 # Nothing is trained when a command returns this fast (a bench trains for minutes). Generous on
@@ -296,12 +296,35 @@ def test_each_command_brings_its_options_and_its_handler():
 
 
 @pytest.mark.parametrize("command", ["bench", "tune"])
-def test_workers_default_to_one_per_device_else_one_per_core(command):
+def test_workers_default_to_one_per_core_on_the_cpu_else_per_device(command):
     parser = cli.build_parser()
-    assert cli._workers(parser.parse_args([command])) == (os.cpu_count() or 1)
+    glyphs = budget.resolve("glyphs")
+    assert cli._workers(parser.parse_args([command]), glyphs) == (os.cpu_count() or 1)
     devices = ["cpu"] * 3
-    assert cli._workers(parser.parse_args([command, "--devices", ",".join(devices)])) == len(devices)
-    assert cli._workers(parser.parse_args([command, "--devices", ",".join(devices), "--workers", "5"])) == 5
+    assert cli._workers(parser.parse_args([command, "--devices", ",".join(devices)]), glyphs) == len(devices)
+    given = [command, "--devices", ",".join(devices), "--workers", "5"]
+    assert cli._workers(parser.parse_args(given), glyphs) == 5
+
+
+def test_on_a_gpu_the_small_cnn_shares_it_and_an_imagenet_trunk_has_it_alone():
+    per_gpu = workers.PROCESSES_PER_GPU["small-cnn"]
+    assert per_gpu > 1
+    assert workers.default_processes(["cuda"], "small-cnn", cores=16) == per_gpu
+    assert workers.default_processes(["cuda:0", "cuda:1"], "small-cnn", cores=16) == 2 * per_gpu
+    assert workers.default_processes(["cuda"], "small-cnn", cores=2) == 2  # never more than the cores
+    assert workers.default_processes(["cuda"], "resnet50", cores=16) == 1
+    assert workers.default_processes(["cuda:0", "cuda:1"], "resnet50", cores=16) == 2
+    assert workers.default_processes(["cpu"], "resnet50", cores=16) == 16
+
+
+def test_loader_workers_decode_images_for_a_gpu_only():
+    assert workers.default_loader_workers("cpu", in_memory=False, processes=1, cores=16) == 0
+    assert workers.default_loader_workers("cuda", in_memory=True, processes=4, cores=16) == 0
+    assert workers.default_loader_workers("cuda", in_memory=False, processes=1, cores=16) == (
+        workers.LOADER_WORKERS_PER_GPU_PROCESS
+    )
+    assert workers.default_loader_workers("cuda", in_memory=False, processes=8, cores=16) == 1  # the cores left
+    assert workers.default_loader_workers("cuda", in_memory=False, processes=2, cores=2) == 0
 
 
 # The options a preset fills when they are not given (their argparse default is None).

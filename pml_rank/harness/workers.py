@@ -3,6 +3,7 @@
 machine and one on another are alike. The calling process only shows progress."""
 
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -10,6 +11,38 @@ import time
 import warnings
 
 from .storage import StorageUnavailable, unavailable_in
+
+# How many processes share one GPU, by trunk, measured on one H100 (`bash .ci/gpu`'s sweep,
+# examples/results/gpu-check.md): the small CNN's steps are launch-bound, so one process
+# leaves the GPU mostly idle while several keep it busy, until their CUDA contexts contend;
+# an ImageNet trunk's step fills the GPU alone.
+PROCESSES_PER_GPU = {"small-cnn": 4}
+# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (18 ms) needs a
+# batch of 32 JPEGs decoded and cropped in that time, which one process cannot do.
+LOADER_WORKERS_PER_GPU_PROCESS = 4
+
+
+def default_processes(devices, trunk, cores=None):
+    """Local worker processes when --workers is not given: one per core on the CPU (each
+    on one thread); on GPUs, `PROCESSES_PER_GPU` for `trunk` (1 for the ImageNet trunks)
+    on each of `devices`, at most one per core."""
+    cores = cores or os.cpu_count() or 1
+    gpus = [d for d in devices if not d.startswith("cpu")]
+    if not gpus:
+        return len(devices) if len(devices) > 1 else cores
+    per_gpu = PROCESSES_PER_GPU.get(trunk, 1)
+    return max(len(devices), min(cores, per_gpu * len(gpus) + len(devices) - len(gpus)))
+
+
+def default_loader_workers(device, in_memory, processes, cores=None):
+    """Data-loading processes per worker when --loader-workers is not given: none on the
+    CPU (decoding would take the cores the steps use) or for data held in memory (the
+    glyphs); on a GPU, `LOADER_WORKERS_PER_GPU_PROCESS`, within the cores left to each
+    worker."""
+    cores = cores or os.cpu_count() or 1
+    if device.startswith("cpu") or in_memory:
+        return 0
+    return max(0, min(LOADER_WORKERS_PER_GPU_PROCESS, cores // processes - 1))
 
 
 def _main(target, args, gave_up):
