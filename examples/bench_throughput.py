@@ -1,16 +1,22 @@
 """The bench's training throughput as a ratio to the raw step.
 
-The raw step is what the bench cannot go below: SmallCNN forward, PML's TripletMarginLoss,
-backward and an Adam step on a batch already in memory, nothing else. The bench's rate is
-one fold model of `pml-rank bench` (PML's MetricLossOnly trainer with its hooks, the
-record-keeper, the sampler and data loader, and validation after every epoch) at the
-default budget, in iterations per second. Both run in this one process on one thread,
-alternately, so that other load on the machine hits them alike.
+The raw step is what a bench job cannot go below: the trunk (and embedding layer) forward,
+PML's TripletMarginLoss, backward and the budget's optimizer step on a batch already on the
+device, nothing else. The bench's rate is one fold model of `pml-rank bench` (PML's
+MetricLossOnly trainer with its hooks, the record-keeper, the sampler and data loader with
+the device's default loader processes, validation after every epoch and the best epoch's
+models kept) in iterations per second. Both run in this one process, alternately, so that
+other load on the machine hits them alike; on a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
+    python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
+
+The glyphs' small CNN runs on one thread (as a bench worker does); an ImageNet trunk from
+random weights (no weights file needed), on `--threads` threads on the CPU.
 """
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import time
@@ -18,83 +24,122 @@ import time
 import torch
 from pytorch_metric_learning import losses
 
+from pml_rank.harness import runner
 from pml_rank.harness.budget import resolve
-from pml_rank.harness.data import SmallCNN, load_glyphs
 from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
 from pml_rank.harness.evaluation.training import default_sampler, train_model
+from pml_rank.harness.workers import default_loader_workers
 
-DEFAULTS = resolve("glyphs")  # the glyph bench's budget
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def raw_step_seconds(train_set, batch_size, steps=50, channels_last=True):
+def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps=20, warmup=5):
+    """Seconds per raw step: `steps` steps on batches drawn by the bench's sampler, already
+    on the device."""
     torch.manual_seed(0)
+    batch_size, device = budget["batch_size"], config.device
     # One pass of the sampler holds about len(train_set) samples: draw passes until every
     # step has a full batch (a short slice would time empty batches).
     sampler = default_sampler(train_set.labels, batch_size)
     passes = itertools.chain.from_iterable(iter(sampler) for _ in itertools.count())
-    indices = list(itertools.islice(passes, batch_size * (steps + 10)))
-    images = torch.stack([train_set[i][0] for i in indices])
-    labels = torch.tensor([int(train_set.labels[i]) for i in indices])
-    net = SmallCNN(embedding_size=DEFAULTS["embedding_size"])
-    if not channels_last:  # the layout before this change, for comparison
-        net = net.to(memory_format=torch.contiguous_format)
-        images = images.contiguous()
-        features, embedding = net.features, net.embedding
-        net.forward = lambda x: embedding(features(x).mean(dim=(2, 3)))
-    loss, optimizer = losses.TripletMarginLoss(), torch.optim.Adam(net.parameters(), lr=DEFAULTS["lr"])
+    indices = list(itertools.islice(passes, batch_size * min(steps + warmup, 8)))
+    images = torch.stack([train_set[i][0] for i in indices]).to(device)
+    labels = torch.tensor([int(train_set.labels[i]) for i in indices], device=device)
+    trunk = make_trunk().to(device)
+    embedder = make_embedder().to(device) if make_embedder else torch.nn.Identity()
+    parameters = [*trunk.parameters(), *embedder.parameters()]
+    loss, optimizer = losses.TripletMarginLoss(), config.make_optimizer(parameters, config.lr)
+    batches = len(indices) // batch_size
 
     def step(b):
         optimizer.zero_grad()
-        batch = slice(b * batch_size, (b + 1) * batch_size)
-        loss(net(images[batch]), labels[batch]).backward()
+        batch = slice((b % batches) * batch_size, (b % batches + 1) * batch_size)
+        loss(embedder(trunk(images[batch])), labels[batch]).backward()
         optimizer.step()
 
-    for b in range(10):
+    for b in range(warmup):
         step(b)
+    synchronize(device)
     started = time.perf_counter()
-    for b in range(10, 10 + steps):
+    for b in range(steps):
         step(b)
+    synchronize(device)
     return (time.perf_counter() - started) / steps
 
 
-def bench_iteration_seconds(train_set, val_set, epochs, iterations):
+def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder):
+    synchronize(config.device)
     started = time.perf_counter()
-    config = TrainingConfig.from_budget(dict(DEFAULTS, epochs=epochs, iterations_per_epoch=iterations))
     train_model(
         losses.TripletMarginLoss(),
         train_set,
         config,
-        trunk=SmallCNN(embedding_size=DEFAULTS["embedding_size"]),
+        trunk=make_trunk(),
+        embedder=make_embedder() if make_embedder else None,
         val_set=val_set,
     )
-    return (time.perf_counter() - started) / (epochs * iterations)
+    synchronize(config.device)
+    return (time.perf_counter() - started) / (config.epochs * config.iterations_per_epoch)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
-    parser.add_argument("--iterations", type=int, default=DEFAULTS["iterations_per_epoch"])
+    parser.add_argument("--dataset", default="glyphs", help="glyphs or folder:PATH (default %(default)s)")
+    parser.add_argument("--trunk", help="small-cnn, resnet50, ... (default: the data set's preset's)")
+    parser.add_argument("--image-size", type=int, help="crop size of an image data set (default: its preset's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    parser.add_argument("--epochs", type=int, help="epochs of the fold model (default: the glyph bench's, 10)")
+    parser.add_argument("--iterations", type=int, help="iterations per epoch (default: the glyph bench's, 60)")
+    parser.add_argument("--loader-workers", type=int, help="default: the bench's default on --device")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of an ImageNet trunk (default 2)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    folds, _ = test_set_and_folds(load_glyphs(num_classes=DEFAULTS["num_classes"]), DEFAULTS["num_folds"])
+    glyphs = resolve("glyphs")
+    given = {"trunk": args.trunk, "image_size": args.image_size}
+    if args.trunk not in (None, "small-cnn"):
+        given["random_init"] = True
+    budget = resolve(args.dataset, **given)
+    budget.update(
+        epochs=args.epochs or glyphs["epochs"], iterations_per_epoch=args.iterations or glyphs["iterations_per_epoch"]
+    )
+    small = budget["trunk"] == "small-cnn"
+    torch.set_num_threads(1 if small else args.threads)
+    data = runner.dataset_of(budget, runner.Machine())
+    loader_workers = args.loader_workers
+    if loader_workers is None:
+        loader_workers = default_loader_workers(args.device, budget["dataset"] == "glyphs", processes=1)
+    config = dataclasses.replace(TrainingConfig.from_budget(budget), device=args.device, loader_workers=loader_workers)
+    folds, _ = test_set_and_folds(data, budget["num_folds"], runner.transforms_of(budget, data))
     train_set, val_set = folds[0]
-    bench_iteration_seconds(train_set, val_set, 1, 2)  # imports and first-call costs, once per process
-    raw, raw_nchw, bench = [], [], []
+    make_trunk, make_embedder = runner.model_factories(budget, data.channels)
+    # Imports, first-call costs and (CUDA) kernel selection, once per process.
+    bench_iteration_seconds(
+        train_set, val_set, dataclasses.replace(config, epochs=1, iterations_per_epoch=2), make_trunk, make_embedder
+    )
+    raw, bench = [], []
     for _ in range(args.repeats):
-        raw.append(raw_step_seconds(train_set, DEFAULTS["batch_size"]))
-        raw_nchw.append(raw_step_seconds(train_set, DEFAULTS["batch_size"], channels_last=False))
-        bench.append(bench_iteration_seconds(train_set, val_set, args.epochs, args.iterations))
+        raw.append(raw_step_seconds(train_set, budget, config, make_trunk, make_embedder))
+        bench.append(bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder))
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
 
     def spread(values, scale=1.0):
         return f"{scale * statistics.median(values):.2f} ({scale * min(values):.2f}-{scale * max(values):.2f})"
 
-    print(f"{args.repeats} rounds, median (min-max):")
-    print(f"raw step (SmallCNN channels-last + triplet + Adam, batch {DEFAULTS['batch_size']}): {spread(raw, 1000)} ms")
-    print(f"raw step, contiguous (NCHW) layout: {spread(raw_nchw, 1000)} ms")
+    where = (
+        torch.cuda.get_device_name(0)
+        if torch.device(args.device).type == "cuda"
+        else f"{torch.get_num_threads()} CPU thread(s)"
+    )
     print(
-        f"bench, one fold model, {args.epochs} epochs x {args.iterations} iterations with validation: "
+        f"{budget['trunk']}, {budget['dataset']}, image size {budget.get('image_size')}, batch {budget['batch_size']}, "
+        f"{budget['optimizer']}, {where}, loader workers {loader_workers}; {args.repeats} rounds, median (min-max):"
+    )
+    print(f"raw step: {spread(raw, 1000)} ms")
+    print(
+        f"bench, one fold model, {config.epochs} epochs x {config.iterations_per_epoch} iterations with validation: "
         f"{spread(bench, 1000)} ms per iteration"
     )
     print(f"throughput ratio bench / raw step: {spread(ratios)}")

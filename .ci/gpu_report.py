@@ -1,0 +1,155 @@
+"""Writes REPORT_DIR/gpu-check.json and .md from what `bash .ci/gpu` left in REPORT_DIR/logs
+(`--environment`: the machine's facts first, into logs/environment.json)."""
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+
+def environment():
+    import torch
+
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except FileNotFoundError:
+        smi = None
+    return {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "nvidia-smi": smi,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def read(path):
+    return path.read_text(errors="replace").replace("\r", "\n") if path.exists() else ""
+
+
+def speed_table(path):
+    """{loss: {size: time/floor}} (and memory/floor) of a speed report."""
+    if not path.exists():
+        return None
+    table = {}
+    for result in json.loads(path.read_text())["results"]:
+        for row in result["rows"]:
+            ratios = row["ratios"]
+            table.setdefault(result["loss"], {})[str(row["size"])] = {
+                "time/floor": round(ratios.get("time_vs_floor", float("nan")), 3),
+                "spread": [round(v, 3) for v in row["spread"].get("time_vs_floor", [])],
+                "memory/floor": round(ratios.get("memory_vs_floor", float("nan")), 3),
+                "ms": round(1000 * row["seconds"]["ours"], 3),
+                "floor ms": round(1000 * row["seconds"].get("floor", float("nan")), 3),
+            }
+    return table
+
+
+def build(report):
+    logs = report / "logs"
+    out = {"environment": json.loads(read(logs / "environment.json") or "{}")}
+    out["steps"] = list(csv.DictReader((logs / "steps.csv").open())) if (logs / "steps.csv").exists() else []
+    summary = [line for line in read(logs / "tests.log").splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    out["cuda tests"] = summary[-1].strip("= ") if summary else None
+    out["speed float32"] = speed_table(report / "speed-cuda.json")
+    out["speed autocast float16"] = speed_table(report / "speed-cuda-amp.json")
+    knn = read(logs / "knn.log")
+    out["knn"] = json.loads(knn[knn.index("{") :]) if "{" in knn and knn.rstrip().endswith("}") else None
+    out["throughput"] = [
+        line
+        for line in read(logs / "throughput.log").splitlines()
+        if re.match(r"(raw step|bench|throughput|resnet)", line)
+    ]
+    sweep = {}
+    for step in out["steps"]:
+        if step["step"].startswith("sweep-") and step["rc"] == "0":
+            sweep[step["step"].removeprefix("sweep-")] = float(step["seconds"])
+    out["sweep seconds by processes per GPU"] = sweep
+    bench = report / "bench" / "bench.json"
+    if bench.exists():
+        data = json.loads(bench.read_text())
+        out["glyph bench"] = {
+            "total_seconds": data.get("total_seconds"),
+            "rows": len(data["rows"]),
+            "log": read(logs / "bench.log").splitlines()[-3:],
+        }
+    return out
+
+
+def markdown(out):
+    env = out["environment"]
+    lines = [
+        f"# GPU check: {env.get('gpu')}",
+        "",
+        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}, {env.get('cpu_count')} CPUs; "
+        f"nvidia-smi: {env.get('nvidia-smi')}. Command: `bash .ci/gpu`.",
+        "",
+        "| step | limit s | exit | seconds |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {s['step']} | {s['limit']} | {s['rc']} | {s['seconds']} |" for s in out["steps"]]
+    lines += ["", f"cuda tests: {out['cuda tests']}", ""]
+    for key in ("speed float32", "speed autocast float16"):
+        if out.get(key):
+            lines += [
+                f"## {key}: time / floor (min-max), memory / floor, ms",
+                "",
+                "| loss | size | time/floor | memory/floor | ms | floor ms |",
+                "| --- | ---: | --- | ---: | ---: | ---: |",
+            ]
+            for loss, sizes in out[key].items():
+                for size, r in sizes.items():
+                    spread = "-".join(f"{v:.2f}" for v in r["spread"])
+                    cells = [loss, size, f"{r['time/floor']:.2f} ({spread})", f"{r['memory/floor']:.2f}"]
+                    lines.append("| " + " | ".join([*cells, str(r["ms"]), str(r["floor ms"])]) + " |")
+            lines.append("")
+    if out.get("knn"):
+        k = out["knn"]
+        lines += [
+            "## k-NN at SOP scale (60,000 x 128)",
+            "",
+            f"torch on the GPU: {k['torch on the GPU']['seconds']} s; faiss-cpu ({k['cpu_threads']} CPUs): "
+            f"{k['faiss-cpu']['seconds']} s; largest metric difference {k['largest difference']:.2e}",
+            "",
+        ]
+    if out.get("throughput"):
+        lines += [
+            "## ResNet-50 throughput (examples/bench_throughput.py)",
+            "",
+            *[f"    {t}" for t in out["throughput"]],
+            "",
+        ]
+    if out.get("sweep seconds by processes per GPU"):
+        lines += [
+            "## Glyph bench subset (8 jobs, 2 epochs) by processes per GPU: seconds",
+            "",
+            " | ".join(f"{p}: {s}" for p, s in out["sweep seconds by processes per GPU"].items()),
+            "",
+        ]
+    if out.get("glyph bench"):
+        lines += [
+            "## Default glyph bench on CUDA",
+            "",
+            f"{out['glyph bench']['rows']} rows in {out['glyph bench']['total_seconds']} s",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    report = Path(sys.argv[1])
+    (report / "logs").mkdir(parents=True, exist_ok=True)
+    if "--environment" in sys.argv:
+        (report / "logs" / "environment.json").write_text(json.dumps(environment(), indent=2))
+    else:
+        out = build(report)
+        (report / "gpu-check.json").write_text(json.dumps(out, indent=2))
+        (report / "gpu-check.md").write_text(markdown(out))
