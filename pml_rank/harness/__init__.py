@@ -15,7 +15,8 @@
     datasets.py     the data sets by command-line name; images.py: image files checked once
     data/           the embedded glyph data set, the real data sets' loaders, the small CNN
     backbones.py    torchvision trunks with ImageNet weights from the local cache
-    storage.py      the Optuna storage bench and tune share (SQLite, PostgreSQL)
+    storage.py      the Optuna storage bench and tune share (SQLite, PostgreSQL);
+                    storage_rules.py: its retry policy, heartbeat and stale-trial rule
     jobs.py         a bench's jobs in that storage; workers.py: worker processes and the
                     one claim loop of bench and tune
     bench.py        `pml-rank bench`; report.py: its table, CSV, JSON and PNG
