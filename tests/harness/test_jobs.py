@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pml_rank.harness import bench, jobs, recipes, report, runner
+from pml_rank.harness import bench, checks, jobs, recipes, report, runner
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.storage import close_storage, default_url, open_storage
 
@@ -197,7 +197,7 @@ def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_pa
     def no_data(*args, **kwargs):
         raise AssertionError("the data set was loaded")
 
-    monkeypatch.setattr(runner, "dataset_of", no_data)
+    monkeypatch.setattr(checks, "dataset_of", no_data)  # where `runner.check` loads it
     with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
         small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
     with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
