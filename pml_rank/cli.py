@@ -24,7 +24,7 @@ from .harness.budget import (
     dataset_argument,
     given_settings,
 )
-from .harness.storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY
+from .harness.storage_rules import DEFAULT_HEARTBEAT, DEFAULT_RETRY
 
 # The small CNN's steps are too short to gain from more threads per worker process.
 DEFAULT_THREADS = 1

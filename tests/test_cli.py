@@ -370,14 +370,6 @@ def test_help_states_the_constraints():
         assert name in speed["--sizes"] and " ".join(map(str, sizes)) in speed["--sizes"]
 
 
-def test_speed_help_sizes_are_the_sizes_speed_uses():
-    from pml_rank.harness import speed
-
-    assert tuple(speed.DEFAULT_BATCH_SIZES) == budget.SPEED_DEFAULT_SIZES
-    for name, case in speed.CASES.items():
-        assert case.default_sizes == budget.SPEED_DEFAULT_SIZES_PER_LOSS.get(name), name
-
-
 def test_add_budget_arguments_leaves_the_budget_to_the_preset_and_checks():
     parser = cli.add_budget_arguments(arguments.ArgumentParser(prog="tune"), "tune")
     args = parser.parse_args([])

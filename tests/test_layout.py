@@ -78,3 +78,37 @@ def test_the_length_rule_counts_a_function_from_its_def_to_its_last_line():
     body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST_FUNCTION - 1))
     assert long_functions(f"def f():\n{body}\n") == []
     assert long_functions(f"def f():\n{body}\n    return 0\n") == [("f", LONGEST_FUNCTION + 1)]
+
+
+def imported_modules(source, package):
+    """The absolute names of what `source`, a module of `package` ("pml_rank.losses"), imports."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            names += [module, *(f"{module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def test_the_library_never_imports_the_harness():
+    """The library (every module but the harness and the command line) stands under the harness:
+    `pip install pml-rank` users import none of it."""
+    library = [p for p in sorted(PACKAGE.rglob("*.py")) if "harness" not in p.parts and p.name != "cli.py"]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in library
+        for name in imported_modules(path.read_text(), ".".join(path.relative_to(PACKAGE.parent).parent.parts))
+        if name.startswith("pml_rank.harness")
+    ]
+    assert len(library) > 10 and found == []
+
+
+def test_imported_modules_resolves_relative_imports():
+    assert "pml_rank.harness.baselines.pnp_space" in imported_modules(
+        "from ..harness.baselines import pnp_space", "pml_rank.losses"
+    )
+    assert "pml_rank.harness" in imported_modules("from . import harness", "pml_rank")
+    assert imported_modules("import pml_rank.harness.tune", "pml_rank") == ["pml_rank.harness.tune"]

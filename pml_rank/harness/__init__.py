@@ -9,13 +9,17 @@
                     and the two classes its rows build (proxy_nca.py, zero_mean.py)
     components.py   components by name (``AUCLoss``, ``pml:TripletMarginLoss``)
     runner.py       one experiment: data set x trunk x budget x row x seed -> fold models
-                    -> metrics (`run`), and every check before any training (`check`)
+                    -> metrics (`run`); what bench, tune and the paper scripts import
+    experiment.py   what an experiment is made of: machine, data set, transforms, networks
+    checks.py       every check that can refuse an experiment before any training
+    saved_models.py an experiment's saved models: partial folders, reloading them for users
     evaluation/     the Reality Check and standard protocols (splits, folds, metrics,
                     training with PML)
     datasets.py     the data sets by command-line name; images.py: image files checked once
     data/           the embedded glyph data set, the real data sets' loaders, the small CNN
     backbones.py    torchvision trunks with ImageNet weights from the local cache
-    storage.py      the Optuna storage bench and tune share (SQLite, PostgreSQL)
+    storage.py      the Optuna storage bench and tune share (SQLite, PostgreSQL);
+                    storage_rules.py: its retry policy, heartbeat and stale-trial rule
     jobs.py         a bench's jobs in that storage; workers.py: worker processes and the
                     one claim loop of bench and tune
     bench.py        `pml-rank bench`; report.py: its table, CSV, JSON and PNG

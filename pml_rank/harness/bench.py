@@ -25,7 +25,8 @@ from .jobs import STORE_FILE as STORE_FILE  # the storage's file in --out, re-ex
 from .jobs import Job, JobStore, check_stored_bench
 from .report import BenchResult
 from .runner import RAW_INPUT, Machine
-from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, check_url
+from .storage import check_url
+from .storage_rules import DEFAULT_HEARTBEAT, DEFAULT_RETRY
 from .workers import run_processes
 
 

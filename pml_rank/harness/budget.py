@@ -30,8 +30,12 @@ PROTOCOLS = (REALITY_CHECK_PROTOCOL, STANDARD_PROTOCOL)
 TRUNKS = ("small-cnn", "bn-inception", "googlenet", "resnet50")
 # `--classes all`: every class of the data set.
 ALL_CLASSES = "all"
-# The Reality Check resizes to 256 and crops 227: a resize not given keeps that ratio.
-RESIZE_PER_IMAGE_SIZE = 256 / 227
+# How much larger than the crop (--image-size) the images are resized first, when --resize
+# is not given: the Reality Check crops 227 of a 256 resize (every bench and tune budget);
+# the older papers, ImageNet practice since ResNet, crop 224 of 256 (the paper scripts'
+# --image-size, `reproduce.running`).
+REALITY_CHECK_RESIZE_PER_CROP = 256 / 227
+PAPERS_RESIZE_PER_CROP = 256 / 224
 
 # Fixed by the protocol, never an option: the training classes are split into this many
 # cross-validation folds, one model each.
@@ -325,7 +329,7 @@ def _apply_image_keys(budget, given):
                 )
         budget.update(image_size=None, resize=None, augmentation="none")
     elif budget["image_size"] is not None and budget["resize"] is None:
-        budget["resize"] = round(budget["image_size"] * RESIZE_PER_IMAGE_SIZE)
+        budget["resize"] = round(budget["image_size"] * REALITY_CHECK_RESIZE_PER_CROP)
     if budget["resize"] is not None and budget["image_size"] is None:
         raise BudgetError("--resize", f"{budget['resize']} needs an --image-size to crop to")
     if budget["resize"] is not None and budget["resize"] < budget["image_size"]:
@@ -459,6 +463,8 @@ def dataset_argument(text):
 
 # `pml-rank speed`'s sizes when the command line names none: batch sizes, except for the
 # losses listed, whose sizes mean something else (RaMBOAPLoss: scores in one sequence).
+# Defined here, in a module without torch, so that `pml-rank speed --help` shows them;
+# speed.py runs with them.
 SPEED_DEFAULT_SIZES = (512, 1024, 2048)
 SPEED_DEFAULT_SIZES_PER_LOSS = {"RaMBOAPLoss": (100_000, 1_000_000)}
 

@@ -28,7 +28,8 @@ import socket
 import sys
 
 from .budget import MAP_AT_R, TRAINING_KEYS, digest, training_key
-from .storage import DEFAULT_HEARTBEAT, DEFAULT_RETRY, close_storage, open_storage, record_heartbeat_now
+from .storage import close_storage, open_storage, record_heartbeat_now
+from .storage_rules import DEFAULT_HEARTBEAT, DEFAULT_RETRY, Heartbeat, RetryPolicy
 from .workers import WAIT, claim_trials, fail_stale_trials
 
 STORE_FILE = "bench.db"
@@ -119,7 +120,7 @@ def check_stored_bench(url, budget, row_params, retry=DEFAULT_RETRY):
     import optuna
 
     _quiet_optuna()
-    storage = open_storage(url, retry=retry, read_only=True)
+    storage = open_storage(url, retry=RetryPolicy(retry), read_only=True)
     if storage is None:
         return
     try:
@@ -140,7 +141,7 @@ def stored_status(url, retry=DEFAULT_RETRY):
     import optuna
 
     _quiet_optuna()
-    storage = open_storage(url, retry=retry, read_only=True)
+    storage = open_storage(url, retry=RetryPolicy(retry), read_only=True)
     if storage is None:
         return []
     try:
@@ -188,7 +189,7 @@ class JobStore:
 
         _quiet_optuna()
         self.url, self.budget = url, budget
-        self.storage = open_storage(url, heartbeat, max_retry=None, retry=retry)
+        self.storage = open_storage(url, Heartbeat(heartbeat, requeues=None), RetryPolicy(retry))
         try:
             _check_no_other_bench(self.storage, budget)
             self.study = optuna.create_study(study_name=study_name(budget), storage=self.storage, load_if_exists=True)

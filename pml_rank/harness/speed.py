@@ -26,10 +26,11 @@ from tqdm import tqdm
 from ..losses.auc import AUCLoss
 from ..plugins import registry
 from . import outputs
+from .budget import SPEED_DEFAULT_SIZES as DEFAULT_BATCH_SIZES
+from .budget import SPEED_DEFAULT_SIZES_PER_LOSS
 from .references.auc import auc_bh_loss
 from .text_table import format_text_table
 
-DEFAULT_BATCH_SIZES = (512, 1024, 2048)
 DEFAULT_DIM = 512
 
 
@@ -221,7 +222,7 @@ CASES = {
         floor=sort_floor,
         inputs=labelled_scores(positive_rate=0.1),
         size_name="scores",
-        default_sizes=(100_000, 1_000_000),
+        default_sizes=SPEED_DEFAULT_SIZES_PER_LOSS["RaMBOAPLoss"],
         underflow_scale=1e4,
     ),
     # PML's PNPLoss builds B x B x B tensors (repeat, difference, sigmoid): capped at 512.

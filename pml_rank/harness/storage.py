@@ -1,31 +1,59 @@
 """The Optuna storage that holds `pml-rank tune`'s studies and `pml-rank bench`'s jobs: any
 SQLAlchemy URL Optuna's `RDBStorage` takes (a SQLite file by default, PostgreSQL for
-several machines). Running trials send heartbeats; a trial whose process died (SIGKILL,
-power loss) is failed once its heartbeat has stayed older than the grace period for a grace
-period, and queued again with the same parameters (Optuna's retry callback).
+several machines), opened by `open_storage` as a `RetryingRDBStorage`.
 
-The storage survives what databases do: once opened, every call that fails on a transient
-error (a refused, closed or shut-down connection, a locked SQLite file, a serialization
-failure) is retried with backoff for up to `DEFAULT_RETRY` seconds (``--storage-retry``),
-then gives up with `StorageUnavailable`, one line naming the cause. A storage that cannot
-be opened at all is refused at once (`StorageError`). Imports Optuna lazily."""
+Running trials send heartbeats; a trial whose process died (SIGKILL, power loss) is failed
+by the stale-trial rule (`storage_rules.Heartbeat`, `StaleTrials`) and queued again with the
+same parameters (Optuna's retry callback). Every call that fails on a transient error is
+retried as `storage_rules.RetryPolicy` says (``--storage-retry``), then gives up with
+`StorageUnavailable`, one line naming the cause. A storage that cannot be opened at all is
+refused at once (`StorageError`).
+
+Optuna's storages are wrapped as Optuna wraps them (`optuna.storages._CachedStorage`), which
+takes some of its private names: `OPTUNA_PRIVATE_NAMES` lists each with the reason, and a
+test names any that an Optuna upgrade removes."""
 
 import abc
-import functools
 import sys
 import threading
 import time
 import warnings
 from pathlib import Path
 
-DEFAULT_HEARTBEAT = 20.0
-# Seconds a storage call failing on a transient error is retried for: a PostgreSQL restart
-# or failover takes seconds to a minute.
-DEFAULT_RETRY = 120.0
-# SQLSTATEs a retry can outlast: connection exceptions (class 08), the server shutting
-# down or starting (57P01-57P03), serialization failures and deadlocks (40001, 40P01),
-# too many connections (53300).
-TRANSIENT_SQLSTATES = ("08", "57P01", "57P02", "57P03", "40001", "40P01", "53300")
+import optuna
+import sqlalchemy.orm
+from optuna.storages import BaseStorage, RDBStorage, _CachedStorage
+from optuna.storages._heartbeat import BaseHeartbeat
+from optuna.storages._rdb import models
+from optuna.trial import TrialState
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import make_url
+
+from .storage_rules import Heartbeat, RetryPolicy, StaleTrials
+
+try:  # Optuna >= 4.9 renamed the callback and its keyword
+    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
+
+    RETRY_CALLBACK_KEYWORD = "heartbeat_stale_trial_callback"
+except ImportError:
+    from optuna.storages import RetryFailedTrialCallback as RetryCallback
+
+    RETRY_CALLBACK_KEYWORD = "failed_trial_callback"
+
+# Optuna's private names this module relies on, each for one reason. Read from `optuna` (or
+# from ``trial``, a trial Optuna asked for); `test_storage` checks every one exists.
+OPTUNA_PRIVATE_NAMES = {
+    "optuna.storages._CachedStorage": "Optuna's cache in front of an RDB storage (optuna.get_storage "
+    "wraps every one in it); the retrying storage wraps it the same way",
+    "optuna.storages._heartbeat.BaseHeartbeat": "Optuna records heartbeats and fails stale trials only "
+    "for storages of this class",
+    "optuna.storages._heartbeat.BaseHeartbeat._get_stale_trial_ids": "what optuna.storages.fail_stale_trials "
+    "asks a storage: the stale-trial rule answers it",
+    "optuna.storages._rdb.models.TrialModel.heartbeats": "the RUNNING trials that never sent a heartbeat, "
+    "which Optuna never fails",
+    "trial.study._storage": "the storage of a trial, to record its first heartbeat before its work starts",
+    "trial._trial_id": "that trial's id in the storage",
+}
 # Processes opening a new storage at the same moment race to create its tables (Optuna
 # looks for them, then creates them): the loser finds them made when it tries again.
 CREATION_RACE = ("already exists", "duplicate key", "unique constraint")
@@ -49,8 +77,6 @@ def default_url(out, file_name):
 def redact(url):
     """The storage URL without its password."""
     try:
-        from sqlalchemy.engine import make_url
-
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<storage URL>"
@@ -65,9 +91,6 @@ def check_url(url):
     """Refuses (`StorageError`) a URL SQLAlchemy cannot parse, whose driver is missing or
     whose server does not answer, without creating anything (a SQLite file is not made)."""
     try:
-        from sqlalchemy import create_engine
-        from sqlalchemy.engine import make_url
-
         parsed = make_url(url)
         parsed.get_dialect()
         if parsed.get_backend_name() != "sqlite":
@@ -78,31 +101,6 @@ def check_url(url):
                 engine.dispose()
     except Exception as error:
         raise _refusal(url, error) from error
-
-
-def transient_reason(error):
-    """The first line of the database's message when `error` (or an error it was raised from)
-    is one a retry can outlast (see the module's docstring), else None."""
-    from sqlalchemy import exc
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, exc.DBAPIError):
-            driver_error = error.orig
-            sqlstate = getattr(driver_error, "sqlstate", None) or getattr(driver_error, "pgcode", None)
-            sqlite_name = getattr(driver_error, "sqlite_errorname", None)
-            if (
-                error.connection_invalidated
-                or (sqlstate and sqlstate.startswith(TRANSIENT_SQLSTATES))
-                or (sqlite_name and sqlite_name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")))
-                # A client-side connection failure (refused, closed): no SQLSTATE.
-                or (sqlstate is None and sqlite_name is None and isinstance(error, exc.OperationalError))
-            ):
-                lines = str(driver_error).strip().splitlines()
-                return lines[0] if lines else type(driver_error).__name__
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def unavailable_in(error):
@@ -117,34 +115,86 @@ def unavailable_in(error):
     return None
 
 
-class _Outage:
-    """Retries calls to the storage at `url` that fail on a transient error, with backoff,
-    for up to `retry` seconds each, then raises `StorageUnavailable` (and at once for every
-    later call). Says in one line when the storage stops answering and when it answers
-    again. Shared by the threads of a process (the heartbeat's too)."""
+class RetryingRDBStorage(BaseStorage, BaseHeartbeat):
+    """Optuna's cached RDB storage on `url` whose every call is retried while it fails on a
+    transient error (`retry`, a `RetryPolicy`), with heartbeats and the stale-trial rule of
+    `heartbeat` (a `Heartbeat`). Says in one line when the storage stops answering and when it
+    answers again; once it gave up, every later call raises `StorageUnavailable` at once. A
+    heartbeat that fails is skipped (the next is due an interval later). Shared by the
+    threads of a process (the heartbeat's too). `open` makes the Optuna storage."""
 
-    FIRST_PAUSE, LONGEST_PAUSE = 0.5, 10.0
-
-    def __init__(self, url, retry):
-        self.url, self.retry = url, retry
+    def __init__(self, url, heartbeat=Heartbeat(), retry=RetryPolicy()):
+        self.url, self.heartbeat, self.retry = url, heartbeat, retry
+        self.rdb = self._cached = None
         self.last_failure = -float("inf")  # time.monotonic() of the latest failed call
+        self.stale_trials = StaleTrials(heartbeat)
         self._lock = threading.Lock()
-        self._down_since = None
-        self._gave_up = None
+        self._down_since = self._gave_up = None
 
-    def failed(self, reason):
+    def open(self, read_only=False):
+        """Makes Optuna's `RDBStorage` (with its tables and a study, unless `read_only`)."""
+        sqlite = self.url.startswith("sqlite")
+        if sqlite:
+            # Several processes on one file: wait for the lock rather than fail at once, and let
+            # SQLAlchemy (not the driver) begin the transactions (`_serialize_sqlite`).
+            engine_kwargs = {"connect_args": {"timeout": 120, "isolation_level": None}}
+        else:  # a connection the server closed (a restart) is replaced before use
+            engine_kwargs = {"pool_pre_ping": True}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self.rdb = self.call(
+                RDBStorage,
+                self.url,
+                engine_kwargs=engine_kwargs,
+                skip_table_creation=read_only,
+                heartbeat_interval=self.heartbeat.seconds,
+                grace_period=self.heartbeat.grace,
+                **{RETRY_CALLBACK_KEYWORD: RetryCallback(max_retry=self.heartbeat.requeues)},
+            )
+        if sqlite:
+            _serialize_sqlite(self.rdb.engine)
+        self._cached = _CachedStorage(self.rdb)
+
+    def call(self, function, *args, **kwargs):
+        """``function(*args, **kwargs)``, called again while it fails on a transient error, as
+        the retry policy says; raises `StorageUnavailable` once its time is up."""
+        deadline, failures = None, 0
+        while True:
+            if self._gave_up is not None:
+                raise StorageUnavailable(self._gave_up)
+            try:
+                result = function(*args, **kwargs)
+            except Exception as error:
+                reason = self.retry.transient_reason(error)
+                if reason is None:
+                    raise
+                self._failed(reason)
+                now, failures = time.monotonic(), failures + 1
+                deadline = deadline or now + self.retry.seconds
+                if now >= deadline:
+                    self._gave_up = (
+                        f"storage {redact(self.url)} unreachable for {self.retry.seconds:g} s (--storage-retry): "
+                        f"{reason}"
+                    )
+                    raise StorageUnavailable(self._gave_up) from None
+                time.sleep(min(self.retry.pause(failures), deadline - now))
+                continue
+            self._answered()
+            return result
+
+    def _failed(self, reason):
         with self._lock:
             self.last_failure = time.monotonic()
             if self._down_since is None:
                 self._down_since = self.last_failure
                 print(
                     f"pml-rank: storage {redact(self.url)} unreachable ({reason}); retrying for up to "
-                    f"{self.retry:g} s (--storage-retry)",
+                    f"{self.retry.seconds:g} s (--storage-retry)",
                     file=sys.stderr,
                     flush=True,
                 )
 
-    def answered(self):
+    def _answered(self):
         with self._lock:
             if self._down_since is not None:
                 print(
@@ -155,153 +205,75 @@ class _Outage:
                 )
                 self._down_since = None
 
-    def call(self, function, *args, **kwargs):
-        deadline, pause = None, self.FIRST_PAUSE
-        while True:
-            if self._gave_up is not None:
-                raise StorageUnavailable(self._gave_up)
-            try:
-                result = function(*args, **kwargs)
-            except Exception as error:
-                reason = transient_reason(error)
-                if reason is None:
-                    raise
-                self.failed(reason)
-                now = time.monotonic()
-                deadline = deadline or now + self.retry
-                if now >= deadline:
-                    self._gave_up = (
-                        f"storage {redact(self.url)} unreachable for {self.retry:g} s (--storage-retry): {reason}"
-                    )
-                    raise StorageUnavailable(self._gave_up) from None
-                time.sleep(min(pause, deadline - now))
-                pause = min(2 * pause, self.LONGEST_PAUSE)
-                continue
-            self.answered()
-            return result
+    # BaseHeartbeat: the heartbeat and the stale-trial rule.
 
-
-@functools.cache
-def _retrying_storage_class():
-    """`RetryingStorage`, defined on first use so that importing this module needs no Optuna."""
-    import sqlalchemy.orm
-    from optuna.storages import BaseStorage, _CachedStorage
-    from optuna.storages._heartbeat import BaseHeartbeat
-    from optuna.storages._rdb import models
-    from optuna.trial import TrialState
-
-    class RetryingStorage(BaseStorage, BaseHeartbeat):
-        """Optuna's cached RDB storage `rdb` whose every call goes through `outage` (retried
-        while it fails on a transient error). A heartbeat that fails is skipped (the next is
-        due an interval later). A trial is failed as stale only once this process has seen it
-        stale for a whole grace period, and never until a grace period has passed since this
-        process last saw the storage fail: after an outage the heartbeats of the live
-        processes resume within an interval, and this process may have slept through the
-        outage's end in a backoff pause, or started after it. A RUNNING trial without any
-        heartbeat counts as stale too (every trial records one as its work starts)."""
-
-        def __init__(self, rdb, outage):
-            self.rdb, self.outage = rdb, outage
-            self._cached = _CachedStorage(rdb)
-            self._stale_since = {}  # trial id -> time.monotonic() when this process first saw it stale
-
-        def record_heartbeat(self, trial_id):
-            try:
-                self._cached.record_heartbeat(trial_id)
-            except Exception as error:
-                reason = transient_reason(error)
-                if reason is None:
-                    raise
-                self.outage.failed(reason)
-                return
-            self.outage.answered()
-
-        def _get_stale_trial_ids(self, study_id):
-            grace = self.rdb.grace_period or 2 * self.rdb.heartbeat_interval
-            if time.monotonic() - self.outage.last_failure < grace:
-                return []
-            stale = self.outage.call(self._cached._get_stale_trial_ids, study_id)
-            stale += self.outage.call(self._running_without_heartbeat, study_id)
-            now = time.monotonic()
-            self._stale_since = {trial: self._stale_since.get(trial, now) for trial in stale}
-            return [trial for trial, since in self._stale_since.items() if now - since >= grace]
-
-        def _running_without_heartbeat(self, study_id):
-            """The study's RUNNING trials without a heartbeat, which Optuna never fails: left by a
-            process that died between creating its trial and its first heartbeat."""
-            with sqlalchemy.orm.Session(self.rdb.engine) as session:
-                trials = (
-                    session.query(models.TrialModel)
-                    .options(sqlalchemy.orm.selectinload(models.TrialModel.heartbeats))
-                    .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
-                    .all()
-                )
-                return [trial.trial_id for trial in trials if not trial.heartbeats]
-
-    def delegate(name):
-        def method(self, *args, **kwargs):
-            return self.outage.call(getattr(self._cached, name), *args, **kwargs)
-
-        method.__name__ = name
-        return method
-
-    for name in [*vars(BaseStorage), *vars(BaseHeartbeat)]:
-        if not name.startswith("_") and name not in vars(RetryingStorage) and name != "get_failed_trial_callback":
-            setattr(RetryingStorage, name, delegate(name))
-    abc.update_abstractmethods(RetryingStorage)
-    return RetryingStorage
-
-
-def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3, retry=DEFAULT_RETRY, read_only=False):
-    """An Optuna storage on `url` with heartbeats every `heartbeat` seconds and a grace period
-    of twice that; a stale trial is retried up to `max_retry` times (None: always). Opening
-    it and every call on it that fail on a transient error are retried for up to `retry`
-    seconds (`check_url` refuses a storage that does not answer at once). `read_only`:
-    makes no SQLite file, table or study, and returns None when `url` holds no Optuna
-    storage. Raises `StorageError` when the storage cannot be opened."""
-    import optuna
-    from optuna.storages import RDBStorage
-
-    try:  # Optuna >= 4.9 renamed the callback and its keyword
-        from optuna.storages import RetryHeartbeatStaleTrialCallback as Retry
-
-        retry_keyword = "heartbeat_stale_trial_callback"
-    except ImportError:
-        from optuna.storages import RetryFailedTrialCallback as Retry
-
-        retry_keyword = "failed_trial_callback"
-    outage = _Outage(url, retry)
-    if read_only:
+    def record_heartbeat(self, trial_id):
         try:
-            if not outage.call(_holds_optuna_tables, url):
-                return None
-        except StorageUnavailable:
-            raise
+            self._cached.record_heartbeat(trial_id)
         except Exception as error:
-            raise _refusal(url, error) from error
-    sqlite = url.startswith("sqlite")
-    if sqlite:
-        # Several processes on one file: wait for the lock rather than fail at once, and let
-        # SQLAlchemy (not the driver) begin the transactions (`_serialize_sqlite`).
-        engine_kwargs = {"connect_args": {"timeout": 120, "isolation_level": None}}
-    else:  # a connection the server closed (a restart) is replaced before use
-        engine_kwargs = {"pool_pre_ping": True}
+            reason = self.retry.transient_reason(error)
+            if reason is None:
+                raise
+            self._failed(reason)
+            return
+        self._answered()
 
-    def opened():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                skip_table_creation=read_only,
-                heartbeat_interval=max(1, int(heartbeat)),
-                grace_period=max(2, int(2 * heartbeat)),
-                **{retry_keyword: Retry(max_retry=max_retry)},
+    def _get_stale_trial_ids(self, study_id):
+        def stale_now():
+            """Optuna's stale trials, and the RUNNING ones without any heartbeat (every trial
+            records one as its work starts: `record_heartbeat_now`)."""
+            return self.call(self._cached._get_stale_trial_ids, study_id) + self.call(
+                self._running_without_heartbeat, study_id
             )
 
+        return self.stale_trials.to_fail(stale_now, self.last_failure)
+
+    def _running_without_heartbeat(self, study_id):
+        """The study's RUNNING trials without a heartbeat, which Optuna never fails: left by a
+        process that died between creating its trial and its first heartbeat."""
+        with sqlalchemy.orm.Session(self.rdb.engine) as session:
+            trials = (
+                session.query(models.TrialModel)
+                .options(sqlalchemy.orm.selectinload(models.TrialModel.heartbeats))
+                .filter(models.TrialModel.state == TrialState.RUNNING, models.TrialModel.study_id == study_id)
+                .all()
+            )
+            return [trial.trial_id for trial in trials if not trial.heartbeats]
+
+
+def _retried(name):
+    """The method `name` of the cached storage, through `RetryingRDBStorage.call`."""
+
+    def method(self, *args, **kwargs):
+        return self.call(getattr(self._cached, name), *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# Every other public method of Optuna's storage and heartbeat interfaces, retried (read from
+# Optuna's classes, so that a method Optuna adds is retried too; the deprecated alias of the
+# stale-trial callback's getter is left to BaseHeartbeat).
+for _name in [*vars(BaseStorage), *vars(BaseHeartbeat)]:
+    if not _name.startswith("_") and _name not in vars(RetryingRDBStorage) and _name != "get_failed_trial_callback":
+        setattr(RetryingRDBStorage, _name, _retried(_name))
+del _name
+abc.update_abstractmethods(RetryingRDBStorage)
+
+
+def open_storage(url, heartbeat=Heartbeat(), retry=RetryPolicy(), read_only=False):
+    """A `RetryingRDBStorage` on `url` with `heartbeat` (a `Heartbeat`) and `retry` (a
+    `RetryPolicy`), which also governs its opening (`check_url` refuses a storage that does
+    not answer at once). `read_only`: makes no SQLite file, table or study, and returns None
+    when `url` holds no Optuna storage. Raises `StorageError` when the storage cannot be
+    opened."""
+    storage = RetryingRDBStorage(url, heartbeat, retry)
     for attempt in range(CREATION_ATTEMPTS):
         try:
-            rdb = outage.call(opened)
+            if read_only and not storage.call(_holds_optuna_tables, url):
+                return None
+            storage.open(read_only)
+            return storage
         except StorageUnavailable:
             raise
         except Exception as error:  # SQLAlchemy's: unknown dialect, missing driver, refused connection
@@ -310,16 +282,10 @@ def open_storage(url, heartbeat=DEFAULT_HEARTBEAT, max_retry=3, retry=DEFAULT_RE
                 time.sleep(0.2 * (attempt + 1))
                 continue
             raise _refusal(url, error) from error
-        if sqlite:
-            _serialize_sqlite(rdb.engine)
-        return _retrying_storage_class()(rdb, outage)
 
 
 def _holds_optuna_tables(url):
     """Whether `url` holds Optuna's tables, asked without making anything (no SQLite file)."""
-    from sqlalchemy import create_engine, inspect
-    from sqlalchemy.engine import make_url
-
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
         return False
@@ -336,8 +302,6 @@ def _serialize_sqlite(engine):
     writing RUNNING, under ``SELECT ... FOR UPDATE``, which SQLite ignores: without this two
     processes can both read WAITING and run the same trial (SQLAlchemy's recipe for
     SQLite's serializable transactions)."""
-    from sqlalchemy import event
-
     event.listen(engine, "begin", lambda connection: connection.exec_driver_sql("BEGIN IMMEDIATE"))
 
 

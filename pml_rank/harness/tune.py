@@ -40,16 +40,8 @@ from .baselines import RecordingTrial
 from .budget import AUTO_PRESET, MAP_AT_R, digest, resolve, training_key
 from .jobs import _quiet_optuna
 from .outputs import write_bytes, write_text
-from .storage import (
-    DEFAULT_HEARTBEAT,
-    DEFAULT_RETRY,
-    StorageError,
-    check_url,
-    close_storage,
-    open_storage,
-    record_heartbeat_now,
-    redact,
-)
+from .storage import StorageError, check_url, close_storage, open_storage, record_heartbeat_now, redact
+from .storage_rules import DEFAULT_HEARTBEAT, DEFAULT_RETRY, Heartbeat, RetryPolicy
 from .text_table import format_text_table
 from .workers import WAIT, claim_trials, fail_stale_trials, run_processes
 
@@ -258,7 +250,7 @@ def run_worker(job):
 
     _quiet_optuna()
     torch.set_num_threads(job.threads)
-    storage = open_storage(job.storage, job.heartbeat, retry=job.retry)
+    storage = open_storage(job.storage, Heartbeat(job.heartbeat), RetryPolicy(job.retry))
     spaces = search_spaces()
     remaining = list(job.rows)
     opened = {}  # row: (study, target, objective), once the row's turn has come
@@ -446,7 +438,7 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     job = TuneJob(list(rows), trials, budget, storage, machine, threads, heartbeat, prune, retry=retry)
     check_url(storage)
-    rdb = open_storage(storage, heartbeat, retry=retry)
+    rdb = open_storage(storage, Heartbeat(heartbeat), RetryPolicy(retry))
     try:
         studies = {row: open_study(row, budget, rdb, prune) for row in rows}  # created once, before the workers
     except Exception as error:

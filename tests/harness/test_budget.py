@@ -16,8 +16,6 @@ from PIL import Image
 
 from pml_rank.harness import budget, recipes
 
-pytestmark = pytest.mark.slow  # the command line's processes and benches
-
 PML_RANK = Path(sys.executable).with_name("pml-rank")
 TINY = ["--trunk", "small-cnn", "--epochs", "1", "--iterations", "1", "--batch-size", "8", "--seeds", "1",
         "--workers", "1"]  # fmt: skip
@@ -47,6 +45,15 @@ def assert_refused_before_any_work(status, stderr, out, *names):
     assert not (out / "bench.db").exists()
 
 
+def test_the_resize_is_the_reality_checks_256_of_227_unless_given():
+    assert budget.resolve("cub200", image_size=227)["resize"] == 256
+    assert budget.resolve("cub200", image_size=16)["resize"] == 18
+    assert budget.resolve("cub200", image_size=16, resize=24)["resize"] == 24
+    with pytest.raises(budget.BudgetError, match="--resize"):
+        budget.resolve("cub200", image_size=16, resize=12)
+
+
+@pytest.mark.slow  # benches
 def test_the_resize_follows_the_image_size_unless_given_and_the_header_shows_both(tmp_path, run_cli):
     folder = image_folder(tmp_path / "images")
     for given, resize in (([], round(16 * 256 / 227)), (["--resize", "24"], 24)):
@@ -60,6 +67,7 @@ def test_the_resize_follows_the_image_size_unless_given_and_the_header_shows_bot
         assert f"16 px crops of a {resize} px resize" in printed
 
 
+@pytest.mark.slow  # a pml-rank process
 def test_the_glyphs_preset_on_images_of_several_sizes_is_refused_in_one_line_then_runs_with_a_size(tmp_path, run_cli):
     folder = image_folder(tmp_path / "images", sizes=((20, 20), (24, 18)))
     common = ["bench", "pml:TripletMarginLoss", "--dataset", f"folder:{folder}", "--preset", "glyphs", *TINY,
@@ -76,6 +84,7 @@ def test_an_image_flag_on_the_glyphs_is_refused_not_recorded(tmp_path, flag, val
     assert_refused_before_any_work(status, err, tmp_path / "o", flag, value, "glyphs")
 
 
+@pytest.mark.slow  # benches
 def test_random_init_at_the_reality_check_rate_is_warned_and_a_row_that_learned_nothing_is_marked(tmp_path, run_cli):
     folder = image_folder(tmp_path / "images")
     common = ["bench", "pml:TripletMarginLoss", "--dataset", f"folder:{folder}", *TINY, "--image-size", "16",
@@ -91,6 +100,7 @@ def test_random_init_at_the_reality_check_rate_is_warned_and_a_row_that_learned_
     assert row.startswith("pml:TripletMarginLoss (!)") and "(!) not above untrained" in printed
 
 
+@pytest.mark.slow  # a pml-rank process
 def test_too_few_classes_for_the_batch_suggests_a_batch_size_that_fits(tmp_path):
     folder = image_folder(tmp_path / "images", num_classes=12, per_class=2)
     rows = ["pml:TripletMarginLoss", "NPairsMCLoss"]

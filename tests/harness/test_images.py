@@ -111,21 +111,28 @@ def test_every_bad_file_is_found_by_the_checking_processes(tmp_path, monkeypatch
     assert str(bad) in str(error.value) and "\n" not in str(error.value)
 
 
-def test_a_16_bit_png_loads_as_an_8_bit_gradient(tmp_path):
-    gradient = np.linspace(0, 65535, 32 * 256).round().astype(np.uint16).reshape(32, 256)
+GRADIENT = np.linspace(0, 65535, 32 * 256).round().astype(np.uint16).reshape(32, 256)
+# 0-65535 to the nearest of 0-255: 257 levels of 16 bits make one of 8 (65535 = 255 x 257).
+GRADIENT_8_BIT = (GRADIENT.astype(np.int64) + 128) // 257
+
+
+@pytest.mark.parametrize(
+    "pixels, suffix, stored_as",
+    [(GRADIENT, "png", ("I;16", "I")), (GRADIENT.astype(np.int32), "tif", ("I",))],
+    ids=["16-bit PNG", "32-bit integer TIFF"],
+)
+def test_an_integer_image_loads_as_an_8_bit_gradient(pixels, suffix, stored_as, tmp_path):
     for c in range(2):
         (tmp_path / f"c{c}").mkdir()
         for i in range(2):
-            Image.fromarray(gradient).save(tmp_path / f"c{c}" / f"{i}.png")
-    with Image.open(tmp_path / "c0" / "0.png") as stored:
-        assert stored.mode.startswith("I")  # 16 bits on disk
+            Image.fromarray(pixels).save(tmp_path / f"c{c}" / f"{i}.{suffix}")
+    with Image.open(tmp_path / "c0" / f"0.{suffix}") as stored:
+        assert stored.mode in stored_as  # more than 8 bits on disk (Pillow mode I: 32-bit integers)
     data = ImageFolder(tmp_path)
     image, _ = data[0]
     assert data.channels == 1 and image.mode == "L"
-    expected = np.round(gradient.astype(np.float64) * 255 / 65535)
-    np.testing.assert_allclose(np.asarray(image, dtype=np.float64), expected, atol=1)
-    assert np.asarray(image).min() == 0 and np.asarray(image).max() == 255
-    rgb = np.asarray(images.open_8bit(tmp_path / "c0" / "0.png", "RGB"))
+    np.testing.assert_array_equal(np.asarray(image), GRADIENT_8_BIT)
+    rgb = np.asarray(images.open_8bit(tmp_path / "c0" / f"0.{suffix}", "RGB"))
     assert (rgb == np.asarray(image)[..., None]).all()  # papers' loaders read RGB
 
 
@@ -138,6 +145,7 @@ def test_nested_images_join_their_class_hidden_and_loose_ones_are_left_out_with_
         Image.fromarray(_pixels(60 + i)).save(folder / ".ipynb_checkpoints" / f"{i}.png")
     (folder / "c1" / ".thumbs").mkdir()
     Image.fromarray(_pixels(70)).save(folder / "c1" / ".thumbs" / "t.png")
+    Image.fromarray(_pixels(75)).save(folder / "c0" / ".x.jpg", "JPEG")  # a hidden file in a class folder
     Image.fromarray(_pixels(80)).save(folder / "stray.png")
     (folder / "c1" / "notes.txt").write_text("taken in June")
     with caplog.at_level(logging.WARNING):
@@ -146,7 +154,7 @@ def test_nested_images_join_their_class_hidden_and_loose_ones_are_left_out_with_
     assert folder / "c0" / "2024" / "june" / "nested.png" in data.paths
     assert list(data.labels) == [0, 0, 0, 1, 1]
     lines = data.ignored
-    assert any("ignored 4 image(s) in hidden" in line for line in lines)  # 3 + 1
+    assert any("ignored 5 image(s) in hidden" in line for line in lines)  # 3 + 1 + 1
     assert any("ignored 1 image(s) directly in the folder" in line and "stray.png" in line for line in lines)
     assert any("ignored 1 file(s) without an image suffix" in line and "notes.txt" in line for line in lines)
     assert len(lines) == 3 and all(line in caplog.text for line in lines)

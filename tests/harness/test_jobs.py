@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pml_rank.harness import bench, jobs, recipes, report, runner, storage
+from pml_rank.harness import bench, checks, jobs, recipes, report, runner
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.storage import close_storage, default_url, open_storage
 
@@ -197,7 +197,7 @@ def test_a_mismatch_is_refused_before_the_data_set_is_loaded(glyph_cache, tmp_pa
     def no_data(*args, **kwargs):
         raise AssertionError("the data set was loaded")
 
-    monkeypatch.setattr(runner, "dataset_of", no_data)
+    monkeypatch.setattr(checks, "dataset_of", no_data)  # where `runner.check` loads it
     with pytest.raises(jobs.MismatchError, match="epochs 1 there, 2 now"):
         small_bench(["pml:TripletMarginLoss"], url, glyph_cache, epochs=2)
     with pytest.raises(jobs.MismatchError, match="pml:TripletMarginLoss"):
@@ -308,13 +308,10 @@ def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path
     url = default_url(tmp_path, "new.db")  # new.db0 to new.db3
     arrived = tmp_path / "arrived"
     arrived.mkdir()
-    script = (  # storage.py alone, without pml_rank's package (and torch): the processes start faster
-        "import importlib.util, os, sys, time\n"
-        "url, module, arrived, me, count = sys.argv[1:]\n"
-        "spec = importlib.util.spec_from_file_location('storage', module)\n"
-        "storage = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(storage)\n"
-        "import optuna, sqlalchemy\n"
+    script = (  # the storage without torch: the processes start faster
+        "import os, sys, time\n"
+        "from pml_rank.harness import storage\n"
+        "url, arrived, me, count = sys.argv[1:]\n"
         "for k in range(4):  # four new storages, each opened by every process at one moment\n"
         "    open(os.path.join(arrived, f'{k}-{me}'), 'w').close()\n"
         "    while sum(name.startswith(f'{k}-') for name in os.listdir(arrived)) < int(count):\n"
@@ -323,7 +320,7 @@ def test_processes_opening_a_new_storage_at_the_same_moment_all_open_it(tmp_path
     )
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", script, url, storage.__file__, str(arrived), str(me), "6"],
+            [sys.executable, "-c", script, url, str(arrived), str(me), "6"],
             stderr=subprocess.PIPE,
             text=True,
         )

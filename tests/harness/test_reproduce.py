@@ -444,3 +444,8 @@ def test_a_setting_the_runner_cannot_honour_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "argument --patience: 3: the standard protocol" in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_scripts_image_size_is_a_crop_of_the_papers_256_resize():
+    args = load("auc_cub200").parser().parse_args(["--image-size", "224"])
+    assert reproduce.running.command_line_changes({}, args)["resize"] == 256  # 224 of 256

@@ -4,6 +4,7 @@
 starting on one storage at the same moment."""
 
 import gc
+import importlib
 import json
 import multiprocessing
 import os
@@ -15,14 +16,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import sqlalchemy.exc
+import sqlalchemy.orm
 from tiny_bench import ARGUMENTS, ROW, write_locked
 
 optuna = pytest.importorskip("optuna")
 
-from pml_rank.harness import jobs  # noqa: E402
+from pml_rank.harness import jobs, storage_rules  # noqa: E402
+from pml_rank.harness import storage as storage_module  # noqa: E402
 from pml_rank.harness.budget import MAP_AT_R, resolve  # noqa: E402
-
-pytestmark = pytest.mark.slow  # a PostgreSQL server and bench processes
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 DEADLINE = 600  # seconds: generous, the machine may be loaded
@@ -129,6 +131,7 @@ def stop_mid_job(bench, url, server, freeze_when, also=lambda trials: True):
         os.killpg(bench.pid, signal.SIGCONT)
 
 
+@pytest.mark.slow  # a PostgreSQL server and bench processes
 def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when):
     # Heartbeats every 2 s, stale after 4 s: the 10 s outage stops them for longer than that,
     # and no job may be failed as stale for it.
@@ -152,6 +155,7 @@ def test_a_bench_outlives_a_postgresql_restart(tmp_path, glyph_cache, serial_ben
     assert sorted(t.state.name for t in every) == ["COMPLETE"] * 5  # none failed as stale, none run twice
 
 
+@pytest.mark.slow  # a PostgreSQL server and bench processes
 def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finished_jobs(
     tmp_path, glyph_cache, serial_bench, postgres_server, freeze_when, run_cli
 ):
@@ -188,6 +192,7 @@ def test_a_bench_gives_up_after_its_retry_time_in_one_line_and_keeps_its_finishe
     assert table(tmp_path) == table(serial_bench)
 
 
+@pytest.mark.slow  # bench processes
 def test_a_paused_worker_whose_job_was_retried_drops_its_result_in_one_line(
     tmp_path, glyph_cache, serial_bench, freeze_when, run_cli
 ):
@@ -236,6 +241,7 @@ def status(out, *storage):
     return subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE)
 
 
+@pytest.mark.slow  # a PostgreSQL server and a pml-rank process
 def test_status_on_an_empty_postgresql_database_creates_nothing(tmp_path, postgres_url):
     from sqlalchemy import create_engine, inspect, text
 
@@ -257,6 +263,7 @@ def test_status_on_an_empty_postgresql_database_creates_nothing(tmp_path, postgr
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # pml-rank processes
 def test_status_on_a_sqlite_file_that_does_not_exist_creates_nothing(tmp_path):
     result = status(tmp_path / "out", "--storage", f"sqlite:///{tmp_path / 'typo.db'}")
     assert result.returncode == 1 and "no bench in this storage" in result.stderr, result.stdout + result.stderr
@@ -266,6 +273,7 @@ def test_status_on_a_sqlite_file_that_does_not_exist_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a Python process
 def test_status_imports_no_torch(tmp_path):
     """--status only reads the storage: torch (seconds to import) is not loaded."""
     url = f"sqlite:///{tmp_path / 'bench.db'}"
@@ -324,6 +332,7 @@ def _race(url, epochs, barrier, results, rounds):
             store.close()
 
 
+@pytest.mark.slow  # two processes
 def test_two_budgets_starting_at_the_same_moment_never_share_a_job(tmp_path):
     rounds = 3
     url = f"sqlite:///{tmp_path / 'race.db'}"  # race.db0 to race.db2
@@ -343,53 +352,123 @@ def test_two_budgets_starting_at_the_same_moment_never_share_a_job(tmp_path):
         assert [o for r, _, o in found if r == k].count("refused") <= 1
 
 
-def test_a_trial_is_failed_as_stale_only_once_seen_stale_for_a_grace_period(tmp_path, monkeypatch):
+class Clock:
+    """A simulated `time` for the storage's modules: `sleep` moves `monotonic` on at once."""
+
+    def __init__(self, now=1000.0, end=100_000.0):
+        self.now, self.end, self.slept = now, end, []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert self.now + seconds < self.end, f"still retrying {self.now - 1000:.0f} simulated seconds on"
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def failing(*codes, then="answered"):
+    """A storage call that fails once on each SQLite error `codes` (``SQLITE_LOCKED``, ...), then
+    returns `then`; ``calls`` counts its calls."""
+    import sqlite3
+
+    from sqlalchemy import exc
+
+    def call():
+        call.calls += 1
+        if call.calls <= len(codes):
+            driver_error = sqlite3.OperationalError(f"{codes[call.calls - 1]} from the test")
+            driver_error.sqlite_errorname = codes[call.calls - 1]
+            raise exc.OperationalError("SELECT 1", {}, driver_error)
+        return then
+
+    call.calls = 0
+    return call
+
+
+def test_sqlites_busy_and_locked_are_retried_other_errors_raised_at_once(monkeypatch, capsys):
+    monkeypatch.setattr(storage_module, "time", Clock())
+    storage = storage_module.RetryingRDBStorage("sqlite:///unused.db")
+    call = failing("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_LOCKED_SHAREDCACHE")
+    assert storage.call(call) == "answered" and call.calls == 4
+    assert "unreachable (SQLITE_BUSY from the test)" in capsys.readouterr().err
+    constraint = failing("SQLITE_CONSTRAINT_UNIQUE")
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        storage.call(constraint)
+    assert constraint.calls == 1
+
+
+def test_a_call_is_retried_with_backoff_until_its_first_failures_deadline_then_never_again(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(storage_module, "time", clock)
+    storage = storage_module.RetryingRDBStorage("sqlite:///unused.db", retry=storage_rules.RetryPolicy(seconds=10))
+    always = failing(*["SQLITE_BUSY"] * 100)
+    with pytest.raises(storage_module.StorageUnavailable, match=r"unreachable for 10 s \(--storage-retry\)"):
+        storage.call(always)
+    assert clock.slept == [0.5, 1, 2, 4, 2.5] and clock.now == 1010  # 10 s after the first failure
+    with pytest.raises(storage_module.StorageUnavailable):  # given up: no call reaches the database
+        storage.call(always)
+    assert always.calls == 6
+
+
+def test_a_trial_is_failed_as_stale_only_once_seen_stale_for_a_grace_period(monkeypatch):
     """After an outage this process did not see end (it slept through it in a backoff pause, or
     started after it), every live trial's heartbeat is old for an interval: a trial seen stale
     once is not failed; one still stale a grace period later is."""
-    from pml_rank.harness import storage as storage_module
-
-    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat=1)  # grace 2 s
-    clock = [1000.0]
-    monkeypatch.setattr(storage_module.time, "monotonic", lambda: clock[0])
+    clock = Clock()
+    monkeypatch.setattr(storage_rules, "time", clock)
+    rule = storage_rules.StaleTrials(storage_rules.Heartbeat(interval=1))  # grace 2 s
     stale_now = {7, 8}
 
-    class Heartbeats:
-        def _get_stale_trial_ids(self, study_id):
-            return sorted(stale_now)
+    def to_fail(last_failure=-float("inf")):
+        return rule.to_fail(lambda: sorted(stale_now), last_failure)
 
-    storage._cached = Heartbeats()
-    try:
-        assert storage._get_stale_trial_ids(0) == []  # first seen stale: not failed
-        clock[0] += 1.0
-        stale_now.discard(8)  # its process sent a heartbeat: alive
-        assert storage._get_stale_trial_ids(0) == []
-        clock[0] += 1.0
-        stale_now.add(8)  # stale again: its grace period starts over
-        assert storage._get_stale_trial_ids(0) == [7]
-        clock[0] += 2.0
-        assert storage._get_stale_trial_ids(0) == [7, 8]
-        storage.outage.failed("test")  # the storage failed just now: nothing is stale for a grace period
-        assert storage._get_stale_trial_ids(0) == []
-    finally:
-        storage_module.close_storage(storage)
+    assert to_fail() == []  # first seen stale: not failed
+    clock.now += 1.0
+    stale_now.discard(8)  # its process sent a heartbeat: alive
+    assert to_fail() == []
+    clock.now += 1.0
+    stale_now.add(8)  # stale again: its grace period starts over
+    assert to_fail() == [7]
+    clock.now += 2.0
+    assert to_fail() == [7, 8]
+    assert to_fail(last_failure=clock.now - 1.0) == []  # the storage failed a second ago: nothing is stale
+
+
+def test_optuna_still_has_every_private_name_the_storage_relies_on():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        trial = optuna.create_study().ask()
+    sqlalchemy.orm.configure_mappers()  # the relationships' back references, as a first query sets them
+    missing = []
+    for name, reason in storage_module.OPTUNA_PRIVATE_NAMES.items():
+        root, *path = name.split(".")
+        found = {"optuna": optuna, "trial": trial}[root]
+        for i, part in enumerate(path):
+            try:
+                found = getattr(found, part)
+            except AttributeError:
+                try:  # a module Optuna does not import by itself
+                    found = importlib.import_module(".".join([root, *path[: i + 1]]))
+                except ImportError:
+                    missing.append(f"Optuna {optuna.__version__} has no {name} ({reason})")
+                    break
+    assert not missing, "\n".join(missing)
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage", "ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_running_trial_that_never_sent_a_heartbeat_is_failed_once_seen_so_for_a_grace_period(tmp_path, monkeypatch):
     """A process that died between creating its trial and its first heartbeat (killed, or its
     storage lost) leaves a RUNNING trial Optuna never fails: the bench waited for it for ever."""
-    from pml_rank.harness import storage as storage_module
-
-    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat=1)  # grace 2 s
-    clock = [1000.0]
-    monkeypatch.setattr(storage_module.time, "monotonic", lambda: clock[0])
+    clock = Clock()
+    monkeypatch.setattr(storage_rules, "time", clock)
+    storage = storage_module.open_storage(f"sqlite:///{tmp_path / 's.db'}", storage_rules.Heartbeat(1))  # grace 2 s
     try:
         study = optuna.create_study(storage=storage, study_name="no heartbeat")
         orphan = study.ask()  # RUNNING, no heartbeat
         optuna.storages.fail_stale_trials(study)
         assert study.trials[0].state.name == "RUNNING"  # seen once: not failed yet
-        clock[0] += 2.0
+        clock.now += 2.0
         optuna.storages.fail_stale_trials(study)
         assert study.trials[0].state.name == "FAIL" and study.trials[0].number == orphan.number
     finally:

@@ -20,7 +20,7 @@ optuna = pytest.importorskip("optuna")
 from pml_rank.harness import jobs  # noqa: E402
 from pml_rank.harness.budget import MAP_AT_R  # noqa: E402
 from pml_rank.harness.storage import close_storage, open_storage  # noqa: E402
-from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials  # noqa: E402
+from pml_rank.harness.workers import WAIT, InterruptsBetweenTrials, claim_trials, run_processes  # noqa: E402
 
 PML_RANK = Path(sys.executable).parent / "pml-rank"
 
@@ -343,3 +343,20 @@ def test_the_claim_loop_runs_one_trial_at_a_time_until_nothing_is_left():
     assert claim_trials(next_trial, poll=0.0, catch=(_Caught,), skip=(_Passed,)) == 3
     assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "FAIL", "COMPLETE"]
     assert next(plan, "the plan is used up") == "the plan is used up"
+
+
+def _ends(how):
+    """A worker's target: ends by Ctrl-C (KeyboardInterrupt), by SIGINT with Python's handler
+    gone (the signal kills it), or by failing."""
+    if how == "failing":
+        sys.exit(3)
+    if how == "killed by SIGINT":
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    signal.pause()
+
+
+@pytest.mark.slow  # three processes
+def test_a_worker_ended_by_ctrl_c_is_not_a_failed_worker():
+    ways = [("Ctrl-C",), ("killed by SIGINT",), ("failing",)]
+    assert run_processes(_ends, ways, progress=lambda: None, poll=0.01) == [3]

@@ -175,3 +175,17 @@ def test_peak_memory_is_a_few_similarity_matrices_whatever_the_class_size(per_cl
     peak = peak_memory(ROADMAPLoss(), (embeddings, labels), torch.device("cpu"))
     matrix = size * size * 4
     assert peak < 12 * matrix, f"{peak / matrix:.1f} similarity matrices"
+
+
+@pytest.mark.parametrize("loss_class", [SupAPLoss, ROADMAPLoss])
+def test_a_negative_level_with_a_positive_counts_as_half_of_one_above_it(loss_class):
+    """H⁻(0) = σ(0) = 1/2: a tie is not above the positive (the `start` step counts from x > 0).
+    Query 0's positive 1 and negative 2 score exactly 0.6 (mirror images)."""
+    embeddings = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.6, -0.8]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1])
+    loss = loss_class(**({"lambda_": 0.0} if loss_class is ROADMAPLoss else {}))(embeddings, labels)
+    expected = reference.supap_losses(embeddings, labels)
+    torch.testing.assert_close(loss, sum(expected.values()) / len(expected), rtol=1e-12, atol=1e-12)
+    # Query 0: itself (σ(−40) of a negative above it) and positive 1 (rank 2 among the
+    # positives, half a negative above): AP = (1 + 2 / 2.5) / 2. Query 1: nothing above, AP = 1.
+    assert loss.item() == pytest.approx((1 - (1 + 2 / 2.5) / 2) / 2, abs=1e-12)

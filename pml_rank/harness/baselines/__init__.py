@@ -33,6 +33,8 @@ import math
 import types
 from collections.abc import Callable, Mapping
 
+from ...search_spaces import pnp_space
+
 MINER_PREFIX = "miner_"
 LOSS_LR = "loss_lr"
 # What a constructor may take from the data and the model rather than from `params`.
@@ -224,16 +226,6 @@ def _soft_triple_space(trial):
 def _smooth_ap_space(trial):
     # Not in the paper: log-uniform over two decades either side of Smooth-AP's τ = 0.01.
     return {"temperature": trial.suggest_float("temperature", 1e-4, 1.0, log=True)}
-
-
-def pnp_space(trial):
-    """PNP-D_q (the variant of the authors' recommended run): τ (anneal) a decade either
-    side of the paper's 0.01 and α from the authors' default 1 to twice their best run's
-    4. Not in the Reality Check paper; pml-rank's PNPLoss uses it too."""
-    return {
-        "anneal": trial.suggest_float("anneal", 1e-3, 0.1, log=True),
-        "alpha": trial.suggest_int("alpha", 1, 8),
-    }
 
 
 def _nothing_to_tune(trial):

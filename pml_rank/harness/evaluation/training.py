@@ -55,8 +55,8 @@ class TrainResult:
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
     """How one model trains: built once from a resolved budget (`from_budget`, its keys of
-    the same names) and passed unchanged down to PML's trainer; no layer re-defaults a
-    value. `device` and `loader_workers` say where it runs (not part of a result).
+    the same names), and read by `train_model`, which builds PML's trainer from it; no layer
+    re-defaults a value. `device` and `loader_workers` say where it runs (not part of a result).
 
     ``iterations_per_epoch``: batches per epoch. ``optimizer``: a name of
     `budget.OPTIMIZERS`, with `weight_decay` and (RMSprop, SGD) `momentum`.
@@ -92,9 +92,27 @@ class TrainingConfig:
 
     @classmethod
     def from_budget(cls, budget, device="cpu", loader_workers=0):
-        """The configuration of a resolved budget (`budget.resolve`), run on `device`."""
-        given = {f.name: budget[f.name] for f in dataclasses.fields(cls) if f.name in budget}
-        return cls(**given, device=device, loader_workers=loader_workers)
+        """The configuration of a resolved budget (`budget.resolve`), run on `device`: each
+        field from the budget key of its name."""
+        return cls(
+            epochs=budget["epochs"],
+            batch_size=budget["batch_size"],
+            iterations_per_epoch=budget["iterations_per_epoch"],
+            optimizer=budget["optimizer"],
+            lr=budget["lr"],
+            weight_decay=budget["weight_decay"],
+            momentum=budget["momentum"],
+            lr_schedule=budget["lr_schedule"],
+            patience=budget["patience"],
+            freeze_batchnorm=budget["freeze_batchnorm"],
+            amp=budget["amp"],
+            embedding_size=budget["embedding_size"],
+            num_folds=budget["num_folds"],
+            embedder_lr_factor=budget["embedder_lr_factor"],
+            lr_drop=budget["lr_drop"],
+            device=device,
+            loader_workers=loader_workers,
+        )
 
     def make_optimizer(self, parameters, lr):
         """The configured optimizer over `parameters` at `lr`."""

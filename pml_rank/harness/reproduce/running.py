@@ -7,7 +7,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import recipes, runner
-from ..budget import STANDARD_PROTOCOL, resolve
+from ..budget import PAPERS_RESIZE_PER_CROP, STANDARD_PROTOCOL, resolve
 from ..components import MissingComponentError
 from ..evaluation import METRICS, SHORT_NAMES, mean_and_ci, summarize
 
@@ -28,8 +28,6 @@ SMOKE = dict(
 )
 # --smoke's samples per class where a setup gives some: batches of 8 hold 2 classes.
 SMOKE_SAMPLES_PER_CLASS = 4
-# --image-size N: the images are resized to N x 256/224 first, as the papers' 224 of 256.
-RESIZE_PER_IMAGE_SIZE = 256 / 224
 
 
 def models_dir(script, variant, args):
@@ -49,7 +47,7 @@ def command_line_changes(setup_and_run, args):
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
     if args.image_size is not None:
-        changes.update(image_size=args.image_size, resize=round(args.image_size * RESIZE_PER_IMAGE_SIZE))
+        changes.update(image_size=args.image_size, resize=round(args.image_size * PAPERS_RESIZE_PER_CROP))
     if args.repeats is not None:
         changes["seeds"] = args.repeats
     if args.random_init:
