@@ -201,8 +201,11 @@ class HardNegativeClassSampler(torch.utils.data.Sampler):
         """Mine with ``model`` (a callable mapping a batch of inputs to embeddings) on
         ``dataset``: items are collated with ``collate_fn`` (default: PyTorch's),
         ``data_getter(batch)`` picks the inputs (default: ``batch[0]``) and they are
-        moved to ``device`` (if given). ``modules`` are put in eval mode while embedding
-        (default: ``model`` itself when it is a ``torch.nn.Module``)."""
+        moved to ``device`` (default: where a ``torch.nn.Module`` model's parameters are, so
+        a model on a GPU gets its inputs there). ``modules`` are put in eval mode while
+        embedding (default: ``model`` itself when it is a ``torch.nn.Module``)."""
+        if device is None and isinstance(model, torch.nn.Module):
+            device = next((p.device for p in model.parameters()), None)
         collate_fn = collate_fn or torch.utils.data.default_collate
         data_getter = data_getter or (lambda batch: batch[0])
 
