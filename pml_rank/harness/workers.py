@@ -12,10 +12,12 @@ import warnings
 
 from .storage import StorageUnavailable, unavailable_in
 
-# How many processes share one GPU, by trunk, measured on one H100 (`bash .ci/gpu`'s sweep,
-# examples/results/gpu-check.md): the small CNN's steps are launch-bound, so one process
-# leaves the GPU mostly idle while several keep it busy, until their CUDA contexts contend;
-# an ImageNet trunk's step fills the GPU alone.
+# How many processes share one GPU, by trunk, measured on one H200 (`bash .ci/gpu`'s sweep,
+# examples/results/gpu-check.md: 11 glyph jobs of 2 epochs): the small CNN's steps are
+# launch-bound, yet the GPU time-slices between the processes' CUDA contexts, so each job
+# slows as processes are added (1.44 x its time with 2 processes, 2.14 x with 4): 1.4 and
+# 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
+# fills the GPU alone.
 PROCESSES_PER_GPU = {"small-cnn": 4}
 # Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (18 ms) needs a
 # batch of 32 JPEGs decoded and cropped in that time, which one process cannot do.
