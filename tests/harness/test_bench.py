@@ -164,6 +164,16 @@ def test_bench_command_end_to_end(glyph_cache, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_every_registered_loss_trains_a_bench_under_cpu_autocast(glyph_cache, tmp_path):
+    # --amp trains under bfloat16 autocast on the CPU: RaMBO's rows crashed there.
+    rows = pml_rank_losses()
+    budget = dict(num_classes=24, batch_size=16, epochs=1, iterations_per_epoch=2, amp=True)
+    result = run_glyph_bench(rows, tmp_path, glyph_cache, **budget)
+    summary = result.summary()
+    assert all(summary[name]["concatenated"]["mean_average_precision_at_r"][0] > 0 for name in rows)
+
+
 def test_bench_rejects_unknown_losses(capsys):
     assert main(["bench", "NoSuchLoss"]) == 2
     assert "NoSuchLoss" in capsys.readouterr().err
