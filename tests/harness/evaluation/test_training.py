@@ -47,3 +47,47 @@ def test_the_loaders_processes_live_through_every_pass_and_epoch():
     # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, each of which started
     # PML's loader processes anew.
     assert len(trunk.loader_pids) == 2 and os.getpid() not in trunk.loader_pids
+
+
+def test_a_training_without_a_kept_folder_reloads_its_best_epoch_from_memory(tmp_path):
+    from pml_rank.harness.data import SmallCNN, load_glyphs
+    from pml_rank.harness.evaluation import test_set_and_folds
+
+    glyphs = load_glyphs(cache_dir=tmp_path / "cache", num_classes=16)
+    (train_set, val_set), *_ = test_set_and_folds(glyphs, 2)[0]
+    budget = dict(resolve("glyphs"), epochs=3, iterations_per_epoch=4, batch_size=16)
+    results = []
+    for folder in (tmp_path / "kept", None):
+        torch.manual_seed(0)
+        result = train_model(
+            SmoothAPLoss(),
+            train_set,
+            TrainingConfig.from_budget(budget),
+            trunk=SmallCNN(),
+            val_set=val_set,
+            seed=0,
+            folder=folder,
+        )
+        results.append(result)
+    kept, in_memory = results
+    assert (tmp_path / "kept" / "models").exists() and kept.best_epoch == in_memory.best_epoch
+    for a, b in zip(kept.trunk.state_dict().values(), in_memory.trunk.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_best_epochs_weights_come_back_and_a_latest_epochs_are_not_kept():
+    from types import SimpleNamespace
+
+    from pml_rank.harness.evaluation.training import BestModelsInMemory
+
+    trunk = torch.nn.Linear(3, 2)
+    trainer = SimpleNamespace(models={"trunk": trunk}, epoch=3)
+    hooks = BestModelsInMemory(record_keeper=None)
+    best = {key: value.clone() for key, value in trunk.state_dict().items()}
+    hooks.save_models(trainer, "unused", "best1")
+    with torch.no_grad():
+        trunk.weight.add_(1.0)
+    hooks.save_models(trainer, "unused", 2, 1)  # the latest epoch's: not read back, not kept
+    hooks.load_latest_saved_models(trainer, "unused", best=True)
+    for key, value in trunk.state_dict().items():
+        torch.testing.assert_close(value, best[key], rtol=0, atol=0)
