@@ -262,7 +262,27 @@ class MetricLossOnly(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` whose data-loading processes (``dataloader_num_workers`` > 0)
     live through the whole training, with batches in pinned memory for a GPU: PML's loader
     starts its processes anew at every pass over the sampler (about once an epoch), seconds
-    each time for a ResNet-50 job on a GPU. The batches are PML's."""
+    each time for a ResNet-50 job on a GPU. The batches are PML's. Inside `quiet_pml`, its
+    loop runs without the silenced progress bar, whose text read the loss from the device
+    after every step, making the CPU wait for the GPU before it could queue the next step."""
+
+    def train(self, start_epoch=1, num_epochs=1):
+        if base_trainer.tqdm is not _SilentTqdm:
+            return super().train(start_epoch, num_epochs)
+        # PML 2.9's `BaseTrainer.train` without the bar.
+        self.initialize_dataloader()
+        for epoch in range(start_epoch, num_epochs + 1):
+            self.epoch = epoch
+            self.set_to_train()
+            for iteration in range(self.iterations_per_epoch):
+                self.iteration = iteration
+                self.forward_and_backward()
+                self.end_of_iteration_hook(self)
+                self.step_lr_schedulers(end_of_epoch=False)
+            self.step_lr_schedulers(end_of_epoch=True)
+            self.zero_losses()
+            if self.end_of_epoch_hook(self) is False:
+                break
 
     def initialize_dataloader(self):
         workers = self.dataloader_num_workers
@@ -385,12 +405,14 @@ class _EpochRecorder:
     def end_of_iteration(self, trainer):
         self.hooks.end_of_iteration_hook(trainer)
         loss = trainer.losses["total_loss"]
-        self.losses.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
+        # Read at the epoch's end: reading it now would make the CPU wait for the GPU at every step.
+        self.losses.append(loss.detach() if torch.is_tensor(loss) else loss)
         if self.on_iteration is not None:
             self.on_iteration(trainer)
 
     def end_of_epoch(self, trainer):
-        entry = {"epoch": trainer.epoch, "loss": float(np.mean(self.losses)) if self.losses else 0.0}
+        losses = [float(loss) for loss in self.losses]
+        entry = {"epoch": trainer.epoch, "loss": float(np.mean(losses)) if losses else 0.0}
         self.losses.clear()
         keep_going = True
         if self.validate is not None:
