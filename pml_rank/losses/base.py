@@ -7,6 +7,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_embeddings, check_references, checked_constructor
+from . import query_panels
 from .query_panels import block_rows, mask_weights, query_blocks, true_entries
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
@@ -138,7 +139,10 @@ def symmetrize_(matrix, block=128):
     """``matrix + matrix.T`` of a square matrix, in place, a panel at a time: `block`
     rows from the diagonal on and the matching columns. No second N x N buffer, and
     cache-sized transposes (adding a whole transposed view reads it strided, 3 times
-    slower). The sums are those of ``matrix + matrix.T``."""
+    slower). The sums are those of ``matrix + matrix.T``. On an accelerator (`sized_for`),
+    one pass with one transposed copy: a kernel per panel would grow with the batch."""
+    if query_panels.sized_for(matrix.device) == "memory":
+        return matrix.add_(matrix.T.contiguous())
     n = len(matrix)
     for start in range(0, n, block):
         rows = slice(start, start + block)
@@ -218,7 +222,7 @@ def _blocked(scores, negative, slots):
     """What both passes of `NegativesAboveFunction` go over: `negative` as float weights
     (`mask_weights`), one buffer for a block's differences, and every ``(slot, block)`` of
     `slots` (`query_blocks`)."""
-    rows_per_block = block_rows(scores.shape[1])
+    rows_per_block = block_rows(scores.device, *scores.shape)
     buffer = scores.new_empty(min(len(scores), rows_per_block) * scores.shape[1])
     slot_blocks = [(slot, block) for slot, rows in slots for block in query_blocks(rows, len(scores), rows_per_block)]
     return mask_weights(negative, scores.dtype), buffer, slot_blocks

@@ -20,6 +20,14 @@ below avoid PyTorch's slow paths for boolean tensors.
 
 import torch
 
+# How work is cut, by device (`sized_for`). On the CPU, into panels that stay in a core's
+# cache between the passes over them (the constants below). On an accelerator, cache-sized
+# panels are hundreds of small kernels (about 200 at batch 8192), each launch costing more
+# than its arithmetic: there a panel or block holds as many entries as the call's own
+# [queries, references] matrix (MEMORY_MATRICES of them), a memory budget that grows with
+# the batch, so that a call is a few panels (one per positive of a query, at most) whatever
+# the batch size, and its memory a few similarity matrices.
+
 # Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in
 # the CPU's cache between the passes over it, and large enough that Python's per-op
 # cost stays small next to the arithmetic (Smooth-AP's function at batch 2048, 1 thread,
@@ -31,6 +39,22 @@ PANEL_ELEMENTS = 1 << 20
 # in a CPU core's cache through a few elementwise passes over it.
 BLOCK_ELEMENTS = 1 << 18
 
+# A panel or block on an accelerator: this many [queries, references] matrices of entries.
+MEMORY_MATRICES = 1
+
+
+def sized_for(device):
+    """How work on `device` is cut: "cache" on the CPU, "memory" elsewhere (see above)."""
+    return "cache" if device.type == "cpu" else "memory"
+
+
+def panel_elements(device, num_queries, num_references):
+    """Entries of one panel of a [queries, positives, references] tensor on `device`: at
+    most `PANEL_ELEMENTS` on the CPU (and never more than one similarity matrix), else
+    `MEMORY_MATRICES` similarity matrices."""
+    matrix = num_queries * num_references
+    return min(PANEL_ELEMENTS, matrix) if sized_for(device) == "cache" else MEMORY_MATRICES * matrix
+
 
 def mask_weights(mask, dtype):
     """A boolean mask as 1 and 0 of `dtype`: multiplying by it leaves the kept entries as they
@@ -39,8 +63,11 @@ def mask_weights(mask, dtype):
     return mask.view(torch.uint8).to(dtype)
 
 
-def block_rows(num_references):
-    """Rows of a [queries, `num_references`] matrix in one block of `BLOCK_ELEMENTS`."""
+def block_rows(device, num_queries, num_references):
+    """Rows of a [`num_queries`, `num_references`] matrix in one block on `device`:
+    `BLOCK_ELEMENTS` on the CPU, every row (`MEMORY_MATRICES` ≥ 1) elsewhere."""
+    if sized_for(device) == "memory":
+        return max(1, num_queries)
     return max(1, BLOCK_ELEMENTS // max(1, num_references))
 
 
@@ -57,9 +84,9 @@ def row_counts(mask):
     """int32 number of True entries in each row of a boolean matrix. Sums bytes a block
     of rows at a time: `sum` on booleans first copies the whole matrix to int64, and on
     bytes to int32 (a fresh matrix of 4 or 8 bytes per entry: page faults, about 20
-    times slower at batch 2048)."""
+    times slower at batch 2048). One block on an accelerator (`sized_for`)."""
     rows = mask.view(torch.uint8)
-    step = max(1, PANEL_ELEMENTS // max(1, rows.shape[1]))
+    step = max(1, panel_elements(mask.device, *rows.shape) // max(1, rows.shape[1]))
     return torch.cat([block.sum(1, dtype=torch.int32) for block in rows.split(step)])
 
 
@@ -94,20 +121,22 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
     queries from a [queries, ...] tensor (a slice when they are consecutive, else an
     index tensor) and `pairs` [r, c] holds the indices of each query's pairs, in order.
     Every query with pairs is in exactly one panel. A panel's c · r · `num_references`
-    entries are at most `elements` (default `PANEL_ELEMENTS`, and at most one similarity
-    matrix) or, when one query's c · `num_references` are more, that."""
-    elements = min(PANEL_ELEMENTS if elements is None else elements, num_queries * num_references)
+    entries are at most `elements` (default `panel_elements` for the pairs' device) or,
+    when one query's c · `num_references` are more, that. The host waits for the device
+    twice, whatever the number of panels."""
+    if elements is None:
+        elements = panel_elements(pair_query.device, num_queries, num_references)
     per_query = torch.bincount(pair_query, minlength=num_queries)
     per_pair = per_query[pair_query]
+    counts = torch.bincount(per_query).nonzero().view(-1).tolist()
+    by_count = [torch.nonzero(per_pair == count).view(-1, count) for count in counts if count]
+    by_count = [(pairs, pair_query[pairs[:, 0]]) for pairs in by_count]
+    # The first and last query of each count, in one transfer.
+    ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]) if by_count else None
     panels = []
-    for count in torch.bincount(per_query).nonzero().view(-1).tolist():
-        if count == 0:
-            continue
-        pairs = torch.nonzero(per_pair == count).view(-1, count)
-        queries = pair_query[pairs[:, 0]]
-        first = int(queries[0])
-        consecutive = int(queries[-1]) - first + 1 == len(queries)
-        step = max(1, elements // (count * max(1, num_references)))
+    for (pairs, queries), (first, last) in zip(by_count, ends.view(-1, 2).tolist() if by_count else []):
+        consecutive = last - first + 1 == len(queries)
+        step = max(1, elements // (pairs.shape[1] * max(1, num_references)))
         for start in range(0, len(queries), step):
             stop = min(start + step, len(queries))
             panels.append(
@@ -150,25 +179,38 @@ def left_out_per_query(left_out, num_queries):
     return torch.bincount(left_out[0], minlength=num_queries)
 
 
+def left_out_by_panel(left_out, panels, num_queries):
+    """`left_out` (None, a boolean [queries, references] mask, or the (query, reference)
+    indices of a few left-out pairs) as `left_out_filled_` takes it for each panel of
+    `panels` (`query_panels`): indices become each panel's own (row in the panel,
+    reference), found for every panel at once (the host waits once)."""
+    if left_out is None or torch.is_tensor(left_out):
+        return [left_out] * len(panels)
+    at_query, at_reference = left_out
+    # Each query's panel (len(panels): none) and row in it.
+    panel_of = at_query.new_full((num_queries,), len(panels))
+    row_in_panel = torch.zeros_like(panel_of)
+    for index, (queries, pairs) in enumerate(panels):
+        panel_of[queries] = index
+        row_in_panel[queries] = torch.arange(len(pairs), device=at_query.device)
+    pair_panel = panel_of[at_query]
+    order = torch.argsort(pair_panel, stable=True)
+    sizes = torch.bincount(pair_panel, minlength=len(panels) + 1).tolist()
+    rows = row_in_panel[at_query[order]].split(sizes)
+    return list(zip(rows, at_reference[order].split(sizes)))[: len(panels)]
+
+
 def left_out_filled_(rows, queries, left_out):
-    """`rows`, the [r, references] rows of `queries` (a slice or sorted indices), with
-    −inf at the pairs left out of each query's ranking, in place. `left_out`: None (no
-    pair is), a boolean [queries, references] mask, or the (query, reference) indices of
-    a few left-out pairs sorted by query (the diagonal), written by index: a pass over a
-    boolean mask costs several times more (76 against 15 µs for 128 x 2048 rows)."""
+    """`rows`, the [r, references] rows of `queries` (a slice or indices), with −inf at
+    the pairs left out of each query's ranking, in place. `left_out`: None (no pair is),
+    a boolean [queries, references] mask, or the (row in `rows`, reference) indices of a
+    few left-out pairs (`left_out_by_panel`), written by index: a pass over a boolean
+    mask costs several times more (76 against 15 µs for 128 x 2048 rows)."""
     if left_out is None:
         return rows
     if torch.is_tensor(left_out):
         return rows.masked_fill_(left_out[queries], -torch.inf)
-    at_query, at_reference = left_out
-    if isinstance(queries, slice):  # one run of the sorted pairs
-        bounds = torch.tensor([queries.start, queries.stop], device=at_query.device)
-        first, stop = torch.searchsorted(at_query, bounds).tolist()
-        rows[at_query[first:stop] - queries.start, at_reference[first:stop]] = -torch.inf
-        return rows
-    place = torch.searchsorted(queries, at_query).clamp_(max=len(queries) - 1)
-    inside = queries[place] == at_query
-    rows[place[inside], at_reference[inside]] = -torch.inf
+    rows[left_out] = -torch.inf
     return rows
 
 

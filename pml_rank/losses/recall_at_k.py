@@ -50,6 +50,7 @@ from .query_panels import (
     any_per_row,
     differences,
     jacobian_buffer,
+    left_out_by_panel,
     left_out_filled_,
     left_out_of,
     left_out_per_query,
@@ -276,8 +277,8 @@ def _recall_and_jacobian(
     jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
     panels = query_panels(pair_query, *scores.shape)
     buffer = panel_buffer(scores, panels, scores.shape[1])
-    for queries, pairs in panels:
-        scaled = left_out_filled_(scores[queries] * (1 / rank_temperature), queries, left_out)
+    for (queries, pairs), panel_left_out in zip(panels, left_out_by_panel(left_out, panels, len(scores))):
+        scaled = left_out_filled_(scores[queries] * (1 / rank_temperature), queries, panel_left_out)
         # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
         # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
         sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()

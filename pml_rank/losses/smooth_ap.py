@@ -33,6 +33,7 @@ from .query_panels import (
     any_per_row,
     differences,
     jacobian_buffer,
+    left_out_by_panel,
     left_out_filled_,
     left_out_of,
     own_columns,
@@ -152,10 +153,10 @@ def _ap_and_jacobian(scores, pair_query, pair_positive, left_out, temperature, w
     jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
     panels = query_panels(pair_query, *scores.shape)
     buffer = panel_buffer(scores, panels, scores.shape[1])
-    for queries, pairs in panels:
+    for (queries, pairs), panel_left_out in zip(panels, left_out_by_panel(left_out, panels, len(scores))):
         # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
         # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
-        scaled = left_out_filled_(scores[queries] / temperature, queries, left_out)
+        scaled = left_out_filled_(scores[queries] / temperature, queries, panel_left_out)
         panel_own = own[pairs]
         over_all = differences(scaled, panel_own, buffer).sigmoid_()
         over_positives = differences(panel_own, panel_own).sigmoid_()
