@@ -18,7 +18,10 @@ cache-sized blocks of queries (`query_blocks`) the same way. The boolean-mask he
 below avoid PyTorch's slow paths for boolean tensors.
 """
 
+from typing import NamedTuple
+
 import torch
+from torch.autograd.function import once_differentiable
 
 # How work is cut, by device (`sized_for`). On the CPU, into panels that stay in a core's
 # cache between the passes over them (the constants below). On an accelerator, cache-sized
@@ -229,3 +232,142 @@ def differences(scaled_rows, own, buffer=None):
     shape = (*own.shape, scaled_rows.shape[1])
     out = None if buffer is None else buffer[: own.numel() * scaled_rows.shape[1]].view(shape)
     return torch.sub(scaled_rows.unsqueeze(1), own.unsqueeze(2), out=out)
+
+
+class RelaxedRanks(torch.autograd.Function):
+    """The relaxed rank that Smooth-AP, Recall@k, SupAP and PNP share, with its one
+    backward. For each (query q, positive i) pair (`pair_query`, `pair_positive`:
+    row-major, sorted by query), a kernel h summed over q's references j:
+
+        S_qi = Σ_j w_qj h(x_qij),      x_qij = scale · (s_qj − s_qi),
+
+    where w_qj is 0 at the pairs `left_out` of q's ranking (see `left_out_filled_`: x is
+    −inf there, where h and its slope must vanish) and else `weights[q, j]` (a float
+    [queries, references] matrix, or 1 when None). Each query's value is
+    ``formula(S, own, queries)`` of its sums and its own scaled scores scale · s_qi, for
+    the r queries of a panel with c pairs each ([r, c] tensors; `queries` selects theirs
+    from per-query tensors); 0 for a query without pairs. `kernel.value(x)` gives h and
+    `kernel.slope(x, values)` h' (both free to overwrite their arguments).
+
+    Each value depends on its query's row of scores only, so the forward pass computes
+    the row's gradient (its row of the Jacobian) panel by panel while the kernel's values
+    are in cache (`query_panels`), the formula's part by autograd on the small [r, c]
+    tensors; the backward pass scales each row by the incoming gradient, in place."""
+
+    @staticmethod
+    def forward(ctx, scores, pair_query, pair_positive, ranking):
+        values, ctx.jacobian = _values_and_jacobian(scores, pair_query, pair_positive, ranking, ctx.needs_input_grad[0])
+        ctx.save_for_backward(scores, pair_query, pair_positive)
+        ctx.ranking = ranking
+        return values
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_values):
+        jacobian, ctx.jacobian = ctx.jacobian, None
+        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
+            _, jacobian = _values_and_jacobian(*ctx.saved_tensors, ctx.ranking, True)
+        return jacobian.mul_(grad_values.unsqueeze(1)), None, None, None
+
+
+class Ranking(NamedTuple):
+    """What `RelaxedRanks` sums and what it makes of the sums (see there)."""
+
+    kernel: object
+    formula: object
+    scale: float = 1.0
+    left_out: object = None
+    weights: torch.Tensor | None = None
+
+
+def relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, scale=1.0, left_out=None, weights=None):
+    """Each query's ``formula`` value over its relaxed ranks: `RelaxedRanks`."""
+    ranking = Ranking(kernel, formula, scale, left_out, weights)
+    return RelaxedRanks.apply(scores, pair_query, pair_positive, ranking)
+
+
+def _values_and_jacobian(scores, pair_query, pair_positive, ranking, with_jacobian):
+    """`RelaxedRanks`'s value per query and, when asked, the [queries, references] Jacobian
+    of each query's value with respect to its row of `scores` (else None)."""
+    # The sums and the Jacobian in the input's precision: autocast would take the matrix
+    # products to half precision.
+    with torch.autocast(scores.device.type, enabled=False):
+        return _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_jacobian)
+
+
+def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
+    own = scores[pair_query, pair_positive]
+    if scale != 1:
+        own = own * scale
+    values = scores.new_zeros(len(scores))
+    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
+    panels = query_panels(pair_query, *scores.shape)
+    buffer = panel_buffer(scores, panels, scores.shape[1])
+    sparse_ok = sized_for(scores.device) == "cache"
+    for (queries, pairs), panel_left_out in zip(panels, left_out_by_panel(left_out, panels, len(scores))):
+        rows = scores[queries]
+        if scale != 1:
+            rows = rows * scale
+        elif panel_left_out is not None:
+            rows = rows.clone()
+        rows = left_out_filled_(rows, queries, panel_left_out)
+        panel_own = own[pairs]
+        x = differences(rows, panel_own, buffer)
+        kernel_values = kernel.value(x)
+        panel_weights = None if weights is None else weights[queries]
+        if panel_weights is None:
+            sums = kernel_values.sum(2)
+        else:
+            sums = torch.bmm(kernel_values, panel_weights.unsqueeze(2)).squeeze(2)
+        if jacobian is None:
+            values[queries] = formula(sums, panel_own, queries)
+            continue
+        with torch.enable_grad():
+            sums.requires_grad_()
+            panel_own.requires_grad_()
+            value = formula(sums, panel_own, queries)
+            grad_sums, grad_own = torch.autograd.grad(
+                value, (sums, panel_own), torch.ones_like(value), allow_unused=True
+            )
+        values[queries] = value.detach()
+        grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
+        positive_columns = pair_positive[pairs]
+        # dS_qi moves s_qj by w_qj h'(x_qij) · scale and s_qi by minus the sum over j.
+        active = None
+        if sparse_ok:
+            active = grad_sums.nonzero(as_tuple=True)
+            if 2 * len(active[0]) > grad_sums.numel():
+                active = None
+        if active is None:
+            slopes = kernel.slope(x, kernel_values)
+            if isinstance(queries, slice):
+                target = jacobian[queries]
+                torch.bmm(grad_sums.unsqueeze(1), slopes, out=target.unsqueeze(1))
+            else:
+                target = torch.bmm(grad_sums.unsqueeze(1), slopes).squeeze(1)
+            per_pair = (
+                slopes.sum(2) if panel_weights is None else torch.bmm(slopes, panel_weights.unsqueeze(2)).squeeze(2)
+            )
+            if panel_weights is not None:
+                target.mul_(panel_weights)
+            own_column = per_pair.mul_(grad_sums).neg_()
+        else:
+            # Few pairs move (Recall@k's ranks far from every k): their slopes only.
+            row, column = active
+            if isinstance(queries, slice):
+                target = jacobian[queries].zero_()
+            else:
+                target = scores.new_zeros(len(pairs), scores.shape[1])
+            gathered = kernel_values[row, column]
+            slopes = kernel.slope(gathered if x is kernel_values else x[row, column], gathered)
+            slopes.mul_(grad_sums[row, column].unsqueeze(1))
+            if panel_weights is not None:
+                slopes.mul_(panel_weights[row])
+            target.index_add_(0, row, slopes)
+            own_column = torch.zeros_like(grad_sums).index_put_((row, column), slopes.sum(1).neg_())
+        if grad_own is not None:
+            own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+        target.scatter_add_(1, positive_columns, own_column)
+        if not isinstance(queries, slice):
+            jacobian[queries] = target
+    return values, jacobian

@@ -218,7 +218,7 @@ def test_gradcheck_of_the_relaxed_recall(as_indices):
     left_out_arg = left_out.nonzero(as_tuple=True) if as_indices else left_out
 
     def recall(s):
-        return recall_at_k._RelaxedRecallAtK.apply(s, left_out_arg, query, element, k, normalizer, 0.2, 0.7)
+        return recall_at_k.relaxed_recall(s, left_out_arg, query, element, k, normalizer, 0.2, 0.7)
 
     assert torch.autograd.gradcheck(recall, (scores,))
 
