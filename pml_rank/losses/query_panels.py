@@ -1,21 +1,19 @@
-"""Cache-sized panels of (query, positive) pairs, for the losses that need a sigmoid of
-each positive's score against every reference of its query (Smooth-AP, Recall@k).
+"""The relaxed rank shared by Smooth-AP, Recall@k, SupAP (ROADMAP) and PNP
+(`RelaxedRanks`): a kernel of score differences summed over each (query, positive)'s
+references, in panels of (query, positive) pairs sized for the device.
 
 Queries with the same number of positives c are cut into panels of r queries, so that
-a panel's work is one broadcast [r, c, references] tensor that stays in cache while a
-few elementwise passes and reductions go over it; passes over whole similarity matrices
-would go through memory instead.
+a panel's work is one broadcast [r, c, references] tensor: on the CPU it stays in cache
+while a few elementwise passes and reductions go over it (passes over whole similarity
+matrices would go through memory instead); on an accelerator a call is a few large
+panels (`sized_for`).
 
 Each query's loss depends on its own row of scores only, so its gradient with respect
 to that row (its row of the Jacobian) can be computed in the forward pass, panel by
-panel, while the sigmoids are in cache; the backward pass then only scales each row by
-the incoming gradient, in place. One similarity matrix of memory instead of a second
-pass over every sigmoid.
-
-The losses that sum a kernel over each (query, positive)'s negatives (ROADMAP's SupAP,
-PNP: `base.NegativesAboveFunction`) take their [queries, references] differences in
-cache-sized blocks of queries (`query_blocks`) the same way. The boolean-mask helpers
-below avoid PyTorch's slow paths for boolean tensors.
+panel, while the kernel's values are in cache; the backward pass then only scales each
+row by the incoming gradient, in place. One similarity matrix of memory instead of a
+second pass over every kernel value. The boolean-mask helpers below avoid PyTorch's
+slow paths for boolean tensors.
 """
 
 from typing import NamedTuple
@@ -26,10 +24,10 @@ from torch.autograd.function import once_differentiable
 # How work is cut, by device (`sized_for`). On the CPU, into panels that stay in a core's
 # cache between the passes over them (the constants below). On an accelerator, cache-sized
 # panels are hundreds of small kernels (about 200 at batch 8192), each launch costing more
-# than its arithmetic: there a panel or block holds as many entries as the call's own
-# [queries, references] matrix (MEMORY_MATRICES of them), a memory budget that grows with
-# the batch, so that a call is a few panels (one per positive of a query, at most) whatever
-# the batch size, and its memory a few similarity matrices.
+# than its arithmetic: there a panel holds as many entries as the call's own [queries,
+# references] matrix (MEMORY_MATRICES of them), a memory budget that grows with the batch,
+# so that a call is a few panels (about one per positive of a query) whatever the batch
+# size, and its memory a few similarity matrices.
 
 # Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in
 # the CPU's cache between the passes over it, and large enough that Python's per-op
@@ -37,12 +35,7 @@ from torch.autograd.function import once_differentiable
 # CPU time on a loaded machine: 27 ms with 2^18, 24 with 2^19, 22 with 2^20).
 PANEL_ELEMENTS = 1 << 20
 
-
-# Entries of one block of a [queries, references] matrix (`query_blocks`): 1 MB in float32,
-# in a CPU core's cache through a few elementwise passes over it.
-BLOCK_ELEMENTS = 1 << 18
-
-# A panel or block on an accelerator: this many [queries, references] matrices of entries.
+# A panel on an accelerator: this many [queries, references] matrices of entries.
 MEMORY_MATRICES = 1
 
 
@@ -64,23 +57,6 @@ def mask_weights(mask, dtype):
     are and zeroes the others (finite ones), several times faster than `masked_fill_` with a
     boolean mask; converted through bytes, as booleans convert several times slower."""
     return mask.view(torch.uint8).to(dtype)
-
-
-def block_rows(device, num_queries, num_references):
-    """Rows of a [`num_queries`, `num_references`] matrix in one block on `device`:
-    `BLOCK_ELEMENTS` on the CPU, every row (`MEMORY_MATRICES` ≥ 1) elsewhere."""
-    if sized_for(device) == "memory":
-        return max(1, num_queries)
-    return max(1, BLOCK_ELEMENTS // max(1, num_references))
-
-
-def query_blocks(rows, num_queries, rows_per_block):
-    """`rows` (queries, in order) in blocks of at most `rows_per_block`: slices when `rows`
-    holds every query (0, 1, ..., n − 1), else index tensors."""
-    if len(rows) == num_queries:
-        starts = range(0, num_queries, rows_per_block)
-        return [slice(start, min(start + rows_per_block, num_queries)) for start in starts]
-    return list(rows.split(rows_per_block))
 
 
 def row_counts(mask):

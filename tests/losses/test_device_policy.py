@@ -81,11 +81,11 @@ def test_the_memory_policy_computes_what_the_cache_policy_does(name, monkeypatch
         torch.testing.assert_close(memory, cache, rtol=1e-12, atol=1e-15)
 
 
-def test_a_call_at_batch_8192_is_a_few_panels_and_blocks(memory_policy):
-    """4 per class, each query its own positive (Smooth-AP's default): 4 positives a query."""
+def test_a_call_at_batch_8192_is_a_few_panels(memory_policy):
+    """4 per class, each query its own positive (the default of all but Recall@k): 4
+    positives a query."""
     queries = torch.arange(8192).repeat_interleave(4)
     assert len(query_panels.query_panels(queries, 8192, 8192)) == 4
-    assert query_panels.block_rows(queries.device, 8192, 8192) == 8192
     assert query_panels.row_counts(torch.ones(8192, 16, dtype=torch.bool)).tolist() == [16] * 8192
 
 
