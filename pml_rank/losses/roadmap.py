@@ -46,28 +46,27 @@ class SupAPBound:
         # no boolean indexing (a B x B nonzero costs more than the rest).
         extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
         # The steps as 1.0 and 0.0 written straight into floats (boolean tensors are several
-        # times slower to make and to add).
-        step = torch.empty_like(x) if self.jump or self.start else None
+        # times slower to make and to add), into the buffer that then takes the values.
+        buffer = torch.empty_like(x)
         if self.jump:
-            extra.add_(torch.gt(x, self.delta, out=step), alpha=self.jump)
+            extra.add_(torch.gt(x, self.delta, out=buffer), alpha=self.jump)
         if self.start:
-            extra.add_(torch.gt(x, 0, out=step), alpha=self.start)
+            extra.add_(torch.gt(x, 0, out=buffer), alpha=self.start)
         # The clamp keeps float32 away from the denormals of σ(−88) and below; x stays
         # as it is for `slope`.
-        values = x.clamp(max=self.delta).div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        values = torch.clamp(x, max=self.delta, out=buffer)
+        values = values.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
         return values.add_(extra)
 
     def slope(self, x, values):
-        # ρ beyond δ, σ's slope up to it, as slope · [x ≤ δ] + ρ · [x > δ] in floats (the same
-        # numbers as a boolean masked_fill_, several times faster).
-        beyond, within = (
-            torch.gt(x, self.delta, out=torch.empty_like(x)),
-            torch.le(x, self.delta, out=torch.empty_like(x)),
-        )
+        # ρ beyond δ, σ's slope up to it, as slope − slope · [x > δ] + ρ · [x > δ] in floats
+        # (the same numbers as a boolean masked_fill_, several times faster), in the
+        # buffers of x and of the values.
+        beyond = torch.gt(x, self.delta, out=values)
         # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
         sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
-        slopes = sigmoid.sub_(sigmoid.square()).div_(self.temperature)
-        return slopes.mul_(within).add_(beyond, alpha=self.rho)
+        slopes = sigmoid.addcmul_(sigmoid, sigmoid, value=-1).div_(self.temperature)
+        return slopes.addcmul_(slopes, beyond, value=-1).add_(beyond, alpha=self.rho)
 
 
 class SupAPLoss(RankLossBase):
