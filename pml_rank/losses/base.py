@@ -5,8 +5,8 @@ from pytorch_metric_learning.reducers import BaseReducer
 from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
-from . import query_panels
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -139,7 +139,7 @@ def symmetrize_(matrix, block=128):
     cache-sized transposes (adding a whole transposed view reads it strided, 3 times
     slower). The sums are those of ``matrix + matrix.T``. On an accelerator (`sized_for`),
     one pass with one transposed copy: a kernel per panel would grow with the batch."""
-    if query_panels.sized_for(matrix.device) == "memory":
+    if _device_policy.sized_for(matrix.device) == "memory":
         return matrix.add_(matrix.T.contiguous())
     n = len(matrix)
     for start in range(0, n, block):

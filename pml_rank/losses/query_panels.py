@@ -6,7 +6,7 @@ Queries with the same number of positives c are cut into panels of r queries, so
 a panel's work is one broadcast [r, c, references] tensor: on the CPU it stays in cache
 while a few elementwise passes and reductions go over it (passes over whole similarity
 matrices would go through memory instead); on an accelerator a call is a few large
-panels (`sized_for`).
+panels (`pml_rank._device_policy`).
 
 Each query's loss depends on its own row of scores only, so its gradient with respect
 to that row (its row of the Jacobian) can be computed in the forward pass, panel by
@@ -21,35 +21,15 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-# How work is cut, by device (`sized_for`). On the CPU, into panels that stay in a core's
-# cache between the passes over them (the constants below). On an accelerator, cache-sized
-# panels are hundreds of small kernels (about 200 at batch 8192), each launch costing more
-# than its arithmetic: there a panel holds as many entries as the call's own [queries,
-# references] matrix (MEMORY_MATRICES of them), a memory budget that grows with the batch,
-# so that a call is a few panels (about one per positive of a query) whatever the batch
-# size, and its memory a few similarity matrices.
-
-# Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in
-# the CPU's cache between the passes over it, and large enough that Python's per-op
-# cost stays small next to the arithmetic (Smooth-AP's function at batch 2048, 1 thread,
-# CPU time on a loaded machine: 27 ms with 2^18, 24 with 2^19, 22 with 2^20).
-PANEL_ELEMENTS = 1 << 20
-
-# A panel on an accelerator: this many [queries, references] matrices of entries.
-MEMORY_MATRICES = 1
-
-
-def sized_for(device):
-    """How work on `device` is cut: "cache" on the CPU, "memory" elsewhere (see above)."""
-    return "cache" if device.type == "cpu" else "memory"
+from .. import _device_policy as policy
 
 
 def panel_elements(device, num_queries, num_references):
-    """Entries of one panel of a [queries, positives, references] tensor on `device`: at
-    most `PANEL_ELEMENTS` on the CPU (and never more than one similarity matrix), else
-    `MEMORY_MATRICES` similarity matrices."""
+    """Entries of one panel of a [queries, positives, references] tensor on `device`
+    (`policy.work_budget`), on the CPU never more than one similarity matrix."""
     matrix = num_queries * num_references
-    return min(PANEL_ELEMENTS, matrix) if sized_for(device) == "cache" else MEMORY_MATRICES * matrix
+    budget = policy.work_budget(device, matrix)
+    return min(budget, matrix) if policy.sized_for(device) == "cache" else budget
 
 
 def mask_weights(mask, dtype):
@@ -63,7 +43,7 @@ def row_counts(mask):
     """int32 number of True entries in each row of a boolean matrix. Sums bytes a block
     of rows at a time: `sum` on booleans first copies the whole matrix to int64, and on
     bytes to int32 (a fresh matrix of 4 or 8 bytes per entry: page faults, about 20
-    times slower at batch 2048). One block on an accelerator (`sized_for`)."""
+    times slower at batch 2048). One block on an accelerator (`policy.sized_for`)."""
     rows = mask.view(torch.uint8)
     step = max(1, panel_elements(mask.device, *rows.shape) // max(1, rows.shape[1]))
     return torch.cat([block.sum(1, dtype=torch.int32) for block in rows.split(step)])
@@ -279,7 +259,9 @@ def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, l
     jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
     panels = query_panels(pair_query, *scores.shape)
     buffer = panel_buffer(scores, panels, scores.shape[1])
-    sparse_ok = sized_for(scores.device) == "cache"
+    # On the CPU a panel whose gradient moves few pairs takes only their slopes (a host
+    # wait per panel); on an accelerator every panel takes the same dense kernels.
+    may_skip = policy.sized_for(scores.device) == "cache"
     for (queries, pairs), panel_left_out in zip(panels, left_out_by_panel(left_out, panels, len(scores))):
         rows = scores[queries]
         if scale != 1:
@@ -310,7 +292,7 @@ def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, l
         positive_columns = pair_positive[pairs]
         # dS_qi moves s_qj by w_qj h'(x_qij) · scale and s_qi by minus the sum over j.
         active = None
-        if sparse_ok:
+        if may_skip:
             active = grad_sums.nonzero(as_tuple=True)
             if 2 * len(active[0]) > grad_sums.numel():
                 active = None

@@ -1,4 +1,4 @@
-"""The work of the rank losses is sized by one device policy (`query_panels.sized_for`):
+"""The work of the rank losses is sized by one device policy (`pml_rank._device_policy`):
 under the accelerator's ("memory"), forced here on the CPU, a call launches as many
 operations at batch 1024 as at 256 and computes what the CPU's ("cache") computes."""
 
@@ -9,7 +9,8 @@ import torch
 from pytorch_metric_learning.miners import MultiSimilarityMiner
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pml_rank.losses import PNPLoss, RecallAtKSurrogateLoss, ROADMAPLoss, SmoothAPLoss, query_panels
+from pml_rank import _device_policy
+from pml_rank.losses import PNPLoss, RaMBORecallLoss, RecallAtKSurrogateLoss, ROADMAPLoss, SmoothAPLoss, query_panels
 from pml_rank.losses.base import symmetrize_
 
 LOSSES = {
@@ -22,7 +23,7 @@ LOSSES = {
 
 @pytest.fixture
 def memory_policy(monkeypatch):
-    monkeypatch.setattr(query_panels, "sized_for", lambda device: "memory")
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
 
 
 class DispatchCount(TorchDispatchMode):
@@ -53,6 +54,13 @@ def test_operations_per_call_do_not_grow_with_the_batch(name, memory_policy, one
     assert abs(large - small) <= 10, (small, large)
 
 
+def test_rambos_comparison_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):
+    """RaMBO counts ranks by comparing each positive with its row in chunks of rows
+    (`ranking._compared`): 2^20 comparisons a chunk on the CPU, 4 chunks per pass at
+    batch 2048; under the memory policy one similarity matrix's worth, as at 256."""
+    assert operations(RaMBORecallLoss, 256) == operations(RaMBORecallLoss, 2048)
+
+
 def value_and_grads(loss, embeddings, labels, **kwargs):
     embeddings = embeddings.detach().clone().requires_grad_()
     if "ref_emb" in kwargs:
@@ -76,7 +84,7 @@ def test_the_memory_policy_computes_what_the_cache_policy_does(name, monkeypatch
     for kwargs in layouts:
         cache = value_and_grads(LOSSES[name](), embeddings, labels, **kwargs)
         with monkeypatch.context() as patch:
-            patch.setattr(query_panels, "sized_for", lambda device: "memory")
+            patch.setattr(_device_policy, "sized_for", lambda device: "memory")
             memory = value_and_grads(LOSSES[name](), embeddings, labels, **kwargs)
         torch.testing.assert_close(memory, cache, rtol=1e-12, atol=1e-15)
 
