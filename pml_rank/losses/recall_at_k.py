@@ -30,9 +30,10 @@ tests/losses/test_recall_at_k.py, not copied):
   differ by less than e^-30 per term.
 
 Memory: every (query, positive) pair needs a sigmoid of its query's whole row of
-similarities, so a custom autograd function goes over the queries in cache-sized panels
-(`query_panels`), computing each query's analytic gradient row alongside: a few queries
-x references matrices, never B x B x B.
+similarities: r(q, x) − 1/2 is the relaxed rank that the rank losses share
+(`query_panels.RelaxedRanks`, panels of queries sized for the device, each query's
+gradient row computed alongside), and R̃@k a formula over it: a few queries x references
+matrices, never B x B x B.
 """
 
 import math

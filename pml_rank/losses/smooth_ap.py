@@ -9,9 +9,9 @@ sigmoid of temperature τ:
     AP_q   = (1 / |P|) Σ_{i ∈ P} R_P(i) / R(i)
 
 and the loss of q is 1 − AP_q. Only positives i need a rank, so a query costs |P| × M
-sigmoids (M references), not M × M. The (query, positive) pairs are taken in cache-sized
-panels of queries with equally many positives (`query_panels`), and a custom autograd
-function computes each query's analytic gradient row alongside: memory stays a few
+sigmoids (M references), not M × M: R(i) − 1/2 is the relaxed rank that the rank losses
+share (`query_panels.RelaxedRanks`, panels of queries with equally many positives, each
+query's gradient row computed alongside), and AP_q a formula over it: memory stays a few
 similarity matrices whatever the class sizes.
 """
 
