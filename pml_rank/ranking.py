@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from . import _device_policy
 from ._checks import check_embeddings, check_numbers
 
 __all__ = [
@@ -238,14 +239,18 @@ class _Slots:
         return per_slot[self.sequence, self.slot]
 
 
-def _compared(scores, thresholds, budget=1 << 20):
+def _compared(scores, thresholds, budget=None):
     """For each chunk of sequences, its slice and the [sequences, thresholds, n] 0/1
     floats ``scores > thresholds`` (every threshold of a sequence against all its
     elements), in one reused buffer. Comparisons written as floats and summed as floats
     run about three times faster than through bool tensors (vectorised). A chunk has at
-    most `budget` comparisons: few steps (each synchronises the threads), and a buffer
-    small enough to stay in cache. At batch 2048 with 3 positives a row, the counting
-    forward+backward took 20-22 ms on one thread from 2^19 to 2^21, 30 ms at 2^17."""
+    most `budget` comparisons, by default the device's (`_device_policy.work_budget`): on
+    the CPU 2^20, few steps (each synchronises the threads) and a buffer small enough to
+    stay in cache (at batch 2048 with 3 positives a row, the counting forward+backward
+    took 20-22 ms on one thread from 2^19 to 2^21, 30 ms at 2^17); on an accelerator as
+    many as `scores` has entries, so that the chunks do not grow with the batch."""
+    if budget is None:
+        budget = _device_policy.work_budget(scores.device, scores.numel())
     width = thresholds.shape[1] * scores.shape[-1]
     step = max(1, budget // max(1, width))
     buffer = torch.empty(

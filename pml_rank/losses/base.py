@@ -6,10 +6,9 @@ from pytorch_metric_learning.losses import BaseMetricLossFunction
 from pytorch_metric_learning.reducers import BaseReducer
 from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
-from torch.autograd.function import once_differentiable
 
+from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
-from .query_panels import block_rows, mask_weights, query_blocks, true_entries
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -154,7 +153,10 @@ def symmetrize_(matrix, block=128):
     """``matrix + matrix.T`` of a square matrix, in place, a panel at a time: `block`
     rows from the diagonal on and the matching columns. No second N x N buffer, and
     cache-sized transposes (adding a whole transposed view reads it strided, 3 times
-    slower). The sums are those of ``matrix + matrix.T``."""
+    slower). The sums are those of ``matrix + matrix.T``. On an accelerator (`sized_for`),
+    one pass with one transposed copy: a kernel per panel would grow with the batch."""
+    if _device_policy.sized_for(matrix.device) == "memory":
+        return matrix.add_(matrix.T.contiguous())
     n = len(matrix)
     for start in range(0, n, block):
         rows = slice(start, start + block)
@@ -165,90 +167,6 @@ def symmetrize_(matrix, block=128):
         upper.copy_(total)
         lower.copy_(total.T.contiguous())
     return matrix
-
-
-def positive_slots(positive):
-    """Each query's positives as columns of a padded [queries, most positives] matrix
-    (`columns`, 0 in the padding) with a mask of the real entries (`real`), and the
-    (query, positive) pairs by slot: ``[(slot, rows)]``, where slot a holds the a-th
-    positive of every query that has one, queries in order, so that one slot's work over
-    the references is at most queries x references."""
-    rows, columns = true_entries(positive)
-    counts = torch.bincount(rows, minlength=len(positive))  # a sum over a boolean matrix copies it to int64
-    slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[rows]
-    most = int(counts.max()) if len(rows) else 0
-    positive_columns = torch.zeros(len(positive), most, dtype=torch.long, device=rows.device)
-    positive_columns[rows, slot] = columns
-    real = torch.zeros_like(positive_columns, dtype=torch.bool)
-    real[rows, slot] = True
-    sizes = torch.bincount(slot, minlength=most).tolist()
-    slot_rows = rows[torch.argsort(slot, stable=True)].split(sizes)
-    return positive_columns, real, list(enumerate(slot_rows))
-
-
-class NegativesAboveFunction(torch.autograd.Function):
-    """For every query q and each of its positives i (the columns of `positive_columns`,
-    by `slots`, see `positive_slots`): Σ_{j negative} h(s_qj − s_qi) over the references
-    j that `negative` marks for q, as a [queries, most positives] tensor (0 in the
-    padding). `kernel` gives h elementwise (``kernel.value(x)``) and its derivative
-    (``kernel.slope(x)``), both free to overwrite x. The backward pass recomputes each
-    slot: memory stays a few queries x references matrices whatever the class sizes.
-
-    A slot is taken a block of queries at a time (`query_blocks`), so that the kernel's
-    elementwise passes over a block's differences run in the CPU's cache rather than
-    through memory; each entry's arithmetic is the same."""
-
-    @staticmethod
-    def forward(ctx, scores, positive_columns, negative, slots, kernel):
-        own = scores.gather(1, positive_columns)
-        counts = torch.zeros_like(own)
-        negative_weight, buffer, slot_blocks = _blocked(scores, negative, slots)
-        for slot, block in slot_blocks:
-            values = kernel.value(_differences(scores, own, block, slot, buffer))
-            counts[block, slot] = values.mul_(negative_weight[block]).sum(1)
-        ctx.save_for_backward(scores, positive_columns, negative)
-        ctx.slots, ctx.kernel = slots, kernel
-        return counts
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_counts):
-        scores, positive_columns, negative = ctx.saved_tensors
-        own = scores.gather(1, positive_columns)
-        grad_scores = torch.zeros_like(scores)
-        negative_weight, buffer, slot_blocks = _blocked(scores, negative, ctx.slots)
-        for slot, block in slot_blocks:
-            slopes = ctx.kernel.slope(_differences(scores, own, block, slot, buffer))
-            slopes.mul_(negative_weight[block]).mul_(grad_counts[block, slot].unsqueeze(1))
-            # h(s_qj − s_qi): +h' to each negative j, −Σ_j h' to the positive i.
-            if isinstance(block, slice):
-                grad_scores[block] += slopes
-                block = torch.arange(block.start, block.stop, device=scores.device)
-            else:
-                grad_scores.index_add_(0, block, slopes)
-            grad_scores.index_put_((block, positive_columns[block, slot]), -slopes.sum(1), accumulate=True)
-        return grad_scores, None, None, None, None
-
-
-def _blocked(scores, negative, slots):
-    """What both passes of `NegativesAboveFunction` go over: `negative` as float weights
-    (`mask_weights`), one buffer for a block's differences, and every ``(slot, block)`` of
-    `slots` (`query_blocks`)."""
-    rows_per_block = block_rows(scores.shape[1])
-    buffer = scores.new_empty(min(len(scores), rows_per_block) * scores.shape[1])
-    slot_blocks = [(slot, block) for slot, rows in slots for block in query_blocks(rows, len(scores), rows_per_block)]
-    return mask_weights(negative, scores.dtype), buffer, slot_blocks
-
-
-def _differences(scores, own, block, slot, buffer):
-    """s_qj − s_qi for a block of one slot's (query q, positive i) pairs over every
-    reference j, written into `buffer` (one buffer for every block: a fresh matrix per
-    block costs more in page faults than the subtraction that fills it)."""
-    if isinstance(block, slice):
-        out = buffer[: (block.stop - block.start) * scores.shape[1]].view(-1, scores.shape[1])
-        return torch.sub(scores[block], own[block, slot].unsqueeze(1), out=out)
-    out = buffer[: len(block) * scores.shape[1]].view(-1, scores.shape[1])
-    return torch.index_select(scores, 0, block, out=out).sub_(own[block, slot].unsqueeze(1))
 
 
 def query_self_scores(distance, embeddings):

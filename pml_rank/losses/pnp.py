@@ -19,15 +19,15 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
-from .query_panels import any_per_row
+from .base import RankLossBase, pair_masks, with_query_as_positive
+from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
 SIGMOID_CLAMP = 50.0
 
 
 class ClampedSigmoid:
-    """h(x) = σ(clamp(x / τ, −50, 50)) and its derivative, for `NegativesAboveFunction`."""
+    """h(x) = σ(clamp(x / τ, −50, 50)) and its derivative, for `query_panels.RelaxedRanks`."""
 
     def __init__(self, temperature):
         self.temperature = temperature
@@ -35,10 +35,9 @@ class ClampedSigmoid:
     def value(self, x):
         return x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
 
-    def slope(self, x):
+    def slope(self, x, values):
         # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
-        sigmoid = self.value(x)
-        return sigmoid.sub_(sigmoid.square()).div_(self.temperature)
+        return values.addcmul_(values, values, value=-1).div_(self.temperature)
 
 
 class PNPLoss(RankLossBase):
@@ -91,13 +90,17 @@ class PNPLoss(RankLossBase):
         queries = torch.where(has_positive)[0]
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
-        positive_columns, real, slots = positive_slots(positive)
-        above = NegativesAboveFunction.apply(scores, positive_columns, negative, slots, ClampedSigmoid(self.anneal))
-        per_positive = self.penalty(above).masked_fill(~real, 0)
-        losses = per_positive.sum(1) / real.sum(1)
+        pair_query, pair_positive = true_entries(positive)
+        weights = mask_weights(negative, scores.dtype)
+        kernel = ClampedSigmoid(self.anneal)
+        losses = relaxed_ranks(scores, pair_query, pair_positive, kernel, self.mean_penalty, weights=weights)
         if self.variant == "Dq":
             losses = 1 - losses
         return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
+
+    def mean_penalty(self, above, own, queries):
+        """The mean of f(N) over each query's positives, from N [queries, positives]."""
+        return self.penalty(above).sum(1) / above.shape[1]
 
     def penalty(self, above):
         """f(N) of the variant (Dq: (1 + N)^−α, subtracted from 1 after the mean)."""

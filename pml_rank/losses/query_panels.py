@@ -1,35 +1,35 @@
-"""Cache-sized panels of (query, positive) pairs, for the losses that need a sigmoid of
-each positive's score against every reference of its query (Smooth-AP, Recall@k).
+"""The relaxed rank shared by Smooth-AP, Recall@k, SupAP (ROADMAP) and PNP
+(`RelaxedRanks`): a kernel of score differences summed over each (query, positive)'s
+references, in panels of (query, positive) pairs sized for the device.
 
 Queries with the same number of positives c are cut into panels of r queries, so that
-a panel's work is one broadcast [r, c, references] tensor that stays in cache while a
-few elementwise passes and reductions go over it; passes over whole similarity matrices
-would go through memory instead.
+a panel's work is one broadcast [r, c, references] tensor: on the CPU it stays in cache
+while a few elementwise passes and reductions go over it (passes over whole similarity
+matrices would go through memory instead); on an accelerator a call is a few large
+panels (`pml_rank._device_policy`).
 
 Each query's loss depends on its own row of scores only, so its gradient with respect
 to that row (its row of the Jacobian) can be computed in the forward pass, panel by
-panel, while the sigmoids are in cache; the backward pass then only scales each row by
-the incoming gradient, in place. One similarity matrix of memory instead of a second
-pass over every sigmoid.
-
-The losses that sum a kernel over each (query, positive)'s negatives (ROADMAP's SupAP,
-PNP: `base.NegativesAboveFunction`) take their [queries, references] differences in
-cache-sized blocks of queries (`query_blocks`) the same way. The boolean-mask helpers
-below avoid PyTorch's slow paths for boolean tensors.
+panel, while the kernel's values are in cache; the backward pass then only scales each
+row by the incoming gradient, in place. One similarity matrix of memory instead of a
+second pass over every kernel value. The boolean-mask helpers below avoid PyTorch's
+slow paths for boolean tensors.
 """
 
+from typing import NamedTuple
+
 import torch
+from torch.autograd.function import once_differentiable
 
-# Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in
-# the CPU's cache between the passes over it, and large enough that Python's per-op
-# cost stays small next to the arithmetic (Smooth-AP's function at batch 2048, 1 thread,
-# CPU time on a loaded machine: 27 ms with 2^18, 24 with 2^19, 22 with 2^20).
-PANEL_ELEMENTS = 1 << 20
+from .. import _device_policy as policy
 
 
-# Entries of one block of a [queries, references] matrix (`query_blocks`): 1 MB in float32,
-# in a CPU core's cache through a few elementwise passes over it.
-BLOCK_ELEMENTS = 1 << 18
+def panel_elements(device, num_queries, num_references):
+    """Entries of one panel of a [queries, positives, references] tensor on `device`
+    (`policy.work_budget`), on the CPU never more than one similarity matrix."""
+    matrix = num_queries * num_references
+    budget = policy.work_budget(device, matrix)
+    return min(budget, matrix) if policy.sized_for(device) == "cache" else budget
 
 
 def mask_weights(mask, dtype):
@@ -39,27 +39,13 @@ def mask_weights(mask, dtype):
     return mask.view(torch.uint8).to(dtype)
 
 
-def block_rows(num_references):
-    """Rows of a [queries, `num_references`] matrix in one block of `BLOCK_ELEMENTS`."""
-    return max(1, BLOCK_ELEMENTS // max(1, num_references))
-
-
-def query_blocks(rows, num_queries, rows_per_block):
-    """`rows` (queries, in order) in blocks of at most `rows_per_block`: slices when `rows`
-    holds every query (0, 1, ..., n − 1), else index tensors."""
-    if len(rows) == num_queries:
-        starts = range(0, num_queries, rows_per_block)
-        return [slice(start, min(start + rows_per_block, num_queries)) for start in starts]
-    return list(rows.split(rows_per_block))
-
-
 def row_counts(mask):
     """int32 number of True entries in each row of a boolean matrix. Sums bytes a block
     of rows at a time: `sum` on booleans first copies the whole matrix to int64, and on
     bytes to int32 (a fresh matrix of 4 or 8 bytes per entry: page faults, about 20
-    times slower at batch 2048)."""
+    times slower at batch 2048). One block on an accelerator (`policy.sized_for`)."""
     rows = mask.view(torch.uint8)
-    step = max(1, PANEL_ELEMENTS // max(1, rows.shape[1]))
+    step = max(1, panel_elements(mask.device, *rows.shape) // max(1, rows.shape[1]))
     return torch.cat([block.sum(1, dtype=torch.int32) for block in rows.split(step)])
 
 
@@ -94,20 +80,22 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
     queries from a [queries, ...] tensor (a slice when they are consecutive, else an
     index tensor) and `pairs` [r, c] holds the indices of each query's pairs, in order.
     Every query with pairs is in exactly one panel. A panel's c · r · `num_references`
-    entries are at most `elements` (default `PANEL_ELEMENTS`, and at most one similarity
-    matrix) or, when one query's c · `num_references` are more, that."""
-    elements = min(PANEL_ELEMENTS if elements is None else elements, num_queries * num_references)
+    entries are at most `elements` (default `panel_elements` for the pairs' device) or,
+    when one query's c · `num_references` are more, that. The host waits for the device
+    twice, whatever the number of panels."""
+    if elements is None:
+        elements = panel_elements(pair_query.device, num_queries, num_references)
     per_query = torch.bincount(pair_query, minlength=num_queries)
     per_pair = per_query[pair_query]
+    counts = torch.bincount(per_query).nonzero().view(-1).tolist()
+    by_count = [torch.nonzero(per_pair == count).view(-1, count) for count in counts if count]
+    by_count = [(pairs, pair_query[pairs[:, 0]]) for pairs in by_count]
+    # The first and last query of each count, in one transfer.
+    ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]) if by_count else None
     panels = []
-    for count in torch.bincount(per_query).nonzero().view(-1).tolist():
-        if count == 0:
-            continue
-        pairs = torch.nonzero(per_pair == count).view(-1, count)
-        queries = pair_query[pairs[:, 0]]
-        first = int(queries[0])
-        consecutive = int(queries[-1]) - first + 1 == len(queries)
-        step = max(1, elements // (count * max(1, num_references)))
+    for (pairs, queries), (first, last) in zip(by_count, ends.view(-1, 2).tolist() if by_count else []):
+        consecutive = last - first + 1 == len(queries)
+        step = max(1, elements // (pairs.shape[1] * max(1, num_references)))
         for start in range(0, len(queries), step):
             stop = min(start + step, len(queries))
             panels.append(
@@ -150,25 +138,38 @@ def left_out_per_query(left_out, num_queries):
     return torch.bincount(left_out[0], minlength=num_queries)
 
 
+def left_out_by_panel(left_out, panels, num_queries):
+    """`left_out` (None, a boolean [queries, references] mask, or the (query, reference)
+    indices of a few left-out pairs) as `left_out_filled_` takes it for each panel of
+    `panels` (`query_panels`): indices become each panel's own (row in the panel,
+    reference), found for every panel at once (the host waits once)."""
+    if left_out is None or torch.is_tensor(left_out):
+        return [left_out] * len(panels)
+    at_query, at_reference = left_out
+    # Each query's panel (len(panels): none) and row in it.
+    panel_of = at_query.new_full((num_queries,), len(panels))
+    row_in_panel = torch.zeros_like(panel_of)
+    for index, (queries, pairs) in enumerate(panels):
+        panel_of[queries] = index
+        row_in_panel[queries] = torch.arange(len(pairs), device=at_query.device)
+    pair_panel = panel_of[at_query]
+    order = torch.argsort(pair_panel, stable=True)
+    sizes = torch.bincount(pair_panel, minlength=len(panels) + 1).tolist()
+    rows = row_in_panel[at_query[order]].split(sizes)
+    return list(zip(rows, at_reference[order].split(sizes)))[: len(panels)]
+
+
 def left_out_filled_(rows, queries, left_out):
-    """`rows`, the [r, references] rows of `queries` (a slice or sorted indices), with
-    −inf at the pairs left out of each query's ranking, in place. `left_out`: None (no
-    pair is), a boolean [queries, references] mask, or the (query, reference) indices of
-    a few left-out pairs sorted by query (the diagonal), written by index: a pass over a
-    boolean mask costs several times more (76 against 15 µs for 128 x 2048 rows)."""
+    """`rows`, the [r, references] rows of `queries` (a slice or indices), with −inf at
+    the pairs left out of each query's ranking, in place. `left_out`: None (no pair is),
+    a boolean [queries, references] mask, or the (row in `rows`, reference) indices of a
+    few left-out pairs (`left_out_by_panel`), written by index: a pass over a boolean
+    mask costs several times more (76 against 15 µs for 128 x 2048 rows)."""
     if left_out is None:
         return rows
     if torch.is_tensor(left_out):
         return rows.masked_fill_(left_out[queries], -torch.inf)
-    at_query, at_reference = left_out
-    if isinstance(queries, slice):  # one run of the sorted pairs
-        bounds = torch.tensor([queries.start, queries.stop], device=at_query.device)
-        first, stop = torch.searchsorted(at_query, bounds).tolist()
-        rows[at_query[first:stop] - queries.start, at_reference[first:stop]] = -torch.inf
-        return rows
-    place = torch.searchsorted(queries, at_query).clamp_(max=len(queries) - 1)
-    inside = queries[place] == at_query
-    rows[place[inside], at_reference[inside]] = -torch.inf
+    rows[left_out] = -torch.inf
     return rows
 
 
@@ -187,3 +188,144 @@ def differences(scaled_rows, own, buffer=None):
     shape = (*own.shape, scaled_rows.shape[1])
     out = None if buffer is None else buffer[: own.numel() * scaled_rows.shape[1]].view(shape)
     return torch.sub(scaled_rows.unsqueeze(1), own.unsqueeze(2), out=out)
+
+
+class RelaxedRanks(torch.autograd.Function):
+    """The relaxed rank that Smooth-AP, Recall@k, SupAP and PNP share, with its one
+    backward. For each (query q, positive i) pair (`pair_query`, `pair_positive`:
+    row-major, sorted by query), a kernel h summed over q's references j:
+
+        S_qi = Σ_j w_qj h(x_qij),      x_qij = scale · (s_qj − s_qi),
+
+    where w_qj is 0 at the pairs `left_out` of q's ranking (see `left_out_filled_`: x is
+    −inf there, where h and its slope must vanish) and else `weights[q, j]` (a float
+    [queries, references] matrix, or 1 when None). Each query's value is
+    ``formula(S, own, queries)`` of its sums and its own scaled scores scale · s_qi, for
+    the r queries of a panel with c pairs each ([r, c] tensors; `queries` selects theirs
+    from per-query tensors); 0 for a query without pairs. `kernel.value(x)` gives h and
+    `kernel.slope(x, values)` h' (both free to overwrite their arguments).
+
+    Each value depends on its query's row of scores only, so the forward pass computes
+    the row's gradient (its row of the Jacobian) panel by panel while the kernel's values
+    are in cache (`query_panels`), the formula's part by autograd on the small [r, c]
+    tensors; the backward pass scales each row by the incoming gradient, in place."""
+
+    @staticmethod
+    def forward(ctx, scores, pair_query, pair_positive, ranking):
+        values, ctx.jacobian = _values_and_jacobian(scores, pair_query, pair_positive, ranking, ctx.needs_input_grad[0])
+        ctx.save_for_backward(scores, pair_query, pair_positive)
+        ctx.ranking = ranking
+        return values
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_values):
+        jacobian, ctx.jacobian = ctx.jacobian, None
+        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
+            _, jacobian = _values_and_jacobian(*ctx.saved_tensors, ctx.ranking, True)
+        return jacobian.mul_(grad_values.unsqueeze(1)), None, None, None
+
+
+class Ranking(NamedTuple):
+    """What `RelaxedRanks` sums and what it makes of the sums (see there)."""
+
+    kernel: object
+    formula: object
+    scale: float = 1.0
+    left_out: object = None
+    weights: torch.Tensor | None = None
+
+
+def relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, scale=1.0, left_out=None, weights=None):
+    """Each query's ``formula`` value over its relaxed ranks: `RelaxedRanks`."""
+    ranking = Ranking(kernel, formula, scale, left_out, weights)
+    return RelaxedRanks.apply(scores, pair_query, pair_positive, ranking)
+
+
+def _values_and_jacobian(scores, pair_query, pair_positive, ranking, with_jacobian):
+    """`RelaxedRanks`'s value per query and, when asked, the [queries, references] Jacobian
+    of each query's value with respect to its row of `scores` (else None)."""
+    # The sums and the Jacobian in the input's precision: autocast would take the matrix
+    # products to half precision.
+    with torch.autocast(scores.device.type, enabled=False):
+        return _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_jacobian)
+
+
+def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
+    own = scores[pair_query, pair_positive]
+    if scale != 1:
+        own = own * scale
+    values = scores.new_zeros(len(scores))
+    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
+    panels = query_panels(pair_query, *scores.shape)
+    buffer = panel_buffer(scores, panels, scores.shape[1])
+    # On the CPU a panel whose gradient moves few pairs takes only their slopes (a host
+    # wait per panel); on an accelerator every panel takes the same dense kernels.
+    may_skip = policy.sized_for(scores.device) == "cache"
+    for (queries, pairs), panel_left_out in zip(panels, left_out_by_panel(left_out, panels, len(scores))):
+        rows = scores[queries]
+        if scale != 1:
+            rows = rows * scale
+        elif panel_left_out is not None:
+            rows = rows.clone()
+        rows = left_out_filled_(rows, queries, panel_left_out)
+        panel_own = own[pairs]
+        x = differences(rows, panel_own, buffer)
+        kernel_values = kernel.value(x)
+        panel_weights = None if weights is None else weights[queries]
+        if panel_weights is None:
+            sums = kernel_values.sum(2)
+        else:
+            sums = torch.bmm(kernel_values, panel_weights.unsqueeze(2)).squeeze(2)
+        if jacobian is None:
+            values[queries] = formula(sums, panel_own, queries)
+            continue
+        with torch.enable_grad():
+            sums.requires_grad_()
+            panel_own.requires_grad_()
+            value = formula(sums, panel_own, queries)
+            grad_sums, grad_own = torch.autograd.grad(
+                value, (sums, panel_own), torch.ones_like(value), allow_unused=True
+            )
+        values[queries] = value.detach()
+        grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
+        positive_columns = pair_positive[pairs]
+        # dS_qi moves s_qj by w_qj h'(x_qij) · scale and s_qi by minus the sum over j.
+        active = None
+        if may_skip:
+            active = grad_sums.nonzero(as_tuple=True)
+            if 2 * len(active[0]) > grad_sums.numel():
+                active = None
+        if active is None:
+            slopes = kernel.slope(x, kernel_values)
+            if isinstance(queries, slice):
+                target = jacobian[queries]
+                torch.bmm(grad_sums.unsqueeze(1), slopes, out=target.unsqueeze(1))
+            else:
+                target = torch.bmm(grad_sums.unsqueeze(1), slopes).squeeze(1)
+            per_pair = (
+                slopes.sum(2) if panel_weights is None else torch.bmm(slopes, panel_weights.unsqueeze(2)).squeeze(2)
+            )
+            if panel_weights is not None:
+                target.mul_(panel_weights)
+            own_column = per_pair.mul_(grad_sums).neg_()
+        else:
+            # Few pairs move (Recall@k's ranks far from every k): their slopes only.
+            row, column = active
+            if isinstance(queries, slice):
+                target = jacobian[queries].zero_()
+            else:
+                target = scores.new_zeros(len(pairs), scores.shape[1])
+            gathered = kernel_values[row, column]
+            slopes = kernel.slope(gathered if x is kernel_values else x[row, column], gathered)
+            slopes.mul_(grad_sums[row, column].unsqueeze(1))
+            if panel_weights is not None:
+                slopes.mul_(panel_weights[row])
+            target.index_add_(0, row, slopes)
+            own_column = torch.zeros_like(grad_sums).index_put_((row, column), slopes.sum(1).neg_())
+        if grad_own is not None:
+            own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+        target.scatter_add_(1, positive_columns, own_column)
+        if not isinstance(queries, slice):
+            jacobian[queries] = target
+    return values, jacobian

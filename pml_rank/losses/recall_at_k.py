@@ -30,9 +30,10 @@ tests/losses/test_recall_at_k.py, not copied):
   differ by less than e^-30 per term.
 
 Memory: every (query, positive) pair needs a sigmoid of its query's whole row of
-similarities, so a custom autograd function goes over the queries in cache-sized panels
-(`query_panels`), computing each query's analytic gradient row alongside: a few queries
-x references matrices, never B x B x B.
+similarities: r(q, x) − 1/2 is the relaxed rank that the rank losses share
+(`query_panels.RelaxedRanks`, panels of queries sized for the device, each query's
+gradient row computed alongside), and R̃@k a formula over it: a few queries x references
+matrices, never B x B x B.
 """
 
 import math
@@ -42,20 +43,15 @@ import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
-from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
 from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .query_panels import (
     any_per_row,
-    differences,
-    jacobian_buffer,
-    left_out_filled_,
     left_out_of,
     left_out_per_query,
     own_columns,
-    panel_buffer,
-    query_panels,
+    relaxed_ranks,
     true_entries,
 )
 
@@ -183,7 +179,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
             elif left_out is not None:
                 left_out = kept_pairs(keep, *left_out)
         k, normalizer = self.k_and_normalizer(ranked, positives, scores.dtype)
-        recall = _RelaxedRecallAtK.apply(
+        recall = relaxed_recall(
             scores,
             left_out,
             pair_query,
@@ -232,81 +228,32 @@ def with_virtual_samples(scores, labels):
     return scores, torch.cat([labels, labels[first]]), query_index
 
 
-class _RelaxedRecallAtK(torch.autograd.Function):
-    """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer,
-    from `scores` [queries, references], the pairs `left_out` of each query's list (see
-    `query_panels.left_out_filled_`), the positive pairs (`pair_query`, `pair_positive`, sorted by query)
-    and per-query k and normalizer [queries, |K|]. The forward pass goes over the
-    queries in panels (`query_panels`) and computes each query's gradient row while its
-    rank sigmoids are in cache, from the pairs whose gradient is not zero; the backward
-    pass scales the rows by the incoming gradient."""
+class ClampedSigmoid:
+    """h(x) = σ(clamp(x, ±SIGMOID_LIMIT)) and its derivative, zero where x was clamped
+    (unranked references, at −inf, included), for `query_panels.RelaxedRanks`."""
 
     @staticmethod
-    def forward(ctx, scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
-        inputs = scores, left_out, pair_query, pair_positive, k, normalizer
-        recall, ctx.jacobian = _recall_and_jacobian(
-            *inputs, rank_temperature, recall_temperature, with_jacobian=ctx.needs_input_grad[0]
-        )
-        ctx.save_for_backward(scores, pair_query, pair_positive, k, normalizer)
-        ctx.left_out, ctx.temperatures = left_out, (rank_temperature, recall_temperature)
-        return recall
+    def value(x):
+        return x.clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_recall):
-        # Each recall depends on its own row of scores only: the rows of its Jacobian
-        # scaled by the incoming gradient, in place (a fresh matrix costs page faults).
-        jacobian, ctx.jacobian = ctx.jacobian, None
-        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
-            scores, *pairs_and_k = ctx.saved_tensors
-            _, jacobian = _recall_and_jacobian(
-                scores, ctx.left_out, *pairs_and_k, *ctx.temperatures, with_jacobian=True
-            )
-        return jacobian.mul_(grad_recall.unsqueeze(1)), None, None, None, None, None, None, None
+    def slope(x, values):
+        # σ' = σ − σ², zero where the argument was clamped.
+        return F.threshold_(values.addcmul_(values, values, value=-1), _SLOPE_AT_LIMIT, 0.0)
 
 
-def _recall_and_jacobian(
-    scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature, with_jacobian
-):
-    """`_RelaxedRecallAtK`'s recall per query and, when asked, the [queries, references]
-    Jacobian of each query's recall with respect to its row of `scores` (else None)."""
-    anchors = scores[pair_query, pair_positive] * (1 / rank_temperature)
-    recall = scores.new_empty(len(scores))
-    # Each panel zeroes its queries' rows, then adds the pairs whose gradient is not zero.
-    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
-    panels = query_panels(pair_query, *scores.shape)
-    buffer = panel_buffer(scores, panels, scores.shape[1])
-    for queries, pairs in panels:
-        scaled = left_out_filled_(scores[queries] * (1 / rank_temperature), queries, left_out)
-        # σ((s(q, z) − s(q, x)) / τ1) for the panel's pairs (q, x) and every reference z
-        # (−inf where z is not ranked); 1 + Σ_{z ≠ x}: the z = x term is σ(0) = 1/2.
-        sigma = differences(scaled, anchors[pairs], buffer).clamp_(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-        ranks = sigma.sum(2).add_(0.5)
-        panel_k = k[queries].unsqueeze(1)
-        margins = (panel_k - ranks.unsqueeze(2)) / recall_temperature
-        in_top_k = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid_()
-        counts = in_top_k.sum(1)
-        recall[queries] = (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
-        if jacobian is None:
-            continue
-        if isinstance(queries, slice):
-            target, to_row = jacobian[queries].zero_(), None
-        else:
-            jacobian[queries] = 0
-            target, to_row = jacobian, queries
-        # d recall / d r(q, x): through every k whose count is not clipped.
-        slope = in_top_k.mul_(1 - in_top_k).mul_(margins.abs_() < SIGMOID_LIMIT)
-        weight = ((counts < k[queries]) / normalizer[queries]).unsqueeze(1)
-        grad_ranks = (weight * slope).sum(2).mul_(-1 / (normalizer.shape[1] * recall_temperature * rank_temperature))
-        # r(q, x) moves with s(q, z) by σ'/τ1 and with s(q, x) by minus their sum.
-        row, column = grad_ranks.nonzero(as_tuple=True)
-        if len(row) == 0:
-            continue
-        active = sigma[row, column]
-        # σ' = σ − σ², zero where the argument was clamped (unranked entries included).
-        weights = F.threshold_(active.addcmul_(active, active, value=-1), _SLOPE_AT_LIMIT, 0.0)
-        weights.mul_(grad_ranks[row, column].unsqueeze(1))
-        target_rows = row if to_row is None else to_row[row]
-        target.index_add_(0, target_rows, weights)
-        target[target_rows, pair_positive[pairs[row, column]]] -= weights.sum(1)
-    return recall, jacobian
+def relaxed_recall(scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
+    """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer, from
+    `scores` [queries, references], the pairs `left_out` of each query's list (see
+    `query_panels.left_out_filled_`), the positive pairs (`pair_query`, `pair_positive`,
+    sorted by query) and per-query k and normalizer [queries, |K|]; the ranks r are
+    `query_panels.RelaxedRanks`'s."""
+
+    def recall(sums, own, queries):
+        # 1 + Σ_{z ≠ x}: the z = x term of the sums is σ(0) = 1/2.
+        ranks = sums + 0.5
+        margins = (k[queries].unsqueeze(1) - ranks.unsqueeze(2)) / recall_temperature
+        counts = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid().sum(1)
+        return (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
+
+    return relaxed_ranks(scores, pair_query, pair_positive, ClampedSigmoid, recall, 1 / rank_temperature, left_out)

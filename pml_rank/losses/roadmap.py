@@ -28,13 +28,13 @@ from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, Mul
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from .base import NegativesAboveFunction, RankLossBase, pair_masks, positive_slots, with_query_as_positive
+from .base import RankLossBase, pair_masks, with_query_as_positive
 from .pnp import SIGMOID_CLAMP
-from .query_panels import any_per_row
+from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
 
 
 class SupAPBound:
-    """H⁻(x) (see the module's docstring) and its derivative, for `NegativesAboveFunction`."""
+    """H⁻(x) (see the module's docstring) and its derivative, for `query_panels.RelaxedRanks`."""
 
     def __init__(self, temperature, rho, offset, delta, start):
         self.temperature, self.rho, self.offset, self.delta, self.start = temperature, rho, offset, delta, start
@@ -46,27 +46,27 @@ class SupAPBound:
         # no boolean indexing (a B x B nonzero costs more than the rest).
         extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
         # The steps as 1.0 and 0.0 written straight into floats (boolean tensors are several
-        # times slower to make and to add).
-        step = torch.empty_like(x) if self.jump or self.start else None
+        # times slower to make and to add), into the buffer that then takes the values.
+        buffer = torch.empty_like(x)
         if self.jump:
-            extra.add_(torch.gt(x, self.delta, out=step), alpha=self.jump)
+            extra.add_(torch.gt(x, self.delta, out=buffer), alpha=self.jump)
         if self.start:
-            extra.add_(torch.gt(x, 0, out=step), alpha=self.start)
-        # The clamp keeps float32 away from the denormals of σ(−88) and below.
-        values = x.clamp_(max=self.delta).div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+            extra.add_(torch.gt(x, 0, out=buffer), alpha=self.start)
+        # The clamp keeps float32 away from the denormals of σ(−88) and below; x stays
+        # as it is for `slope`.
+        values = torch.clamp(x, max=self.delta, out=buffer)
+        values = values.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
         return values.add_(extra)
 
-    def slope(self, x):
-        # ρ beyond δ, σ's slope up to it, as slope · [x ≤ δ] + ρ · [x > δ] in floats (the same
-        # numbers as a boolean masked_fill_, several times faster).
-        beyond, within = (
-            torch.gt(x, self.delta, out=torch.empty_like(x)),
-            torch.le(x, self.delta, out=torch.empty_like(x)),
-        )
+    def slope(self, x, values):
+        # ρ beyond δ, σ's slope up to it, as slope − slope · [x > δ] + ρ · [x > δ] in floats
+        # (the same numbers as a boolean masked_fill_, several times faster), in the
+        # buffers of x and of the values.
+        beyond = torch.gt(x, self.delta, out=values)
         # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
         sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
-        slopes = sigmoid.sub_(sigmoid.square()).div_(self.temperature)
-        return slopes.mul_(within).add_(beyond, alpha=self.rho)
+        slopes = sigmoid.addcmul_(sigmoid, sigmoid, value=-1).div_(self.temperature)
+        return slopes.addcmul_(slopes, beyond, value=-1).add_(beyond, alpha=self.rho)
 
 
 class SupAPLoss(RankLossBase):
@@ -137,22 +137,21 @@ class SupAPLoss(RankLossBase):
         queries = torch.where(has_positive)[0]
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
-        positive_columns, real, slots = positive_slots(positive)
+        pair_query, pair_positive = true_entries(positive)
         bound = SupAPBound(self.temperature, self.rho, self.offset, self.delta, self.start)
-        negatives_above = NegativesAboveFunction.apply(scores, positive_columns, negative, slots, bound)
-        rank_among_positives = _step_ranks(scores.detach().gather(1, positive_columns), real)
-        precision = rank_among_positives / (rank_among_positives + negatives_above)
-        ap = precision.masked_fill(~real, 0).sum(1) / real.sum(1)
+        weights = mask_weights(negative, scores.dtype)
+        ap = relaxed_ranks(scores, pair_query, pair_positive, bound, supap, weights=weights)
         return {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}
 
 
-def _step_ranks(positive_scores, real):
-    """R⁺: for each positive, how many of its query's positives (itself included) score at
-    least as high; `real` marks the entries of the padded [queries, most] matrix."""
-    padded = positive_scores.masked_fill(~real, -math.inf)
-    ascending = padded.sort(dim=1).values
-    at_least = padded.size(1) - torch.searchsorted(ascending, padded.contiguous(), side="left")
-    return at_least.to(positive_scores.dtype)
+def supap(negatives_above, own, queries):
+    """AP of each query from Σ_{j ∈ N} H⁻(s_qj − s_qi) [queries, positives] and its
+    positives' scores s_qi, with R⁺(i), how many positives (i included) score at least
+    s_qi, exact and without gradient."""
+    detached = own.detach()
+    rank_among_positives = (detached.unsqueeze(1) >= detached.unsqueeze(2)).sum(2).to(own.dtype)
+    precision = rank_among_positives / (rank_among_positives + negatives_above)
+    return precision.sum(1) / precision.shape[1]
 
 
 class ROADMAPLoss(SupAPLoss):

@@ -9,16 +9,15 @@ sigmoid of temperature τ:
     AP_q   = (1 / |P|) Σ_{i ∈ P} R_P(i) / R(i)
 
 and the loss of q is 1 − AP_q. Only positives i need a rank, so a query costs |P| × M
-sigmoids (M references), not M × M. The (query, positive) pairs are taken in cache-sized
-panels of queries with equally many positives (`query_panels`), and a custom autograd
-function computes each query's analytic gradient row alongside: memory stays a few
+sigmoids (M references), not M × M: R(i) − 1/2 is the relaxed rank that the rank losses
+share (`query_panels.RelaxedRanks`, panels of queries with equally many positives, each
+query's gradient row computed alongside), and AP_q a formula over it: memory stays a few
 similarity matrices whatever the class sizes.
 """
 
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
-from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
 from .base import (
@@ -29,17 +28,7 @@ from .base import (
     with_query_as_positive,
     with_query_as_positive_pairs,
 )
-from .query_panels import (
-    any_per_row,
-    differences,
-    jacobian_buffer,
-    left_out_filled_,
-    left_out_of,
-    own_columns,
-    panel_buffer,
-    query_panels,
-    true_entries,
-)
+from .query_panels import any_per_row, left_out_of, own_columns, relaxed_ranks, true_entries
 
 
 class SmoothAPLoss(RankLossBase):
@@ -112,71 +101,27 @@ class SmoothAPLoss(RankLossBase):
         if self.num_queries < len(has_positive):  # a query whose only positive is itself is left out
             kept = has_positive[pair_query]
             pair_query, pair_positive = pair_query[kept], pair_positive[kept]
-        ap = SmoothAPFunction.apply(scores, pair_query, pair_positive, left_out, self.temperature)
+        ap = relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, 1 / self.temperature, left_out)
         queries = torch.where(has_positive)[0]
         return {"loss": {"losses": 1 - ap[queries], "indices": queries, "reduction_type": "element"}}
 
 
-class SmoothAPFunction(torch.autograd.Function):
-    """Smooth-AP of every query (0 for a query without positives) from `scores`
-    (queries x references), the positive pairs (`pair_query`, `pair_positive`: row-major
-    index tensors), the pairs `left_out` of each query's ranking (see
-    `query_panels.left_out_filled_`; every other reference is a negative) and τ; exact
-    analytic gradient with respect to `scores`, each query's row computed in the forward
-    pass (`query_panels`)."""
+class Sigmoid:
+    """h(x) = σ(x) and its derivative, for `query_panels.RelaxedRanks`: σ(−inf) = 0, slope 0."""
 
     @staticmethod
-    def forward(ctx, scores, pair_query, pair_positive, left_out, temperature):
-        inputs = scores, pair_query, pair_positive, left_out, temperature
-        ap, ctx.jacobian = _ap_and_jacobian(*inputs, ctx.needs_input_grad[0])
-        ctx.save_for_backward(scores, pair_query, pair_positive)
-        ctx.left_out, ctx.temperature = left_out, temperature
-        return ap
+    def value(x):
+        return x.sigmoid_()
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_ap):
-        # Each AP depends on its own row of scores only: the rows of its Jacobian scaled
-        # by the incoming gradient, in place (a fresh matrix costs page faults).
-        jacobian, ctx.jacobian = ctx.jacobian, None
-        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
-            _, jacobian = _ap_and_jacobian(*ctx.saved_tensors, ctx.left_out, ctx.temperature, True)
-        return jacobian.mul_(grad_ap.unsqueeze(1)), None, None, None, None
+    def slope(x, values):
+        return values.addcmul_(values, values, value=-1)
 
 
-def _ap_and_jacobian(scores, pair_query, pair_positive, left_out, temperature, with_jacobian):
-    """`SmoothAPFunction`'s AP per query and, when asked, the [queries, references]
-    Jacobian of each query's AP with respect to its row of `scores` (else None)."""
-    own = scores[pair_query, pair_positive] / temperature
-    ap = scores.new_zeros(len(scores))
-    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
-    panels = query_panels(pair_query, *scores.shape)
-    buffer = panel_buffer(scores, panels, scores.shape[1])
-    for queries, pairs in panels:
-        # σ((s_qj − s_qi) / τ) for the panel's queries q, their positives i and every
-        # reference j; one left out of q's ranking has s_qj = −inf: σ = 0, slope 0.
-        scaled = left_out_filled_(scores[queries] / temperature, queries, left_out)
-        panel_own = own[pairs]
-        over_all = differences(scaled, panel_own, buffer).sigmoid_()
-        over_positives = differences(panel_own, panel_own).sigmoid_()
-        # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
-        rank = over_all.sum(2).add_(0.5)
-        precision = over_positives.sum(2).add_(0.5).div_(rank)
-        ap[queries] = precision.mean(1)
-        if jacobian is None:
-            continue
-        # d(R_P / R) = dR_P / R − R_P dR / R², and d σ((s_j − s_i)/τ) / d s_j =
-        # σ(1 − σ) / τ, the opposite for s_i: each row's sum goes to the positive i.
-        scale = rank.reciprocal_().mul_(1 / (pairs.shape[1] * temperature))
-        weight_all = precision.mul_(scale).neg_()
-        slope = over_all.addcmul_(over_all, over_all, value=-1)
-        grad_positives = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(scale.unsqueeze(2))
-        own_column = grad_positives.sum(1).sub_(grad_positives.sum(2)).addcmul_(weight_all, slope.sum(2), value=-1)
-        if isinstance(queries, slice):
-            rows = jacobian[queries]
-            torch.bmm(weight_all.unsqueeze(1), slope, out=rows.unsqueeze(1))
-            rows.scatter_add_(1, pair_positive[pairs], own_column)
-        else:
-            rows = torch.bmm(weight_all.unsqueeze(1), slope).squeeze(1)
-            jacobian[queries] = rows.scatter_add_(1, pair_positive[pairs], own_column)
-    return ap, jacobian
+def smooth_ap(sums, own, queries):
+    """AP of each query from the sums of σ((s_qj − s_qi) / τ) over its ranked references j
+    ([queries, positives]) and its positives' scaled scores s_qi / τ (`RelaxedRanks`)."""
+    # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
+    rank = sums + 0.5
+    over_positives = torch.sigmoid(own.unsqueeze(1) - own.unsqueeze(2))
+    return ((over_positives.sum(2) + 0.5) / rank).mean(1)

@@ -425,5 +425,6 @@ def test_left_out_pairs_are_filled_alike_from_a_mask_or_indices(queries):
     expected = scores[queries].masked_fill(left_out[queries], -torch.inf)
     assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, left_out), expected)
     indices = left_out.nonzero(as_tuple=True)
-    assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, indices), expected)
+    (in_panel,) = query_panels.left_out_by_panel(indices, [(queries, scores[queries])], len(scores))
+    assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, in_panel), expected)
     assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, None), scores[queries])

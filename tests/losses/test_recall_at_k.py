@@ -13,9 +13,10 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.reducers import DoNothingReducer
 from pytorch_metric_learning.trainers import MetricLossOnly
 
+from pml_rank import _device_policy
 from pml_rank.harness.references.recall_at_k import recall_at_k_loss as paper_loss
 from pml_rank.large_batch import LargeBatchMetricLossOnly, large_batch_backward
-from pml_rank.losses import RecallAtKSurrogateLoss, query_panels, recall_at_k
+from pml_rank.losses import RecallAtKSurrogateLoss, recall_at_k
 
 
 def authors_sigmoid(x, temperature):
@@ -196,7 +197,7 @@ def test_panels_do_not_change_the_result(panel_elements, shuffled, monkeypatch):
         labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(4))]
     embeddings = seeded(len(labels), seed=2)
     whole = value_and_grad(RecallAtKSurrogateLoss(), embeddings, labels)
-    monkeypatch.setattr(query_panels, "PANEL_ELEMENTS", panel_elements)
+    monkeypatch.setattr(_device_policy, "PANEL_ELEMENTS", panel_elements)
     assert_same(value_and_grad(RecallAtKSurrogateLoss(), embeddings, labels), whole, rtol=1e-12, atol=1e-14)
 
 
@@ -218,7 +219,7 @@ def test_gradcheck_of_the_relaxed_recall(as_indices):
     left_out_arg = left_out.nonzero(as_tuple=True) if as_indices else left_out
 
     def recall(s):
-        return recall_at_k._RelaxedRecallAtK.apply(s, left_out_arg, query, element, k, normalizer, 0.2, 0.7)
+        return recall_at_k.relaxed_recall(s, left_out_arg, query, element, k, normalizer, 0.2, 0.7)
 
     assert torch.autograd.gradcheck(recall, (scores,))
 

@@ -17,9 +17,10 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.reducers import DoNothingReducer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+from pml_rank import _device_policy
 from pml_rank.harness import speed
 from pml_rank.harness.speed import peak_memory
-from pml_rank.losses import SmoothAPLoss, query_panels
+from pml_rank.losses import SmoothAPLoss
 
 TAU = 0.01
 
@@ -170,7 +171,7 @@ def test_equals_the_paper_on_any_layout(layout, include_query):
 def test_panels_of_one_to_a_few_queries_equal_the_paper(layout, panel_elements, monkeypatch):
     """Panels of 1 query, or of 1 to 6 queries of a group (the last one shorter), queries
     consecutive or not: each query's ranks come from its own panel."""
-    monkeypatch.setattr(query_panels, "PANEL_ELEMENTS", panel_elements)
+    monkeypatch.setattr(_device_policy, "PANEL_ELEMENTS", panel_elements)
     labels = torch.tensor(LAYOUTS[layout])
     embeddings = seeded(len(labels), seed=len(labels))
     for include_query in (True, False):

@@ -1,0 +1,103 @@
+"""The work of the rank losses is sized by one device policy (`pml_rank._device_policy`):
+under the accelerator's ("memory"), forced here on the CPU, a call launches as many
+operations at batch 2048 as at 256 and computes what the CPU's ("cache") computes."""
+
+import collections
+
+import pytest
+import torch
+from pytorch_metric_learning.miners import MultiSimilarityMiner
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pml_rank import _device_policy
+from pml_rank.losses import PNPLoss, RaMBORecallLoss, RecallAtKSurrogateLoss, ROADMAPLoss, SmoothAPLoss, query_panels
+from pml_rank.losses.base import symmetrize_
+
+LOSSES = {
+    "SmoothAP": SmoothAPLoss,
+    "Recall@k": RecallAtKSurrogateLoss,
+    "ROADMAP": ROADMAPLoss,
+    "PNP": PNPLoss,
+}
+
+
+@pytest.fixture
+def memory_policy(monkeypatch):
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
+
+
+class DispatchCount(TorchDispatchMode):
+    """How many aten operations run inside the context, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations(loss_class, batch):
+    embeddings = torch.randn(batch, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with DispatchCount() as count:
+        loss_class()(embeddings, torch.arange(batch) // 4).backward()
+    return sum(count.ops.values())
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_operations_per_call_do_not_grow_with_the_batch(name, memory_policy, one_thread):
+    """Forward and backward, 4 per class. A few operations may come and go with the data
+    (PML's reducers skip work when a sub-loss has no non-zero entry); a loop over
+    cache-sized panels adds hundreds (the CPU's policy: Smooth-AP 344 at 256, 1040 at 2048)."""
+    small, large = operations(LOSSES[name], 256), operations(LOSSES[name], 2048)
+    assert abs(large - small) <= 10, (small, large)
+
+
+def test_rambos_comparison_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):
+    """RaMBO counts ranks by comparing each positive with its row in chunks of rows
+    (`ranking._compared`): 2^20 comparisons a chunk on the CPU, 4 chunks per pass at
+    batch 2048; under the memory policy one similarity matrix's worth, as at 256."""
+    assert operations(RaMBORecallLoss, 256) == operations(RaMBORecallLoss, 2048)
+
+
+def value_and_grads(loss, embeddings, labels, **kwargs):
+    embeddings = embeddings.detach().clone().requires_grad_()
+    if "ref_emb" in kwargs:
+        kwargs["ref_emb"] = kwargs["ref_emb"].detach().clone().requires_grad_()
+    if "miner" in kwargs:
+        kwargs["indices_tuple"] = kwargs.pop("miner")(embeddings, labels)
+    value = loss(embeddings, labels, **kwargs)
+    value.backward()
+    return value.detach(), embeddings.grad, kwargs["ref_emb"].grad if "ref_emb" in kwargs else None
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_the_memory_policy_computes_what_the_cache_policy_does(name, monkeypatch):
+    """Batch 700 (several CPU panels and blocks), unequal classes, with the batch, a
+    separate `ref_emb` or a miner's pairs as the references."""
+    generator = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 120, (700,), generator=generator)
+    embeddings = torch.randn(700, 16, generator=generator, dtype=torch.float64)
+    ref_emb = torch.randn(300, 16, generator=generator, dtype=torch.float64)
+    layouts = [{}, {"ref_emb": ref_emb, "ref_labels": labels[:300]}, {"miner": MultiSimilarityMiner(0.2)}]
+    for kwargs in layouts:
+        cache = value_and_grads(LOSSES[name](), embeddings, labels, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(_device_policy, "sized_for", lambda device: "memory")
+            memory = value_and_grads(LOSSES[name](), embeddings, labels, **kwargs)
+        torch.testing.assert_close(memory, cache, rtol=1e-12, atol=1e-15)
+
+
+def test_a_call_at_batch_8192_is_a_few_panels(memory_policy):
+    """4 per class, each query its own positive (the default of all but Recall@k): 4
+    positives a query."""
+    queries = torch.arange(8192).repeat_interleave(4)
+    assert len(query_panels.query_panels(queries, 8192, 8192)) == 4
+    assert query_panels.row_counts(torch.ones(8192, 16, dtype=torch.bool)).tolist() == [16] * 8192
+
+
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_symmetrize_in_one_pass_equals_matrix_plus_transpose(n, memory_policy):
+    matrix = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(symmetrize_(matrix.clone()), matrix + matrix.T)
