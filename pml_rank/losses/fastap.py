@@ -13,6 +13,7 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
+from .. import _device_policy
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
 # Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
@@ -85,12 +86,20 @@ def _leave_out(pairs, excluded, exclude_self, first_row=0):
         pairs.masked_fill_(excluded, 0)
 
 
-def _row_chunks(n, m, budget=1 << 19):
-    """Slices of rows of an n x m matrix with at most `budget` entries (at least one row).
-    Their temporaries (int64 indices: 8 bytes an entry) stay small enough to be reused,
-    not freshly mapped (page faults), and there are few enough chunks (each operation on
-    a chunk synchronises the threads). At batch 2048, 2^17 to 2^19 take the same time
-    on one thread; from 2^21 the whole loss takes 25% longer."""
+# Entries of one chunk of rows on the CPU. Their temporaries (int64 indices: 8 bytes an
+# entry) stay small enough to be reused, not freshly mapped (page faults), and there are few
+# enough chunks (each operation on a chunk synchronises the threads). At batch 2048, 2^17
+# to 2^19 take the same time on one thread; from 2^21 the whole loss takes 25% longer.
+CACHE_CHUNK_ENTRIES = 1 << 19
+
+
+def _row_chunks(n, m, device):
+    """Slices of rows of an n x m matrix, as `_device_policy` sizes work on `device`: chunks
+    of at most `CACHE_CHUNK_ENTRIES` entries on the CPU (at least one row), the whole
+    matrix elsewhere (a chunk's kernels, launched per chunk, cost more than its work)."""
+    budget = _device_policy.work_budget(device, n * m)
+    if _device_policy.sized_for(device) == "cache":
+        budget = CACHE_CHUNK_ENTRIES
     step = max(1, budget // max(m, 1))
     return [slice(start, start + step) for start in range(0, n, step)]
 
@@ -133,7 +142,7 @@ class FastAPFunction(torch.autograd.Function):
         else:
             flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
         row_start = torch.arange(0, n * num_slots, num_slots, dtype=torch.int32, device=position.device)[:, None]
-        for rows in _row_chunks(n, m):
+        for rows in _row_chunks(n, m, position.device):
             # Slots are small integers, computed exactly in floating point (float ops are
             # the fast ones; scatter_add_ then wants int64). At distance exactly 4 the
             # whole weight goes to the last centre, as the upper weight of the one before.

@@ -10,7 +10,15 @@ from pytorch_metric_learning.miners import MultiSimilarityMiner
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank import _device_policy
-from pml_rank.losses import PNPLoss, RaMBORecallLoss, RecallAtKSurrogateLoss, ROADMAPLoss, SmoothAPLoss, query_panels
+from pml_rank.losses import (
+    FastAPLoss,
+    PNPLoss,
+    RaMBORecallLoss,
+    RecallAtKSurrogateLoss,
+    ROADMAPLoss,
+    SmoothAPLoss,
+    query_panels,
+)
 from pml_rank.losses.base import symmetrize_
 
 LOSSES = {
@@ -52,6 +60,12 @@ def test_operations_per_call_do_not_grow_with_the_batch(name, memory_policy, one
     cache-sized panels adds hundreds (the CPU's policy: Smooth-AP 344 at 256, 1040 at 2048)."""
     small, large = operations(LOSSES[name], 256), operations(LOSSES[name], 2048)
     assert abs(large - small) <= 10, (small, large)
+
+
+def test_fastaps_row_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):
+    """FastAP histograms its pairs a chunk of rows at a time: 2^19 entries on the CPU (4
+    chunks at batch 2048), the whole matrix under the memory policy."""
+    assert abs(operations(FastAPLoss, 2048) - operations(FastAPLoss, 256)) <= 10
 
 
 def test_rambos_comparison_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):
