@@ -129,7 +129,7 @@ def markdown(out):
         ]
     if out.get("sweep seconds by processes per GPU"):
         lines += [
-            "## Glyph bench subset (4 rows x 2 seeds and the reference rows, 2 epochs) by processes per GPU: wall seconds",
+            "## Glyph bench subset (4 rows x 2 seeds, reference rows, 2 epochs) by processes per GPU: wall seconds",
             "",
             " | ".join(f"{p}: {s}" for p, s in out["sweep seconds by processes per GPU"].items()),
             "",

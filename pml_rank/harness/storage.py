@@ -23,6 +23,10 @@ from pathlib import Path
 import optuna
 import sqlalchemy.orm
 from optuna.storages import BaseStorage, RDBStorage, _CachedStorage
+
+# Optuna 4.9 named the stale-trial callback and its keyword so (pyproject asks for >= 4.9:
+# before it, `get_failed_trial_callback` is abstract and no storage of this class can be made).
+from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
 from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.storages._rdb import models
 from optuna.trial import TrialState
@@ -31,14 +35,7 @@ from sqlalchemy.engine import make_url
 
 from .storage_rules import Heartbeat, RetryPolicy, StaleTrials
 
-try:  # Optuna >= 4.9 renamed the callback and its keyword
-    from optuna.storages import RetryHeartbeatStaleTrialCallback as RetryCallback
-
-    RETRY_CALLBACK_KEYWORD = "heartbeat_stale_trial_callback"
-except ImportError:
-    from optuna.storages import RetryFailedTrialCallback as RetryCallback
-
-    RETRY_CALLBACK_KEYWORD = "failed_trial_callback"
+RETRY_CALLBACK_KEYWORD = "heartbeat_stale_trial_callback"
 
 # Optuna's private names this module relies on, each for one reason. Read from `optuna` (or
 # from ``trial``, a trial Optuna asked for); `test_storage` checks every one exists.
