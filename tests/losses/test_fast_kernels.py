@@ -287,9 +287,8 @@ def test_fastap_histograms_scattered_a_few_rows_at_a_time_are_the_same(case, dty
         return (loss.detach(), *grads)
 
     one_chunk = run()
-    chunks = fastap._row_chunks
-    monkeypatch.setattr(fastap, "_row_chunks", lambda n, m: chunks(n, m, budget=3 * m))
-    assert len(fastap._row_chunks(50, 50)) == 17
+    monkeypatch.setattr(fastap, "CACHE_CHUNK_ENTRIES", 3 * 50)  # 3 rows of the 50 references a chunk
+    assert len(fastap._row_chunks(50, 50, torch.device("cpu"))) == 17
     for got, expected in zip(run(), one_chunk, strict=True):
         assert torch.equal(got, expected)
     if dtype == torch.float64 and case != "mined":  # the reference takes labels, not pairs
