@@ -248,12 +248,38 @@ def relaxed_recall(scores, left_out, pair_query, pair_positive, k, normalizer, r
     `query_panels.left_out_filled_`), the positive pairs (`pair_query`, `pair_positive`,
     sorted by query) and per-query k and normalizer [queries, |K|]; the ranks r are
     `query_panels.RelaxedRanks`'s."""
+    recall = recall_formula(k, normalizer, recall_temperature)
+    return relaxed_ranks(scores, pair_query, pair_positive, ClampedSigmoid, recall, 1 / rank_temperature, left_out)
 
-    def recall(sums, own, queries):
+
+def recall_formula(k, normalizer, recall_temperature):
+    """`RelaxedRanks`'s formula of `relaxed_recall` (sums [r, c] of its panel's r queries
+    to their recall [r]), with its derivative by hand (``recall.gradients``): autograd's
+    graph would cost more than the rest of a panel's formula (`formula_and_gradients`)."""
+
+    def in_top_k(sums, queries):
         # 1 + Σ_{z ≠ x}: the z = x term of the sums is σ(0) = 1/2.
         ranks = sums + 0.5
         margins = (k[queries].unsqueeze(1) - ranks.unsqueeze(2)) / recall_temperature
-        counts = margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid().sum(1)
+        return margins, margins.clamp(-SIGMOID_LIMIT, SIGMOID_LIMIT).sigmoid()
+
+    def recall(sums, own, queries):
+        counts = in_top_k(sums, queries)[1].sum(1)
         return (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
 
-    return relaxed_ranks(scores, pair_query, pair_positive, ClampedSigmoid, recall, 1 / rank_temperature, left_out)
+    def gradients(sums, own, queries):
+        margins, sigmoids = in_top_k(sums, queries)
+        counts = sigmoids.sum(1)
+        panel_k = k[queries]
+        value = (torch.minimum(counts, panel_k) / normalizer[queries]).mean(1)
+        # d value / d count: 1 / (|K| normalizer) below k, 0 above, half at a tie (as
+        # autograd's minimum); each count moves with each rank by −σ' / τ2 where the
+        # margin was not clamped (clamp passes the gradient at the limits).
+        per_count = (counts < panel_k).to(counts.dtype).add_(counts <= panel_k).mul_(0.5)
+        per_count.div_(normalizer[queries]).div_(k.shape[1])
+        slopes = sigmoids.addcmul_(sigmoids, sigmoids, value=-1).mul_(margins.abs_() <= SIGMOID_LIMIT)
+        grad_sums = slopes.mul_(per_count.unsqueeze(1)).sum(2).div_(-recall_temperature)
+        return value, grad_sums, None
+
+    recall.gradients = gradients
+    return recall

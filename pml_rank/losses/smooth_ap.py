@@ -121,7 +121,29 @@ class Sigmoid:
 def smooth_ap(sums, own, queries):
     """AP of each query from the sums of σ((s_qj − s_qi) / τ) over its ranked references j
     ([queries, positives]) and its positives' scaled scores s_qi / τ (`RelaxedRanks`)."""
+    return _precisions(sums, own)[2].mean(1)
+
+
+def _precisions(sums, own):
+    """Each positive's rank R_i among all, σ(s_qj/τ − s_qi/τ) over positives j [r, c, c]
+    and its precision R_P(i) / R(i)."""
     # The positive's own column adds σ(0) = 1/2: its rank is 1 + the others' sum.
     rank = sums + 0.5
     over_positives = torch.sigmoid(own.unsqueeze(1) - own.unsqueeze(2))
-    return ((over_positives.sum(2) + 0.5) / rank).mean(1)
+    return rank, over_positives, (over_positives.sum(2) + 0.5) / rank
+
+
+def smooth_ap_gradients(sums, own, queries):
+    """`smooth_ap` and its gradients with respect to `sums` and `own`, by hand: autograd's
+    graph would cost more than the rest of a panel's formula (`formula_and_gradients`)."""
+    rank, over_positives, precision = _precisions(sums, own)
+    ap = precision.mean(1)
+    # AP = mean over the c positives of R_P(i) / R(i): d/dR(i) = −precision_i / (c R(i)),
+    # d/dR_P(i) = 1 / (c R(i)); σ(own_j − own_i) in R_P(i) moves own_j by σ', own_i by −σ'.
+    per_rank = rank.reciprocal_().div_(own.shape[1])
+    grad_sums = precision.mul_(per_rank).neg_()
+    slopes = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(per_rank.unsqueeze(2))
+    return ap, grad_sums, slopes.sum(1).sub_(slopes.sum(2))
+
+
+smooth_ap.gradients = smooth_ap_gradients

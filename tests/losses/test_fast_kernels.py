@@ -19,6 +19,8 @@ from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, query_panels
 from pml_rank.losses.auc import relaxed_roc_area, thresholds
 from pml_rank.losses.base import label_pairs, pair_masks
 from pml_rank.losses.npairs import EXP_FLOOR
+from pml_rank.losses.recall_at_k import PAPER_K_VALUES, recall_formula
+from pml_rank.losses.smooth_ap import smooth_ap
 
 
 def value_and_grad(loss_fn, embeddings, *args):
@@ -427,3 +429,35 @@ def test_left_out_pairs_are_filled_alike_from_a_mask_or_indices(queries):
     (in_panel,) = query_panels.left_out_by_panel(indices, [(queries, scores[queries])], len(scores))
     assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, in_panel), expected)
     assert torch.equal(query_panels.left_out_filled_(scores[queries].clone(), queries, None), scores[queries])
+
+
+def formula_inputs(formula_name, dtype, seed=0, queries=6, positives=5):
+    """Seeded [r, c] sums and scaled own scores of a panel, in the range each formula
+    sees (ranks among a few dozen references; margins on both sides of every k; own
+    scores a few units apart, so that no sigmoid saturates), and the formula."""
+    generator = torch.Generator().manual_seed(seed)
+    sums = torch.rand(queries, positives, generator=generator, dtype=dtype) * 20
+    own = torch.randn(queries, positives, generator=generator, dtype=dtype) * 3
+    if formula_name == "smooth_ap":
+        return smooth_ap, sums, own
+    k = torch.tensor(PAPER_K_VALUES, dtype=dtype).expand(queries + 2, -1)
+    normalizer = torch.minimum(k, torch.tensor(float(positives), dtype=dtype))
+    return recall_formula(k, normalizer, 1.0), sums, own
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("queries", [slice(1, 7), torch.tensor([0, 2, 3, 5, 6, 7])], ids=["slice", "indices"])
+@pytest.mark.parametrize("formula_name", ["smooth_ap", "recall"])
+def test_hand_written_formula_derivatives_equal_autograds(formula_name, queries, dtype, rtol):
+    for seed in range(3):
+        formula, sums, own = formula_inputs(formula_name, dtype, seed)
+        value, grad_sums, grad_own = formula.gradients(sums.clone(), own.clone(), queries)
+        # The same formula without its derivative takes autograd's path.
+        expected = query_panels.formula_and_gradients(lambda *args: formula(*args), sums.clone(), own.clone(), queries)
+        assert torch.equal(value, expected[0])
+        assert torch.equal(value, formula(sums, own, queries))
+        for got, want in zip((grad_sums, grad_own), expected[1:]):
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert want.abs().amax() > 0
+                torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().amax()))
