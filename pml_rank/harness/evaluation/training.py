@@ -267,9 +267,17 @@ class MetricLossOnly(trainers.MetricLossOnly):
     after every step, making the CPU wait for the GPU before it could queue the next step."""
 
     def train(self, start_epoch=1, num_epochs=1):
-        if base_trainer.tqdm is not _SilentTqdm:
-            return super().train(start_epoch, num_epochs)
-        # PML 2.9's `BaseTrainer.train` without the bar.
+        try:
+            if base_trainer.tqdm is not _SilentTqdm:
+                return super().train(start_epoch, num_epochs)
+            self._train_without_bar(start_epoch, num_epochs)
+        finally:
+            # The loader's processes end here, not whenever the garbage collector frees the
+            # trainer (its hooks hold it in a cycle): later, inside another model's training.
+            self.dataloader_iter = self.dataloader = None
+
+    def _train_without_bar(self, start_epoch, num_epochs):
+        """PML 2.9's `BaseTrainer.train` without the bar."""
         self.initialize_dataloader()
         for epoch in range(start_epoch, num_epochs + 1):
             self.epoch = epoch

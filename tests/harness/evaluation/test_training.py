@@ -1,6 +1,7 @@
 """Training one model with PML's trainer (`train_model`): what the loader does around it."""
 
 import dataclasses
+import multiprocessing
 import os
 
 import numpy as np
@@ -44,6 +45,8 @@ def test_the_loaders_processes_live_through_every_pass_and_epoch():
     budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=5, batch_size=16)
     config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=2)
     train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
+    # They end with the training, not whenever the garbage collector frees the trainer.
+    assert not multiprocessing.active_children()
     # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, each of which started
     # PML's loader processes anew.
     assert len(trunk.loader_pids) == 2 and os.getpid() not in trunk.loader_pids
