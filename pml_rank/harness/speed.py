@@ -501,11 +501,12 @@ def measure(
 
 
 def measure_underflow(
-    name, size=2048, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0, progress=True, runs=1
+    name, size=2048, dim=DEFAULT_DIM, repeats=5, warmup=1, device="cpu", seed=0, progress=True, runs=1, amp=False
 ):
     """The no-slow-path case: loss `name` on its usual inputs against the same loss on
     inputs that push exponent arguments far out of float range (`SpeedCase.underflow`),
-    interleaved. ``ratio`` is the median of the per-round ratios underflow / normal."""
+    interleaved (`amp`: both under `torch.autocast`, as `measure`). ``ratio`` is the median
+    of the per-round ratios underflow / normal."""
     device = torch.device(device)
     case = case_for(name)
     underflow_loss, underflow_inputs = case.underflow()
@@ -518,7 +519,8 @@ def measure_underflow(
     times_per_run = []
     for _ in range(runs):
         fns = {
-            label: (_prepare(factories[label], device, case.prime, inputs[label]), inputs[label]) for label in factories
+            label: (_prepare(factories[label], device, case.prime, inputs[label], amp), inputs[label])
+            for label in factories
         }
         times_per_run.append(_interleaved(fns, repeats, warmup, device, bar))
     bar.close()
@@ -531,6 +533,7 @@ def measure_underflow(
         "dim": dim,
         "repeats": repeats,
         "runs": runs,
+        "autocast": str(amp_dtype(device)).removeprefix("torch.") if amp else None,
         "seconds": {label: statistics.median(t for times in times_per_run for t in times[label]) for label in fns},
         "ratio": stat["median"],
         "spread": [stat["min"], stat["max"]],
@@ -695,18 +698,11 @@ def run_command(names, args, out):
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     results, underflow = [], []
+    # What every measurement of this command shares.
+    common = dict(dim=args.dim, repeats=args.repeats, device=args.device, seed=args.seed, runs=args.runs, amp=args.amp)
     for name in names:
         sizes = args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES
-        result = measure(
-            name,
-            sizes=sizes,
-            dim=args.dim,
-            repeats=args.repeats,
-            device=args.device,
-            seed=args.seed,
-            runs=args.runs,
-            amp=args.amp,
-        )
+        result = measure(name, sizes=sizes, **common)
         results.append(result)
         print(format_table(result))
         path = write_json(result, out / f"speed-{name}.json")
@@ -714,17 +710,7 @@ def run_command(names, args, out):
     if args.underflow:
         for name in names:
             size = max(args.sizes or case_for(name).default_sizes or DEFAULT_BATCH_SIZES)
-            underflow.append(
-                measure_underflow(
-                    name,
-                    size=size,
-                    dim=args.dim,
-                    repeats=args.repeats,
-                    device=args.device,
-                    seed=args.seed,
-                    runs=args.runs,
-                )
-            )
+            underflow.append(measure_underflow(name, size=size, **common))
         print(
             "No slow path: each loss on underflow-provoking inputs / on its usual inputs "
             f"(median of per-round ratios, min-max)\n{format_underflow(underflow)}\n"

@@ -121,6 +121,24 @@ def test_underflow_case_times_the_loss_on_normal_and_scaled_inputs(monkeypatch):
     assert result["largest_abs_input"] == pytest.approx(seen[1])
 
 
+def test_amp_runs_both_the_measurement_and_the_underflow_case_under_autocast(monkeypatch):
+    autocast_on = []
+
+    def factory():
+        def loss(e, labels):
+            autocast_on.append(torch.is_autocast_enabled("cpu"))
+            return e.pow(2).sum()
+
+        return loss
+
+    monkeypatch.setitem(speed.CASES, "Toy", speed.SpeedCase(ours=factory, underflow_scale=1000.0))
+    result = speed.measure_underflow("Toy", size=8, dim=4, repeats=1, warmup=0, progress=False, amp=True)
+    assert result["autocast"] == "bfloat16" and autocast_on and all(autocast_on)
+    autocast_on.clear()
+    assert speed.measure("Toy", sizes=(8,), dim=4, repeats=1, warmup=0, progress=False, amp=True)["autocast"]
+    assert autocast_on and all(autocast_on)
+
+
 def test_every_case_has_underflow_inputs_and_auc_a_steeper_sigmoid():
     from pml_rank.losses import AUCLoss
 
