@@ -23,7 +23,9 @@ import faiss
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+from pytorch_metric_learning.utils.inference import CustomKNN
 from scipy import stats
 
 from ..._checks import check_embeddings
@@ -180,19 +182,17 @@ def knn_backend(device):
 
 class TorchFlatL2:
     """faiss's ``IndexFlatL2`` search (exact squared L2, nearest first) over `reference`
-    on a torch device: ``search(queries, k)`` returns numpy ``(distances, indices)`` as
-    faiss does. Distances are ``|q|² + |r|² − 2 q·r`` in float32, as faiss computes them
-    for a block of queries; neighbours at equal distance may come in another order."""
+    on a torch device, by PML's torch k-NN (`CustomKNN`): ``search(queries, k)`` returns
+    numpy ``(distances, indices)`` as faiss does; neighbours at equal distance may come in
+    another order."""
 
     def __init__(self, reference, device):
         self.reference = torch.from_numpy(reference).to(device)
-        self.norms = self.reference.square().sum(1)
+        self.knn = CustomKNN(LpDistance(normalize_embeddings=False, power=2))
 
     def search(self, queries, k):
-        queries = torch.from_numpy(queries).to(self.reference.device)
-        distances = torch.addmm(self.norms, queries, self.reference.T, alpha=-2).add_(queries.square().sum(1, True))
-        nearest, indices = torch.topk(distances, k, dim=1, largest=False, sorted=True)
-        return nearest.cpu().numpy(), indices.cpu().numpy()
+        distances, indices = self.knn(torch.from_numpy(queries).to(self.reference.device), k, self.reference)
+        return distances.cpu().numpy(), indices.cpu().numpy()
 
 
 def flat_l2_index(reference, device, k):
