@@ -25,7 +25,8 @@ import torch
 from pytorch_metric_learning import losses
 
 from pml_rank.harness import runner
-from pml_rank.harness.budget import resolve
+from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
+from pml_rank.harness.budget import TRUNKS, dataset_argument, resolve
 from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
 from pml_rank.harness.evaluation.training import default_sampler, train_model
 from pml_rank.harness.workers import default_loader_workers
@@ -83,15 +84,19 @@ def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedde
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="glyphs", help="glyphs or folder:PATH (default %(default)s)")
-    parser.add_argument("--trunk", help="small-cnn, resnet50, ... (default: the data set's preset's)")
-    parser.add_argument("--image-size", type=int, help="crop size of an image data set (default: its preset's)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
-    parser.add_argument("--epochs", type=int, help="epochs of the fold model (default: the glyph bench's, 10)")
-    parser.add_argument("--iterations", type=int, help="iterations per epoch (default: the glyph bench's, 60)")
-    parser.add_argument("--loader-workers", type=int, help="default: the bench's default on --device")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads of an ImageNet trunk (default 2)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dataset", type=dataset_argument, default="glyphs", help="glyphs or folder:PATH (default %(default)s)"
+    )
+    parser.add_argument("--trunk", choices=TRUNKS, help="trunk network (default: the data set's preset's)")
+    parser.add_argument(
+        "--image-size", type=positive_int, help="crop size of an image data set (default: its preset's)"
+    )
+    parser.add_argument("--device", type=device, default="cpu", help=f"{DEVICE_HELP} (default %(default)s)")
+    parser.add_argument("--epochs", type=positive_int, help="epochs of the fold model (default: the glyph bench's, 10)")
+    parser.add_argument("--iterations", type=positive_int, help="iterations per epoch (default: the glyph bench's, 60)")
+    parser.add_argument("--loader-workers", type=non_negative_int, help="default: the bench's default on --device")
+    parser.add_argument("--threads", type=positive_int, default=2, help="CPU threads of an ImageNet trunk (default 2)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="rounds (default %(default)s)")
     args = parser.parse_args(argv)
     glyphs = resolve("glyphs")
     given = {"trunk": args.trunk, "image_size": args.image_size}

@@ -256,6 +256,21 @@ def test_example_script_refuses_bad_arguments_before_any_work(tmp_path, monkeypa
         assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["--epochs", "0"], "--epochs"),
+        (["--device", "gpu0"], "--device"),
+        (["--loader-workers", "-1"], "--loader-workers"),
+    ],
+)
+def test_throughput_script_refuses_bad_arguments_before_any_work(argv, name, capsys):
+    main = runpy.run_path(str(ROOT / "examples" / "bench_throughput.py"))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and f"argument {name}" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_help_and_argument_errors_import_no_torch():
     for argv, status in (
