@@ -97,9 +97,8 @@ def _row_chunks(n, m, device):
     """Slices of rows of an n x m matrix, as `_device_policy` sizes work on `device`: chunks
     of at most `CACHE_CHUNK_ENTRIES` entries on the CPU (at least one row), the whole
     matrix elsewhere (a chunk's kernels, launched per chunk, cost more than its work)."""
-    budget = _device_policy.work_budget(device, n * m)
-    if _device_policy.sized_for(device) == "cache":
-        budget = CACHE_CHUNK_ENTRIES
+    cache = _device_policy.sized_for(device) == "cache"
+    budget = CACHE_CHUNK_ENTRIES if cache else _device_policy.work_budget(device, n * m)
     step = max(1, budget // max(m, 1))
     return [slice(start, start + step) for start in range(0, n, step)]
 
