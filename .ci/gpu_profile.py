@@ -1,0 +1,125 @@
+"""Where a loss call's time goes on a device: for each loss and batch size, the forward +
+backward call of `pml-rank speed`'s case (its inputs, float32 or --amp) under the torch
+profiler: device kernels launched, host waits for the device, the call's synchronised wall
+time (median of --repeats) against the similarity floor's, and the operators that take the
+most device time. Writes DIR/profile.{json,md}.
+
+    python .ci/gpu_profile.py DIR [--device cuda] [--sizes 2048 8192] [--amp] [LOSS ...]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pml_rank.harness import speed
+from pml_rank.plugins import registry
+
+# Host-side calls that make the host wait for the device.
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def call(fn, inputs):
+    for tensor in inputs:
+        if tensor.requires_grad:
+            tensor.grad = None
+    fn(*inputs).backward()
+
+
+def wall_seconds(fn, inputs, device, repeats):
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        start = time.perf_counter()
+        call(fn, inputs)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def profiled(fn, inputs, device):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call(fn, inputs)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    waits = sum(1 for e in events if e.name in WAITS)
+    operators = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+    totals = {}
+    for e in prof.key_averages():
+        if e.key.startswith("aten::") or e.key.startswith("triton") or "Backward" in e.key:
+            totals[e.key] = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:8]
+    return {
+        "kernels": len(kernels),
+        "launches": launches,
+        "host_waits": waits,
+        "top_level_operators": len(operators),
+        "kernel_ms": sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
+        / 1e3,
+        "top": [[key, round(us / 1e3, 3), count] for key, (us, count) in top],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("losses", nargs="*")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--amp", action="store_true")
+    args = parser.parse_intermixed_args()
+    device = torch.device(args.device)
+    names = args.losses or sorted(registry.losses())
+    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for size in args.sizes:
+        for name in ["floor", *names]:
+            case = speed.case_for("SmoothAPLoss" if name == "floor" else name)
+            factory = case.floor if name == "floor" else case.ours
+            if factory is None or case.size_name != "batch":
+                continue
+            try:
+                inputs = case.inputs(size, speed.DEFAULT_DIM, torch.Generator().manual_seed(0), device)
+                fn = speed._prepare(factory, device, case.prime, inputs, args.amp)
+                call(fn, inputs)
+                row = {"loss": name, "size": size, "seconds": wall_seconds(fn, inputs, device, args.repeats)}
+                row.update(profiled(fn, inputs, device))
+            except Exception as error:  # one loss's failure must not hide the others' figures
+                row = {"loss": name, "size": size, "error": f"{type(error).__name__}: {error}"[:300]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "profile.json").write_text(json.dumps({"device": str(device), "amp": args.amp, "rows": rows}))
+    floors = {r["size"]: r["seconds"] for r in rows if r["loss"] == "floor" and "seconds" in r}
+    lines = [
+        f"# Loss calls profiled on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+        f" (torch {torch.__version__}{', autocast' if args.amp else ''})",
+        "",
+        "| loss | batch | ms | / floor | kernels | host waits | kernel ms | top device operators (ms, calls) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | |")
+            continue
+        top = "; ".join(f"{k} {ms} ({n})" for k, ms, n in r["top"][:5])
+        lines.append(
+            f"| {r['loss']} | {r['size']} | {r['seconds'] * 1e3:.2f} | {r['seconds'] / floors[r['size']]:.2f} |"
+            f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} |"
+        )
+    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
