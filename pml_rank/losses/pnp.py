@@ -20,6 +20,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from .base import RankLossBase, pair_masks, with_query_as_positive
+from .fused_ranks import FusedForm
 from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
@@ -31,6 +32,7 @@ class ClampedSigmoid:
 
     def __init__(self, temperature):
         self.temperature = temperature
+        self.fused = FusedForm(temperature, limit=SIGMOID_CLAMP)
 
     def value(self, x):
         return x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()

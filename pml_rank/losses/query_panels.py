@@ -22,6 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device_policy as policy
+from . import fused_ranks
 
 
 def panel_elements(device, num_queries, num_references):
@@ -267,7 +268,60 @@ def _values_and_jacobian(scores, pair_query, pair_positive, ranking, with_jacobi
     # The sums and the Jacobian in the input's precision: autocast would take the matrix
     # products to half precision.
     with torch.autocast(scores.device.type, enabled=False):
+        if fused_ranks.applies(scores, ranking.kernel):
+            return _fused(scores, pair_query, pair_positive, *ranking, with_jacobian)
         return _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_jacobian)
+
+
+def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
+    """`_panel_by_panel`'s values and Jacobian from `fused_ranks`' two kernels, with the
+    formula applied once per group of queries with equally many pairs."""
+    scores = scores if scores.stride(1) == 1 else scores.contiguous()
+    weights = _weights_with(left_out, weights, scores)
+    if weights is not None and weights.stride(1) != 1:
+        weights = weights.contiguous()
+    own = scores[pair_query, pair_positive]
+    if scale != 1:
+        own = own * scale
+    sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian)
+    values = scores.new_zeros(len(scores))
+    pair_gradients = torch.empty_like(sums) if with_jacobian else None
+    own_gradients = torch.empty_like(sums) if with_jacobian else None
+    for queries, pairs in query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query))):
+        panel_sums, panel_own = sums[pairs], own[pairs]
+        if not with_jacobian:
+            values[queries] = formula(panel_sums, panel_own, queries)
+            continue
+        values[queries], grad_sums, grad_own = formula_and_gradients(formula, panel_sums, panel_own, queries)
+        grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
+        pair_gradients[pairs] = grad_sums
+        # dS_qi moves s_qi by minus the sum of its slopes: T_qi · scale.
+        own_column = slopes[pairs].mul_(grad_sums).neg_()
+        if grad_own is not None:
+            own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+        own_gradients[pairs] = own_column
+    if not with_jacobian:
+        return values, None
+    offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
+    torch.cumsum(torch.bincount(pair_query, minlength=len(scores)), 0, out=offsets[1:])
+    jacobian = fused_ranks.jacobian(
+        scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale
+    )
+    return values, jacobian
+
+
+def _weights_with(left_out, weights, scores):
+    """`weights` (None: all 1) with 0 at the pairs `left_out` of each ranking (None, a
+    boolean mask or indices, as `left_out_filled_` takes them): the fused kernels' form of
+    the panels' −inf; None when both are None."""
+    if left_out is None:
+        return weights
+    if torch.is_tensor(left_out):
+        kept = mask_weights(left_out.logical_not(), scores.dtype)
+    else:
+        kept = torch.ones_like(scores)
+        kept[left_out] = 0
+    return kept if weights is None else kept.mul_(weights)
 
 
 def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):

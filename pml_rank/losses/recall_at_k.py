@@ -46,6 +46,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
+from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
     left_out_of,
@@ -231,6 +232,8 @@ def with_virtual_samples(scores, labels):
 class ClampedSigmoid:
     """h(x) = σ(clamp(x, ±SIGMOID_LIMIT)) and its derivative, zero where x was clamped
     (unranked references, at −inf, included), for `query_panels.RelaxedRanks`."""
+
+    fused = FusedForm(limit=SIGMOID_LIMIT, slope_floor=_SLOPE_AT_LIMIT)
 
     @staticmethod
     def value(x):

@@ -29,6 +29,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from .base import RankLossBase, pair_masks, with_query_as_positive
+from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
 from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
 
@@ -39,6 +40,7 @@ class SupAPBound:
     def __init__(self, temperature, rho, offset, delta, start):
         self.temperature, self.rho, self.offset, self.delta, self.start = temperature, rho, offset, delta, start
         self.jump = offset - start - 1 / (1 + math.exp(-max(min(delta / temperature, SIGMOID_CLAMP), -SIGMOID_CLAMP)))
+        self.fused = FusedForm(temperature, SIGMOID_CLAMP, delta, rho, start, self.jump)
 
     def value(self, x):
         # H⁻(x) = σ(min(x, δ) / τ) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ], with jump

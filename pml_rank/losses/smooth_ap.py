@@ -28,6 +28,7 @@ from .base import (
     with_query_as_positive,
     with_query_as_positive_pairs,
 )
+from .fused_ranks import FusedForm
 from .query_panels import any_per_row, left_out_of, own_columns, relaxed_ranks, true_entries
 
 
@@ -108,6 +109,8 @@ class SmoothAPLoss(RankLossBase):
 
 class Sigmoid:
     """h(x) = σ(x) and its derivative, for `query_panels.RelaxedRanks`: σ(−inf) = 0, slope 0."""
+
+    fused = FusedForm()
 
     @staticmethod
     def value(x):

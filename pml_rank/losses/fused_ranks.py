@@ -1,0 +1,239 @@
+"""`query_panels.RelaxedRanks` on a GPU in two Triton kernels: the sums of every
+(query, positive) pair in one pass over the scores, and the Jacobian in another, instead of
+a few dozen elementwise kernels per panel (each a pass over a [queries, positives,
+references] tensor through memory).
+
+1. `_sums_kernel`: for each pair p = (q, i), S_p = Σ_j w_qj h(x_qpj) and T_p = Σ_j w_qj h'(x_qpj),
+   x_qpj = scale · s_qj − scale · s_qi: a block of pairs (sorted by query, so that their
+   rows come from the cache) against every reference.
+2. The losses' formulas on the [r, c] sums, per group of queries with equally many pairs,
+   as the panels do (`query_panels.formula_and_gradients`).
+3. `_jacobian_kernel`: each query's row of the Jacobian, J_qj = w_qj Σ_{p of q} G_p h'(x_qpj),
+   plus each pair's own column −G_p T_p + the formula's own-score gradient; a block of one
+   query's references per program, its pairs in a loop.
+
+Each kernel h is one formula with parameters (`FusedForm`), which every kernel of the
+plain-torch path gives as its ``fused`` attribute:
+
+    h(x)  = σ(clamp(min(x, δ) / τ, −L, L)) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ]
+    h'(x) = ρ where x > δ, else σ(clamp(x / τ, −L, L))' / τ; 0 where it is at most `slope_floor`
+
+(Smooth-AP's sigmoid, PNP's and Recall@k's clamped sigmoids, SupAP's bound H⁻.) Pairs left
+out of a ranking get weight 0 (the torch path's −inf). The plain-torch path stays the
+reference: the tests hold this one equal to it (in Triton's interpreter on the CPU, on
+CUDA under the `cuda` marker), and it runs wherever this one cannot (no Triton, the CPU,
+float64, a kernel without a ``fused`` form).
+"""
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - torch's CUDA wheels bring Triton
+    triton = None
+
+# Pairs per program of the sums kernel and references per step: a [16, 256] tile of float32
+# scores (16 KB) at a time; references per program of the Jacobian kernel.
+PAIRS_PER_BLOCK = 16
+REFERENCES_PER_STEP = 256
+REFERENCES_PER_BLOCK = 1024
+
+
+class FusedForm(NamedTuple):
+    """The parameters of a relaxed-rank kernel h in the fused kernels' one formula (see the
+    module's docstring); the defaults give the plain sigmoid σ(x)."""
+
+    temperature: float = 1.0
+    limit: float = math.inf
+    delta: float = math.inf
+    rho: float = 0.0
+    start: float = 0.0
+    jump: float = 0.0
+    slope_floor: float = 0.0
+
+
+def interpreted():
+    """Whether Triton runs its interpreter on the CPU (TRITON_INTERPRET=1, read when Triton
+    is imported): then the fused kernels take CPU tensors, which is how the CPU's tests
+    hold them equal to the plain-torch path."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def applies(scores, kernel):
+    """Whether the fused kernels compute `RelaxedRanks` for these float `scores` and this
+    kernel: float32 scores on a CUDA device (or on the CPU under Triton's interpreter) and
+    a kernel with a ``fused`` form."""
+    device_ok = scores.device.type == "cuda" or (interpreted() and scores.device.type == "cpu")
+    return triton is not None and device_ok and scores.dtype == torch.float32 and hasattr(kernel, "fused")
+
+
+def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
+    """S [pairs] and, when `with_slopes`, T [pairs] (else None) of `_sums_kernel`."""
+    pairs = len(pair_query)
+    sums = scores.new_empty(pairs)
+    slopes = scores.new_empty(pairs) if with_slopes else sums
+    if pairs:
+        grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
+        _sums_kernel[grid](
+            scores,
+            scores.stride(0),
+            scores if weights is None else weights,
+            0 if weights is None else weights.stride(0),
+            pair_query,
+            own,
+            sums,
+            slopes,
+            pairs,
+            scores.shape[1],
+            float(scale),
+            *map(float, form),
+            HAS_WEIGHTS=weights is not None,
+            WITH_SLOPES=with_slopes,
+            BLOCK_P=PAIRS_PER_BLOCK,
+            BLOCK_J=REFERENCES_PER_STEP,
+        )
+    return sums, slopes if with_slopes else None
+
+
+def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale):
+    """[queries, references] Jacobian of `_jacobian_kernel`: `pair_offsets` [queries + 1]
+    delimits each query's pairs; `pair_gradients` G_p (the formula's gradient by S_p, times
+    `scale`) and `own_gradients` (what each pair's own column gains besides)."""
+    out = torch.empty_like(scores)
+    if out.numel():
+        grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
+        _jacobian_kernel[grid](
+            scores,
+            scores.stride(0),
+            scores if weights is None else weights,
+            0 if weights is None else weights.stride(0),
+            pair_offsets,
+            pair_positive,
+            own,
+            pair_gradients,
+            own_gradients,
+            out,
+            out.stride(0),
+            scores.shape[1],
+            float(scale),
+            *map(float, form),
+            HAS_WEIGHTS=weights is not None,
+            BLOCK_J=REFERENCES_PER_BLOCK,
+        )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel_value(x, temperature, limit, delta, rho, start, jump):
+        z = tl.minimum(tl.maximum(tl.minimum(x, delta) / temperature, -limit), limit)
+        value = 1.0 / (1.0 + tl.exp(-z))
+        value += tl.where(x > 0.0, start, 0.0)
+        value += rho * tl.maximum(x - delta, 0.0)
+        value += tl.where(x > delta, jump, 0.0)
+        return value
+
+    @triton.jit
+    def _kernel_slope(x, temperature, limit, delta, rho, slope_floor):
+        z = tl.minimum(tl.maximum(x / temperature, -limit), limit)
+        sigmoid = 1.0 / (1.0 + tl.exp(-z))
+        slope = tl.where(x > delta, rho, (sigmoid - sigmoid * sigmoid) / temperature)
+        return tl.where(slope > slope_floor, slope, 0.0)
+
+    @triton.jit
+    def _sums_kernel(
+        scores,
+        score_stride,
+        weights,
+        weight_stride,
+        pair_query,
+        own,
+        sums,
+        slopes,
+        pairs,
+        references,
+        scale,
+        temperature,
+        limit,
+        delta,
+        rho,
+        start,
+        jump,
+        slope_floor,
+        HAS_WEIGHTS: tl.constexpr,
+        WITH_SLOPES: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+    ):
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        in_pairs = p < pairs
+        query = tl.load(pair_query + p, mask=in_pairs, other=0).to(tl.int64)
+        own_score = tl.load(own + p, mask=in_pairs, other=0.0)
+        total = tl.zeros([BLOCK_P], dtype=tl.float32)
+        total_slope = tl.zeros([BLOCK_P], dtype=tl.float32)
+        for first in range(0, references, BLOCK_J):
+            j = first + tl.arange(0, BLOCK_J)
+            inside = in_pairs[:, None] & (j < references)[None, :]
+            s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
+            x = s * scale - own_score[:, None]
+            value = _kernel_value(x, temperature, limit, delta, rho, start, jump)
+            if HAS_WEIGHTS:
+                w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
+                value = value * w
+            total += tl.sum(tl.where(inside, value, 0.0), axis=1)
+            if WITH_SLOPES:
+                slope = _kernel_slope(x, temperature, limit, delta, rho, slope_floor)
+                if HAS_WEIGHTS:
+                    slope = slope * w
+                total_slope += tl.sum(tl.where(inside, slope, 0.0), axis=1)
+        tl.store(sums + p, total, mask=in_pairs)
+        if WITH_SLOPES:
+            tl.store(slopes + p, total_slope, mask=in_pairs)
+
+    @triton.jit
+    def _jacobian_kernel(
+        scores,
+        score_stride,
+        weights,
+        weight_stride,
+        pair_offsets,
+        pair_positive,
+        own,
+        pair_gradients,
+        own_gradients,
+        out,
+        out_stride,
+        references,
+        scale,
+        temperature,
+        limit,
+        delta,
+        rho,
+        start,
+        jump,
+        slope_floor,
+        HAS_WEIGHTS: tl.constexpr,
+        BLOCK_J: tl.constexpr,
+    ):
+        query = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        inside = j < references
+        scaled = tl.load(scores + query * score_stride + j, mask=inside, other=0.0) * scale
+        through_sums = tl.zeros([BLOCK_J], dtype=tl.float32)
+        own_columns = tl.zeros([BLOCK_J], dtype=tl.float32)
+        first = tl.load(pair_offsets + query)
+        last = tl.load(pair_offsets + query + 1)
+        for p in range(first, last):
+            x = scaled - tl.load(own + p)
+            slope = _kernel_slope(x, temperature, limit, delta, rho, slope_floor)
+            through_sums += tl.load(pair_gradients + p) * slope
+            own_columns += tl.where(j == tl.load(pair_positive + p), tl.load(own_gradients + p), 0.0)
+        if HAS_WEIGHTS:
+            through_sums = through_sums * tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
+        tl.store(out + query * out_stride + j, through_sums + own_columns, mask=inside)

@@ -1,0 +1,117 @@
+"""The fused Triton kernels of the relaxed rank (`losses.fused_ranks`) compute what the
+plain-torch panels compute (`query_panels._panel_by_panel`), for every loss over the
+primitive and every form of left-out pairs, weights and references: on CUDA under the
+``cuda`` marker, and on the CPU in Triton's interpreter (TRITON_INTERPRET=1, a fresh
+process, since Triton reads it when a kernel is defined)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from pytorch_metric_learning.miners import MultiSimilarityMiner
+
+from pml_rank.losses import (
+    PNPLoss,
+    RecallAtKSurrogateLoss,
+    ROADMAPLoss,
+    SmoothAPLoss,
+    SupAPLoss,
+    fused_ranks,
+    query_panels,
+)
+from pml_rank.losses.smooth_ap import Sigmoid
+
+LOSSES = {
+    "SmoothAP": SmoothAPLoss,
+    "SmoothAP-no-query": lambda: SmoothAPLoss(include_query=False),
+    "Recall@k": RecallAtKSurrogateLoss,
+    "Recall@k-query-in-ranking": lambda: RecallAtKSurrogateLoss(query_in_ranking=True),
+    "PNP": PNPLoss,
+    "PNP-O": lambda: PNPLoss(variant="O"),
+    "SupAP": SupAPLoss,
+    "ROADMAP": ROADMAPLoss,
+    "ROADMAP-offset": lambda: ROADMAPLoss(offset=1.44, start=0.0, delta=0.1),
+}
+INPUTS = ("labels", "ref_emb", "miner")
+
+
+def fused_device():
+    """Where the fused kernels run in this process: CUDA, else the CPU under Triton's
+    interpreter, else nowhere (None)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if fused_ranks.interpreted() else None
+
+
+def value_and_gradients(make_loss, inputs, device, fused):
+    """The loss and the gradients of its embeddings (and `ref_emb`), with the fused kernels
+    or the plain-torch panels, and whether the fused kernels ran."""
+    generator = torch.Generator().manual_seed(0)
+    batch = 40
+    labels = torch.arange(batch) // 4
+    labels[:6] = 100  # classes of 6, 4 and 2: panels of several sizes
+    embeddings = torch.randn(batch, 16, generator=generator).to(device).requires_grad_()
+    kwargs = {}
+    if inputs == "ref_emb":
+        kwargs = {"ref_emb": torch.randn(52, 16, generator=generator).to(device).requires_grad_()}
+        kwargs["ref_labels"] = (torch.arange(52) // 5).to(device)
+    labels = labels.to(device)
+    if inputs == "miner":
+        kwargs = {"indices_tuple": MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
+    calls = []
+    original = query_panels._fused
+    query_panels._fused = lambda *args: calls.append(1) or original(*args)
+    applies = fused_ranks.applies
+    if not fused:
+        fused_ranks.applies = lambda *args: False
+    try:
+        loss = make_loss()(embeddings, labels, **kwargs)
+        loss.backward()
+    finally:
+        query_panels._fused, fused_ranks.applies = original, applies
+    tensors = [embeddings, *(kwargs.get("ref_emb", None),)]
+    return loss.detach(), [t.grad for t in tensors if t is not None], bool(calls)
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_fused_kernels_equal_the_torch_panels(name, inputs):
+    device = fused_device()
+    if device is None:
+        pytest.skip("needs CUDA or Triton's interpreter (test_in_tritons_interpreter runs this)")
+    value, gradients, ran = value_and_gradients(LOSSES[name], inputs, device, fused=True)
+    expected, expected_gradients, ran_torch = value_and_gradients(LOSSES[name], inputs, device, fused=False)
+    assert ran and not ran_torch
+    torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
+        assert gradient.abs().max() > 0
+        scale = expected_gradient.abs().max()
+        torch.testing.assert_close(gradient / scale, expected_gradient / scale, rtol=0, atol=2e-5)
+
+
+def test_plain_torch_path_where_the_kernels_cannot_run():
+    """float64 scores, a kernel without a fused form, and the CPU outside Triton's
+    interpreter take the plain-torch panels."""
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        scores = torch.zeros(4, 4, device=device)
+        assert not fused_ranks.applies(scores.double(), Sigmoid)
+        assert not fused_ranks.applies(scores, object())
+        assert fused_ranks.applies(scores, Sigmoid) == (device == "cuda" or fused_ranks.interpreted())
+
+
+@pytest.mark.skipif(fused_ranks.triton is None, reason="Triton is not installed")
+@pytest.mark.skipif(fused_ranks.interpreted(), reason="already in the interpreter")
+def test_in_tritons_interpreter():
+    """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__, "-k", "equal"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{len(LOSSES) * len(INPUTS)} passed" in result.stdout, result.stdout[-1000:]
