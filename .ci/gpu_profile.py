@@ -54,7 +54,7 @@ def profiled(fn, inputs, device):
     operators = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
     totals = {}
     for e in prof.key_averages():
-        if e.key.startswith("aten::") or e.key.startswith("triton") or "Backward" in e.key:
+        if e.key.startswith(("aten::", "_")):
             totals[e.key] = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count)
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:8]
     return {

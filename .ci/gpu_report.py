@@ -68,6 +68,7 @@ def build(report):
         for line in read(logs / "throughput.log").splitlines()
         if re.match(r"(raw step|bench|throughput|resnet)", line)
     ]
+    out["profile"] = read(report / "profile" / "profile.md")
     sweep = {}
     for step in out["steps"]:
         if step["step"].startswith("sweep-") and step["rc"] == "0":
@@ -111,6 +112,8 @@ def markdown(out):
                     cells = [loss, size, f"{r['time/floor']:.2f} ({spread})", f"{r['memory/floor']:.2f}"]
                     lines.append("| " + " | ".join([*cells, str(r["ms"]), str(r["floor ms"])]) + " |")
             lines.append("")
+    if out.get("profile"):
+        lines += ["## Where a call's time goes (.ci/gpu_profile.py)", "", *out["profile"].splitlines()[2:], ""]
     if out.get("knn"):
         k = out["knn"]
         lines += [

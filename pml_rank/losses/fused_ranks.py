@@ -131,20 +131,22 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
 if triton is not None:
 
     @triton.jit
-    def _kernel_value(x, temperature, limit, delta, rho, start, jump):
-        z = tl.minimum(tl.maximum(tl.minimum(x, delta) / temperature, -limit), limit)
-        value = 1.0 / (1.0 + tl.exp(-z))
-        value += tl.where(x > 0.0, start, 0.0)
-        value += rho * tl.maximum(x - delta, 0.0)
-        value += tl.where(x > delta, jump, 0.0)
-        return value
+    def _sigmoid(x, temperature, limit):
+        return 1.0 / (1.0 + tl.exp(-tl.minimum(tl.maximum(x / temperature, -limit), limit)))
 
     @triton.jit
-    def _kernel_slope(x, temperature, limit, delta, rho, slope_floor):
-        z = tl.minimum(tl.maximum(x / temperature, -limit), limit)
-        sigmoid = 1.0 / (1.0 + tl.exp(-z))
+    def _slope(x, sigmoid, temperature, delta, rho, slope_floor):
         slope = tl.where(x > delta, rho, (sigmoid - sigmoid * sigmoid) / temperature)
         return tl.where(slope > slope_floor, slope, 0.0)
+
+    @triton.jit
+    def _value(x, sigmoid, temperature, limit, delta, rho, start, jump):
+        # Beyond δ the sigmoid stops at σ(δ/τ): one exponential per entry serves the value
+        # and the slope.
+        value = tl.where(x > delta, _sigmoid(delta, temperature, limit), sigmoid)
+        value += tl.where(x > 0.0, start, 0.0)
+        value += rho * tl.maximum(x - delta, 0.0)
+        return value + tl.where(x > delta, jump, 0.0)
 
     @triton.jit
     def _sums_kernel(
@@ -182,13 +184,14 @@ if triton is not None:
             inside = in_pairs[:, None] & (j < references)[None, :]
             s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
             x = s * scale - own_score[:, None]
-            value = _kernel_value(x, temperature, limit, delta, rho, start, jump)
+            sigmoid = _sigmoid(x, temperature, limit)
+            value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump)
             if HAS_WEIGHTS:
                 w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
                 value = value * w
             total += tl.sum(tl.where(inside, value, 0.0), axis=1)
             if WITH_SLOPES:
-                slope = _kernel_slope(x, temperature, limit, delta, rho, slope_floor)
+                slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor)
                 if HAS_WEIGHTS:
                     slope = slope * w
                 total_slope += tl.sum(tl.where(inside, slope, 0.0), axis=1)
@@ -231,7 +234,7 @@ if triton is not None:
         last = tl.load(pair_offsets + query + 1)
         for p in range(first, last):
             x = scaled - tl.load(own + p)
-            slope = _kernel_slope(x, temperature, limit, delta, rho, slope_floor)
+            slope = _slope(x, _sigmoid(x, temperature, limit), temperature, delta, rho, slope_floor)
             through_sums += tl.load(pair_gradients + p) * slope
             own_columns += tl.where(j == tl.load(pair_positive + p), tl.load(own_gradients + p), 0.0)
         if HAS_WEIGHTS:

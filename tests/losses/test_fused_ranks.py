@@ -37,19 +37,10 @@ LOSSES = {
 INPUTS = ("labels", "ref_emb", "miner")
 
 
-def fused_device():
-    """Where the fused kernels run in this process: CUDA, else the CPU under Triton's
-    interpreter, else nowhere (None)."""
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if fused_ranks.interpreted() else None
-
-
-def value_and_gradients(make_loss, inputs, device, fused):
+def value_and_gradients(make_loss, inputs, device, fused, batch=40):
     """The loss and the gradients of its embeddings (and `ref_emb`), with the fused kernels
     or the plain-torch panels, and whether the fused kernels ran."""
     generator = torch.Generator().manual_seed(0)
-    batch = 40
     labels = torch.arange(batch) // 4
     labels[:6] = 100  # classes of 6, 4 and 2: panels of several sizes
     embeddings = torch.randn(batch, 16, generator=generator).to(device).requires_grad_()
@@ -75,20 +66,36 @@ def value_and_gradients(make_loss, inputs, device, fused):
     return loss.detach(), [t.grad for t in tensors if t is not None], bool(calls)
 
 
-@pytest.mark.parametrize("inputs", INPUTS)
-@pytest.mark.parametrize("name", LOSSES)
-def test_fused_kernels_equal_the_torch_panels(name, inputs):
-    device = fused_device()
-    if device is None:
-        pytest.skip("needs CUDA or Triton's interpreter (test_in_tritons_interpreter runs this)")
-    value, gradients, ran = value_and_gradients(LOSSES[name], inputs, device, fused=True)
-    expected, expected_gradients, ran_torch = value_and_gradients(LOSSES[name], inputs, device, fused=False)
+def check_fused_equals_torch(name, inputs, device, batch=40):
+    value, gradients, ran = value_and_gradients(LOSSES[name], inputs, device, True, batch)
+    expected, expected_gradients, ran_torch = value_and_gradients(LOSSES[name], inputs, device, False, batch)
     assert ran and not ran_torch
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
     for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
         assert gradient.abs().max() > 0
         scale = expected_gradient.abs().max()
         torch.testing.assert_close(gradient / scale, expected_gradient / scale, rtol=0, atol=2e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_fused_kernels_on_cuda_equal_the_torch_panels(name, inputs):
+    check_fused_equals_torch(name, inputs, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["SmoothAP", "Recall@k", "PNP", "ROADMAP"])
+def test_fused_kernels_on_cuda_at_batch_3000(name):
+    """Many blocks of pairs and of references, a last block of each only partly full."""
+    check_fused_equals_torch(name, "labels", "cuda", batch=3000)
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
+    check_fused_equals_torch(name, inputs, "cpu")
 
 
 def test_plain_torch_path_where_the_kernels_cannot_run():
@@ -107,7 +114,7 @@ def test_in_tritons_interpreter():
     """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__, "-k", "equal"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__, "-k", "interpreted"],
         env=env,
         capture_output=True,
         text=True,
