@@ -25,6 +25,7 @@ CUDA under the `cuda` marker), and it runs wherever this one cannot (no Triton, 
 float64, a kernel without a ``fused`` form).
 """
 
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -79,25 +80,32 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
     slopes = scores.new_empty(pairs) if with_slopes else sums
     if pairs:
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
-        _sums_kernel[grid](
-            scores,
-            scores.stride(0),
-            scores if weights is None else weights,
-            0 if weights is None else weights.stride(0),
-            pair_query,
-            own,
-            sums,
-            slopes,
-            pairs,
-            scores.shape[1],
-            float(scale),
-            *map(float, form),
-            HAS_WEIGHTS=weights is not None,
-            WITH_SLOPES=with_slopes,
-            BLOCK_P=PAIRS_PER_BLOCK,
-            BLOCK_J=REFERENCES_PER_STEP,
-        )
+        with _on(scores.device):
+            _sums_kernel[grid](
+                scores,
+                scores.stride(0),
+                scores if weights is None else weights,
+                0 if weights is None else weights.stride(0),
+                pair_query,
+                own,
+                sums,
+                slopes,
+                pairs,
+                scores.shape[1],
+                float(scale),
+                *map(float, form),
+                HAS_WEIGHTS=weights is not None,
+                WITH_SLOPES=with_slopes,
+                BLOCK_P=PAIRS_PER_BLOCK,
+                BLOCK_J=REFERENCES_PER_STEP,
+            )
     return sums, slopes if with_slopes else None
+
+
+def _on(device):
+    """The context that makes `device` current for a launch: Triton launches on the current
+    CUDA device, which need not be the tensors' (cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale):
@@ -107,24 +115,25 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
     out = torch.empty_like(scores)
     if out.numel():
         grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
-        _jacobian_kernel[grid](
-            scores,
-            scores.stride(0),
-            scores if weights is None else weights,
-            0 if weights is None else weights.stride(0),
-            pair_offsets,
-            pair_positive,
-            own,
-            pair_gradients,
-            own_gradients,
-            out,
-            out.stride(0),
-            scores.shape[1],
-            float(scale),
-            *map(float, form),
-            HAS_WEIGHTS=weights is not None,
-            BLOCK_J=REFERENCES_PER_BLOCK,
-        )
+        with _on(scores.device):
+            _jacobian_kernel[grid](
+                scores,
+                scores.stride(0),
+                scores if weights is None else weights,
+                0 if weights is None else weights.stride(0),
+                pair_offsets,
+                pair_positive,
+                own,
+                pair_gradients,
+                own_gradients,
+                out,
+                out.stride(0),
+                scores.shape[1],
+                float(scale),
+                *map(float, form),
+                HAS_WEIGHTS=weights is not None,
+                BLOCK_J=REFERENCES_PER_BLOCK,
+            )
     return out
 
 
