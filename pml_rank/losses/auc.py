@@ -178,7 +178,7 @@ class AUCLoss(RankLossBase):
         are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-        similarity = self.distance(embeddings, ref_emb)
+        similarity = self.similarity_matrix(embeddings, ref_emb)
         positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=similarity.shape)
         hardest_pos, positives = similarity.masked_fill(~positive, torch.inf).min(dim=1)
         # The matrix is not needed afterwards: mask it in place instead of copying it.

@@ -61,7 +61,7 @@ class NPairsMCLoss(RankLossBase):
         self.num_pairs = len(anchor_idx)
         if self.num_pairs == 0:
             return self.zero_losses()
-        similarities = self.distance(embeddings[anchor_idx], ref_emb[positive_idx])
+        similarities = self.similarity_matrix(embeddings[anchor_idx], ref_emb[positive_idx])
         if not self.distance.is_inverted:
             similarities = -similarities
         return {

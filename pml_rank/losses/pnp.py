@@ -84,7 +84,7 @@ class PNPLoss(RankLossBase):
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
-        matrix = self.distance(embeddings, ref_emb)
+        matrix = self.similarity_matrix(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         scores, positive, negative = with_query_as_positive(
             self.distance, embeddings, ref_emb, scores, positive, negative

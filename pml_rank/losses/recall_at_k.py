@@ -141,7 +141,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 "it takes no ref_emb and no indices_tuple"
             )
         # Without a separate ref_emb, PML's distance normalises the embeddings once.
-        scores = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
+        scores = self.similarity_matrix(embeddings, None if ref_emb is embeddings else ref_emb)
         query_index = torch.arange(len(embeddings), device=embeddings.device)
         if self.similarity_mixup:
             scores, labels, query_index = with_virtual_samples(scores, labels)

@@ -124,7 +124,7 @@ class SupAPLoss(RankLossBase):
     def pairs(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """The distance matrix and the positive and negative pair masks."""
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        return self.distance(embeddings, ref_emb), positive, negative
+        return self.similarity_matrix(embeddings, ref_emb), positive, negative
 
     def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
         """PML loss info of 1 − AP per query with a positive (0 when there is none)."""
