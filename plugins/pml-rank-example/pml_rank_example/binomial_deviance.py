@@ -49,8 +49,9 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         positive, negative = matches.bool(), diffs.bool()
         # -alpha for the positive pairs, alpha * cost for the negative ones.
         factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
-        deviance = F.softplus((sim - self.beta) * factor)
-        num_positive, num_negative = positive.sum(), negative.sum()
+        deviance = F.softplus((sim - self.beta).mul_(factor))
+        # Not mask.sum(): a sum of booleans converts them to int64 first (on the CPU).
+        num_positive, num_negative = torch.count_nonzero(positive), torch.count_nonzero(negative)
         positive_mean = deviance.where(positive, 0).sum() / num_positive.clamp(min=1)
         negative_mean = deviance.where(negative, 0).sum() / num_negative.clamp(min=1)
         both = (num_positive > 0) & (num_negative > 0)
