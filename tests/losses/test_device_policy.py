@@ -34,23 +34,45 @@ def memory_policy(monkeypatch):
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
 
 
+# Operations whose result the host must wait for on a GPU: a number read back, or an
+# output whose size depends on the values.
+WAITING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::masked_select", "aten::unique_dim"}
+
+
 class DispatchCount(TorchDispatchMode):
-    """How many aten operations run inside the context, by name."""
+    """How many aten operations run inside the context, by name, and how many of them
+    make the host wait for a GPU (`WAITING`, or indexing with a boolean mask, which
+    is a nonzero)."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.waits = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
+        name = func._schema.name
+        by_mask = name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        )
+        if name in WAITING or by_mask:
+            self.waits[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-def operations(loss_class, batch):
+def counted(loss, batch, calls=1):
+    """The operations of the last of `calls` forward and backward calls at `batch`, 4 per class."""
     embeddings = torch.randn(batch, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    labels = torch.arange(batch) // 4
+    for _ in range(calls - 1):
+        loss(embeddings, labels).backward()
     with DispatchCount() as count:
-        loss_class()(embeddings, torch.arange(batch) // 4).backward()
-    return sum(count.ops.values())
+        loss(embeddings, labels).backward()
+    return count
+
+
+def operations(loss_class, batch):
+    return sum(counted(loss_class(), batch).ops.values())
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -66,6 +88,13 @@ def test_fastaps_row_chunks_do_not_grow_with_the_batch(memory_policy, one_thread
     """FastAP histograms its pairs a chunk of rows at a time: 2^19 entries on the CPU (4
     chunks at batch 2048), the whole matrix under the memory policy."""
     assert abs(operations(FastAPLoss, 2048) - operations(FastAPLoss, 256)) <= 10
+
+
+def test_fastap_waits_for_the_gpu_once_beside_the_input_and_output_checks(memory_policy):
+    """It reads back how many queries have a positive; when all have (here), it selects
+    none (no nonzero, no boolean index, no scatter of their gradients)."""
+    count = counted(FastAPLoss(), 256)
+    assert count.waits == {"aten::_local_scalar_dense": 3}, count.waits
 
 
 def test_rambos_comparison_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):
