@@ -178,11 +178,12 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     return (ranks, order) if return_order else ranks
 
 
-def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
+def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, indices=None):
     """For sequences `scores` [sequences, n] and a boolean mask `positives`: the index
     (sequence, element) of every positive, its blackbox rank divided by n (differentiable
     by Algorithm 1 with respect to all scores) and its rank among the positives (an
     integer, not differentiated). Ranks and gradients are those of `blackbox_rank`.
+    `indices`: ``positives.nonzero(as_tuple=True)`` when already at hand.
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
@@ -193,11 +194,13 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None):
     sequences, n = scores.shape
     # The positives' indices give their number per sequence: counting the mask itself
     # (a sum, which first copies the bool matrix) costs twice as much.
-    indices = positives.nonzero(as_tuple=True)
-    per_sequence = torch.bincount(indices[0], minlength=sequences)
+    if indices is None:
+        indices = positives.nonzero(as_tuple=True)
+    per_sequence = _per_sequence(indices[0], sequences)
+    most = int(per_sequence.max()) if sequences else 0
     # Measured break-even (2048 sequences, CPU): about 12 positives at n = 2047, 22 at n = 8191.
-    if sequences and int(per_sequence.max()) <= math.log2(max(n, 2)):
-        slots = _Slots(positives, indices, per_sequence)
+    if sequences and most <= math.log2(max(n, 2)):
+        slots = _Slots(positives, indices, per_sequence, most)
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
@@ -214,19 +217,30 @@ def _above(scores, values, elements):
     return (scores > values) | ((scores == values) & (positions < elements[:, :, None]))
 
 
+def _per_sequence(sequence, sequences):
+    """How many of the `sequence` indices fall on each of `sequences` sequences: a
+    bincount, but by index_add_, which on a GPU waits for nothing (CUDA's bincount reads
+    the indices' minimum and maximum back)."""
+    return torch.zeros(sequences, dtype=torch.long, device=sequence.device).index_add_(
+        0, sequence, torch.ones_like(sequence)
+    )
+
+
 class _Slots:
     """The positives of each sequence side by side: [sequences, slots] tensors padded with
     NaN values, so that every comparison broadcasts over the sequence's n elements."""
 
-    def __init__(self, positives, indices=None, per_sequence=None):
-        """`indices` (``positives.nonzero(as_tuple=True)``) and `per_sequence` (the
-        number of positives per sequence) when already at hand."""
+    def __init__(self, positives, indices=None, per_sequence=None, most=None):
+        """`indices` (``positives.nonzero(as_tuple=True)``), `per_sequence` (the number of
+        positives per sequence) and `most` (its maximum, a number) when already at hand."""
         self.sequence, self.element = positives.nonzero(as_tuple=True) if indices is None else indices
         if per_sequence is None:  # by sequence, then position: counted from the indices
-            per_sequence = torch.bincount(self.sequence, minlength=len(positives))
+            per_sequence = _per_sequence(self.sequence, len(positives))
+        if most is None:
+            most = int(per_sequence.max()) if len(positives) else 0
         first = per_sequence.cumsum(0) - per_sequence
         self.slot = torch.arange(len(self.sequence), device=positives.device) - first[self.sequence]
-        self.shape = (len(positives), int(per_sequence.max()) if len(positives) else 0)
+        self.shape = (len(positives), most)
         self.elements = self.spread(self.element, 0)
         self.valid = self.spread(torch.ones_like(self.element, dtype=torch.bool), False)
 
@@ -242,22 +256,28 @@ class _Slots:
 def _compared(scores, thresholds, budget=None):
     """For each chunk of sequences, its slice and the [sequences, thresholds, n] 0/1
     floats ``scores > thresholds`` (every threshold of a sequence against all its
-    elements), in one reused buffer. Comparisons written as floats and summed as floats
-    run about three times faster than through bool tensors (vectorised). A chunk has at
-    most `budget` comparisons, by default the device's (`_device_policy.work_budget`): on
-    the CPU 2^20, few steps (each synchronises the threads) and a buffer small enough to
-    stay in cache (at batch 2048 with 3 positives a row, the counting forward+backward
-    took 20-22 ms on one thread from 2^19 to 2^21, 30 ms at 2^17); on an accelerator as
-    many as `scores` has entries, so that the chunks do not grow with the batch."""
+    elements), in one reused buffer of `_comparison_dtype`, to be summed in
+    `_count_dtype`. Comparisons written as floats and summed as floats run about three
+    times faster than through bool tensors (vectorised on the CPU; a sum of booleans
+    first converts them to the sum's type). A chunk has at most `budget` comparisons,
+    by default the device's (`_device_policy.work_budget`): on the CPU 2^20, few steps
+    (each synchronises the threads) and a buffer small enough to stay in cache (at
+    batch 2048 with 3 positives a row, the counting forward+backward took 20-22 ms on
+    one thread from 2^19 to 2^21, 30 ms at 2^17); on an accelerator as many as `scores`
+    has entries, twice as many in float16 (the same bytes as float32 ones), so that the
+    chunks do not grow with the batch."""
+    dtype = _comparison_dtype(scores)
     if budget is None:
         budget = _device_policy.work_budget(scores.device, scores.numel())
+        if dtype == torch.float16:
+            budget *= 2
     width = thresholds.shape[1] * scores.shape[-1]
     step = max(1, budget // max(1, width))
     buffer = torch.empty(
         min(step, len(scores)),
         *thresholds.shape[1:],
         scores.shape[-1],
-        dtype=_count_dtype(scores),
+        dtype=dtype,
         device=scores.device,
     )
     for start in range(0, len(scores), step):
@@ -273,17 +293,33 @@ def _count_dtype(scores):
     return torch.float32
 
 
+def _comparison_dtype(scores):
+    """The type the 0/1 comparisons are written in: the counts' on the CPU (where float16
+    has no fast arithmetic); on an accelerator (`_device_policy.sized_for`), where writing
+    and reading them back is the whole cost, float16, half the bytes, summed into the
+    counts' type by the same kernel that reads them. Exact: sums of 0s and 1s, and on
+    the way differences of two, accumulate in float32 or wider."""
+    return _count_dtype(scores) if _device_policy.sized_for(scores.device) == "cache" else torch.float16
+
+
 def _counts(scores, values, slots):
     """[sequences, slots] int32 counts of the elements of each sequence greater than each
     slot's value, and of the elements equal to it (the positive itself included;
     padding slots count 0)."""
     # x > the float just below a value <=> x >= the value: both counts in one pass.
-    thresholds = torch.cat([values, torch.nextafter(values, values.new_tensor(-math.inf))], dim=1)
+    thresholds = torch.cat([values, torch.nextafter(values, _minus_infinity(values))], dim=1)
     counts = torch.empty(thresholds.shape, dtype=torch.int32, device=scores.device)
+    total = _count_dtype(scores)
     for part, larger in _compared(scores, thresholds):
-        counts[part] = larger.sum(-1)
+        counts[part] = larger.sum(-1, dtype=total)
     greater, at_least = counts[:, : slots.shape[1]], counts[:, slots.shape[1] :]
     return greater, at_least - greater
+
+
+def _minus_infinity(like):
+    """−inf as a tensor of `like`'s type on its device: made there, where one copied from
+    the host (``new_tensor``) waits."""
+    return like.new_full((), -math.inf)
 
 
 def _slot_counts(first, second, compare):
@@ -306,10 +342,11 @@ class _CountedRanks(torch.autograd.Function):
         values = slots.spread(scores[slots.sequence, slots.element], float("nan"))
         greater, equal = _counts(scores, values, slots)
         above = greater.long()
-        tied = ((equal != 1) & slots.valid).any(-1)
-        if bool(tied.any()):
-            rows = tied.nonzero().squeeze(1)
-            above[rows] = _above(scores[rows], values[rows], slots.elements[rows]).sum(-1)
+        # The sequences with ties, read back once (a nonzero waits as any() would) and
+        # kept for the backward pass.
+        tied = ((equal != 1) & slots.valid).any(-1).nonzero().squeeze(1)
+        if len(tied):
+            above[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1)
         # The rank among positives compares the slots with each other (padding: NaN).
         pairs = (values[:, :, None] < values[:, None, :]) | (
             (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :])
@@ -335,10 +372,9 @@ class _CountedRanks(torch.autograd.Function):
         step = slots.spread(grad_ranks * (ctx.lambda_val / k), 0)
         new_values = values + step
         change, own = _crossings_without_ties(scores, values, new_values, above, slots)
-        if bool(tied.any()):
-            rows = tied.nonzero().squeeze(1)
-            change[rows], own[rows] = _crossings(
-                scores[rows], values[rows], new_values[rows], above[rows], slots.elements[rows], slots.valid[rows]
+        if len(tied):
+            change[tied], own[tied] = _crossings(
+                scores[tied], values[tied], new_values[tied], above[tied], slots.elements[tied], slots.valid[tied]
             )
         change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
         if ctx.loss_scale is not None:
@@ -354,14 +390,15 @@ def _crossings_without_ties(scores, values, new_values, above, slots):
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
     # float just below it); one equal to a positive that moved down stays below (x > new).
-    below = torch.nextafter(new_values, new_values.new_tensor(-math.inf))
+    below = torch.nextafter(new_values, _minus_infinity(new_values))
     thresholds = torch.where(new_values > values, below, new_values)
     change = torch.empty_like(scores)
     greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
+    total = _count_dtype(scores)
     for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
         above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
-        greater[part] = above_after.sum(-1)
-        change[part] = above_before.sub_(above_after).sum(1)
+        greater[part] = above_after.sum(-1, dtype=total)
+        torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
     # In the positives' columns the perturbed sequence holds new_values, not values:
     # take out what the pass counted there and count the perturbed positives above each
     # other (equal ones in forward order: no two positives are equal before).
@@ -395,15 +432,16 @@ def shift_by_margin(scores, positives, margin):
     return torch.where(positives, -half, half).to(scores.dtype).add_(scores)  # no second N x M buffer
 
 
-def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None):
+def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None, indices=None):
     """Per sequence (last dimension): the mean precision at its positives (eq. 21,
     margin by eq. 14-15), and whether it has any positive. Sequences without a
-    positive get 0."""
+    positive get 0. `indices`: ``positives.nonzero(as_tuple=True)`` of a [sequences, n]
+    mask, when already at hand."""
     batch_shape, n = scores.shape[:-1], scores.shape[-1]
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     shifted = shift_by_margin(scores, positives, margin)
     (sequence, element), ranks, among_positives = blackbox_ranks_of_positives(
-        shifted, positives, lambda_val, loss_scale
+        shifted, positives, lambda_val, loss_scale, indices
     )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)

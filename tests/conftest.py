@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pml_rank
-from pml_rank import cli
+from pml_rank import _device_policy, cli
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["cache", "memory"])
+def either_policy(request, monkeypatch):
+    """The test runs twice: under the CPU's device policy and under an accelerator's
+    (`_device_policy.sized_for` forced), whose code paths the CPU then runs."""
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: request.param)
+    return request.param
 
 
 @pytest.fixture

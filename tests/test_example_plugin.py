@@ -1,13 +1,17 @@
 """The third-party example plugin in plugins/: computes its formula, and trains inside
 PML's trainers after pml_rank.install()."""
 
+import collections
 import math
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import trainers
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pml_rank
 from pml_rank.plugins import NameClashWarning
@@ -40,6 +44,71 @@ def test_binomial_deviance_matches_its_formula_value_and_gradient():
     (grad_reference,) = torch.autograd.grad(reference, embeddings)
     torch.testing.assert_close(ours, reference)
     torch.testing.assert_close(grad_ours, grad_reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("references", ["batch", "ref_emb"])
+def test_binomial_deviance_over_all_pairs_equals_the_loss_over_their_listed_pairs(dtype, references):
+    """Without an indices_tuple the loss sums the deviance of the whole matrix under the
+    pair masks; with every pair listed (PML's own all-pairs indices) it gathers them:
+    the same value and gradients. Unequal classes, singletons among them."""
+    loss_cls = pml_rank.registry.losses()["BinomialDevianceLoss"]
+    generator = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 40, (200,), generator=generator)
+    embeddings = torch.randn(200, 16, generator=generator, dtype=dtype)
+    kwargs = {}
+    if references == "ref_emb":
+        kwargs = {"ref_emb": torch.randn(90, 16, generator=generator, dtype=dtype), "ref_labels": labels[:90]}
+    pairs = lmu.get_all_pairs_indices(labels, kwargs.get("ref_labels", labels))
+    results = []
+    for indices_tuple in (None, pairs):
+        inputs = {"embeddings": embeddings, **kwargs}
+        inputs = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
+        value = loss_cls(alpha=2.0, beta=0.4, cost=5.0)(labels=labels, indices_tuple=indices_tuple, **inputs)
+        tensors = [v for v in inputs.values() if v.requires_grad]
+        results.append((value, *torch.autograd.grad(value, tensors)))
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-15}
+    torch.testing.assert_close(results[0], results[1], **tolerance)
+    assert results[0][0] > 0.1 and results[0][1].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("labels", [[0, 1, 2, 3, 4], [5, 5, 5, 5]], ids=["no positive pair", "no negative pair"])
+def test_binomial_deviance_without_a_positive_or_a_negative_pair_is_zero(labels):
+    loss_cls = pml_rank.registry.losses()["BinomialDevianceLoss"]
+    embeddings = torch.randn(len(labels), 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    value = loss_cls()(embeddings, torch.tensor(labels))
+    value.backward()
+    assert value.item() == 0
+    assert torch.equal(embeddings.grad, torch.zeros_like(embeddings))
+
+
+class _Operations(TorchDispatchMode):
+    """The aten operations run inside the context, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _operations(batch):
+    loss = pml_rank.registry.losses()["BinomialDevianceLoss"]()
+    embeddings = torch.randn(batch, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    with _Operations() as operations:
+        loss(embeddings, torch.arange(batch) // 4).backward()
+    return operations.names
+
+
+def test_binomial_deviance_picks_no_pairs_out_of_the_matrix():
+    """No index tensors of the pairs (nonzero waits for the device and is as long as the
+    pairs), no gather and no scatter of the gradients back (index_put, which cost 25 ms of
+    35 at batch 8192 on a GPU): the same operations at any batch size."""
+    small, large = _operations(64), _operations(512)
+    assert small == large
+    assert not {"aten::nonzero", "aten::index", "aten::index_put", "aten::_local_scalar_dense"} & set(large)
 
 
 def _clustered_dataset(num_classes=8, per_class=16, dim=16, seed=0):

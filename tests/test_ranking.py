@@ -235,7 +235,7 @@ def sorted_blackbox_ranks_of_positives(scores, positives, lambda_val):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(seed):
+def test_counting_and_sorting_give_the_same_ranks_and_gradients_even_with_ties(seed, either_policy):
     """Few positives per sequence are ranked by counting crossings; the result must be
     the sorting path's exactly, ties included (integer scores and steps)."""
     gen = torch.Generator().manual_seed(seed)

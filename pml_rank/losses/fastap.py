@@ -57,21 +57,22 @@ class FastAPLoss(RankLossBase):
         # Summed as bytes: a bool sum converts every element first (3 times slower).
         num_positives = positive.view(torch.uint8).sum(1, dtype=torch.int32)
         has_positive = num_positives > 0
-        if self.collect_stats:
-            self.num_queries = int(has_positive.sum())
-        if not bool(has_positive.any()):
+        # The one number read back from the device: with it, a batch in which every query
+        # has a positive (the usual one) needs no selection of the queries (a nonzero and a
+        # boolean index, each a wait for the device, and a scatter in the backward pass).
+        self.num_queries = int(torch.count_nonzero(has_positive))
+        if self.num_queries == 0:
             return self.zero_losses()
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self, num_positives, self.num_bins)
-        return {
-            "loss": {
-                "losses": 1 - ap[has_positive],
-                "indices": torch.where(has_positive)[0],
-                "reduction_type": "element",
-            }
-        }
+        if self.num_queries == len(ap):
+            indices = torch.arange(len(ap), device=ap.device)
+        else:
+            indices = has_positive.nonzero(as_tuple=True)[0]
+            ap = ap[indices]
+        return {"loss": {"losses": 1 - ap, "indices": indices, "reduction_type": "element"}}
 
     def get_default_distance(self):
         return LpDistance(power=2)
@@ -122,7 +123,8 @@ class FastAPFunction(torch.autograd.Function):
         # Position of each distance 2 - 2 cos on the bin axis, in units of delta. Rounding
         # can push a distance just outside [0, 4]; clamping keeps its whole unit of mass.
         per_unit = 2.0 / delta
-        position = torch.addmm(queries.new_tensor(per_unit), queries, references.T, alpha=-per_unit)
+        # new_full, not new_tensor: filled on the device, where a copy from the host waits.
+        position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
         position.clamp_(0, num_bins)
         # Per query, the soft histograms of its negative pairs (centres 0 ... C - 1) and of
         # its positive pairs (C ... 2C - 1) side by side. Triangular kernels: a pair adds

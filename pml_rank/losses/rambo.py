@@ -179,10 +179,10 @@ class _RaMBOLoss(RankLossBase):
         scores, positives, columns = self.similarities(
             embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
         )
-        self.num_pos_pairs = int(torch.count_nonzero(positives))  # sum() copies bool to int64 first
+        positive_indices, self.num_pos_pairs = positions_and_count(positives)
         if self.num_pos_pairs == 0:
             return self.zero_losses()
-        return self.losses_per_query(scores, positives, exclude_self, columns)
+        return self.losses_per_query(scores, positives, positive_indices, exclude_self, columns)
 
     def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
         """The "rows" memory: the current score rows and the stored ones, each ranked on its
@@ -196,11 +196,11 @@ class _RaMBOLoss(RankLossBase):
             stored_values, shapes = self.memory.stored()
             stored_values, stored_rows = stored_values.to(scores), int(shapes.view(-1, 2)[:, 0].sum())
         shape = torch.tensor([rows, width])
-        self.num_pos_pairs = int(torch.count_nonzero(positives))
+        positive_indices, self.num_pos_pairs = positions_and_count(positives)
         if self.num_pos_pairs == 0:
             self.memory.append(scores.new_zeros(0), shape)
             return self.zero_losses()
-        loss, values = self.mean_over_rows(scores, positives, stored_values, rows + stored_rows)
+        loss, values = self.mean_over_rows(scores, positives, positive_indices, stored_values, rows + stored_rows)
         self.memory.append(values, shape)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
@@ -250,6 +250,13 @@ class _RaMBOLoss(RankLossBase):
             )
         columns = ranked.nonzero()[:, 1].view(len(scores), -1)
         return scores.gather(1, columns), positives.gather(1, columns), columns
+
+
+def positions_and_count(positives):
+    """``positives.nonzero(as_tuple=True)`` and their number: one wait on a GPU, where
+    counting first (a pass of its own) and then finding them would be two."""
+    indices = positives.nonzero(as_tuple=True)
+    return indices, len(indices[0])
 
 
 def is_inner_product(distance):
@@ -352,12 +359,12 @@ class RaMBORecallLoss(_RaMBOLoss):
         self.weighting = weighting
         self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
 
-    def negatives_above(self, scores, positives):
+    def negatives_above(self, scores, positives, positive_indices):
         """r per positive pair (eq. 17, after the margin shift; differentiable by Algorithm
-        1), with its (row, column) index."""
+        1), with its (row, column) index. `positive_indices`: ``positives.nonzero(as_tuple=True)``."""
         shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
-            shifted, positives, self.lambda_val, self._loss_scale
+            shifted, positives, self.lambda_val, self._loss_scale, positive_indices
         )
         # r = rank among all − rank among positives, as counts.
         negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
@@ -366,23 +373,24 @@ class RaMBORecallLoss(_RaMBOLoss):
 
     def weighted(self, negatives_above):
         """ℓ(r) or ℓ(ℓ(r)) (eq. 20)."""
-        self.mean_negatives_above = float(negatives_above.detach().mean()) if len(negatives_above) else 0.0
+        if self.collect_stats:  # a number read back: on a GPU, a wait
+            self.mean_negatives_above = float(negatives_above.detach().mean()) if len(negatives_above) else 0.0
         losses = torch.log1p(negatives_above)
         return torch.log1p(losses) if self.weighting == "loglog" else losses
 
-    def losses_per_query(self, scores, positives, exclude_self, references=None):
-        negatives_above, queries, columns = self.negatives_above(scores, positives)
+    def losses_per_query(self, scores, positives, positive_indices, exclude_self, references=None):
+        negatives_above, queries, columns = self.negatives_above(scores, positives, positive_indices)
         if references is not None:  # the columns of an indices_tuple's pairs
             indices = (queries, references[queries, columns])
         else:
             indices = (queries, reference_index(queries, columns, exclude_self))
         return {"loss": {"losses": self.weighted(negatives_above), "indices": indices, "reduction_type": "pos_pair"}}
 
-    def mean_over_rows(self, scores, positives, stored_negatives_above, total_rows):
+    def mean_over_rows(self, scores, positives, positive_indices, stored_negatives_above, total_rows):
         """The mean of ℓ over the positive pairs of the current and the stored rows, r
         denormalised as the authors do: r / n times the number of rows. Returns it and
         this batch's r (to store)."""
-        negatives_above = self.negatives_above(scores, positives)[0]
+        negatives_above = self.negatives_above(scores, positives, positive_indices)[0]
         scale = total_rows / scores.shape[-1]
         loss = self.weighted(torch.cat([negatives_above, stored_negatives_above]) * scale).mean()
         return loss, negatives_above.detach()
@@ -417,22 +425,22 @@ class RaMBOAPLoss(_RaMBOLoss):
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
-    def losses_per_query(self, scores, positives, exclude_self, references=None):
-        precision, has_positive = self.precision(scores, positives)
+    def losses_per_query(self, scores, positives, positive_indices, exclude_self, references=None):
+        precision, has_positive = self.precision(scores, positives, positive_indices)
         queries = has_positive.nonzero(as_tuple=True)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
-    def mean_over_rows(self, scores, positives, stored_precisions, total_rows):
+    def mean_over_rows(self, scores, positives, positive_indices, stored_precisions, total_rows):
         """1 − the mean precision over the current and the stored rows with a positive;
         returns it and this batch's precisions (to store)."""
-        precision, has_positive = self.precision(scores, positives)
+        precision, has_positive = self.precision(scores, positives, positive_indices)
         precision = precision[has_positive]
         return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
 
-    def precision(self, scores, positives):
+    def precision(self, scores, positives, positive_indices):
         """Per row: the mean precision at its positives (eq. 21) and whether it has one."""
         precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale
+            scores, positives, self.lambda_val, self.margin, self._loss_scale, positive_indices
         )
         # Precisions are ratios of counts up to n: below 1, they are at most 1 - 1/n.
         self.watch_gradient(scores, (precision.detach()[has_positive] < 1 - 0.5 / scores.shape[-1]).any())

@@ -192,17 +192,46 @@ class ROADMAPLoss(SupAPLoss):
         ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
-        pos_pairs, neg_pairs = positive.nonzero(as_tuple=True), negative.nonzero(as_tuple=True)
         # PML's margin(x, y) is y − x for a similarity, x − y for a distance.
-        pos_losses = torch.relu(self.distance.margin(matrix[pos_pairs], self.pos_margin))
-        neg_losses = torch.relu(self.distance.margin(self.neg_margin, matrix[neg_pairs]))
         return {
             "ap_loss": ap_loss,
-            "pos_loss": self.pair_loss(pos_losses * self.lambda_, pos_pairs, "pos_pair"),
-            "neg_loss": self.pair_loss(neg_losses * self.lambda_, neg_pairs, "neg_pair"),
+            "pos_loss": self.calibration("pos_loss", self.distance.margin(matrix, self.pos_margin), positive),
+            "neg_loss": self.calibration("neg_loss", self.distance.margin(self.neg_margin, matrix), negative),
         }
 
-    def pair_loss(self, losses, pairs, reduction_type):
-        if len(losses) == 0:
+    def calibration(self, name, shortfall, pairs):
+        """PML loss info of the calibration term `name`: λ · relu(shortfall) at the pairs
+        of the mask `pairs`. Going to the default reducer (`averaged_here`), the term is
+        that reducer's mean over the non-zero losses, taken here over the whole matrix
+        with the other pairs zeroed: picking the pairs out (index tensors as long as the
+        pairs, then the reducer's own boolean selection) costs more memory and time than
+        the rest of the term, and waits for the device. Otherwise, as PML's contrastive
+        loss: the losses of the pairs and their indices."""
+        if self.averaged_here(name):
+            # λ · relu(x) as relu(λ · x) (λ >= 0), in place: two matrices where four would be.
+            losses = shortfall.where(pairs, 0).mul_(self.lambda_).relu_()
+            # The reducer counts losses > 0: these are >= 0. (A bool sum converts to int64 first.)
+            non_zero = torch.count_nonzero(losses)
+            return {
+                "losses": losses.sum() / non_zero.clamp(min=1),
+                "indices": None,
+                "reduction_type": "already_reduced",
+            }
+        indices = pairs.nonzero(as_tuple=True)
+        if len(indices[0]) == 0:
             return self.zero_loss()
-        return {"losses": losses, "indices": pairs, "reduction_type": reduction_type}
+        reduction_type = "pos_pair" if name == "pos_loss" else "neg_pair"
+        return {
+            "losses": torch.relu(shortfall[indices]) * self.lambda_,
+            "indices": indices,
+            "reduction_type": reduction_type,
+        }
+
+    def averaged_here(self, name):
+        """Whether the sub-loss `name` goes to a plain AvgNonZeroReducer (the default) that
+        records no statistics, so that `calibration` may take its mean itself. PML nests
+        the default: a MultipleReducers per sub-loss, each holding the loss's default."""
+        reducer = self.reducer
+        while isinstance(reducer, MultipleReducers):
+            reducer = reducer.reducers[name] if name in reducer.reducers else reducer.default_reducer
+        return type(reducer) is AvgNonZeroReducer and not reducer.collect_stats

@@ -34,23 +34,45 @@ def memory_policy(monkeypatch):
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
 
 
+# Operations whose result the host must wait for on a GPU: a number read back, or an
+# output whose size depends on the values.
+WAITING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::masked_select", "aten::unique_dim"}
+
+
 class DispatchCount(TorchDispatchMode):
-    """How many aten operations run inside the context, by name."""
+    """How many aten operations run inside the context, by name, and how many of them
+    make the host wait for a GPU (`WAITING`, or indexing with a boolean mask, which
+    is a nonzero)."""
 
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()
+        self.waits = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
+        name = func._schema.name
+        by_mask = name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        )
+        if name in WAITING or by_mask:
+            self.waits[name] += 1
         return func(*args, **(kwargs or {}))
 
 
-def operations(loss_class, batch):
+def counted(loss, batch, calls=1):
+    """The operations of the last of `calls` forward and backward calls at `batch`, 4 per class."""
     embeddings = torch.randn(batch, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    labels = torch.arange(batch) // 4
+    for _ in range(calls - 1):
+        loss(embeddings, labels).backward()
     with DispatchCount() as count:
-        loss_class()(embeddings, torch.arange(batch) // 4).backward()
-    return sum(count.ops.values())
+        loss(embeddings, labels).backward()
+    return count
+
+
+def operations(loss_class, batch):
+    return sum(counted(loss_class(), batch).ops.values())
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -66,6 +88,61 @@ def test_fastaps_row_chunks_do_not_grow_with_the_batch(memory_policy, one_thread
     """FastAP histograms its pairs a chunk of rows at a time: 2^19 entries on the CPU (4
     chunks at batch 2048), the whole matrix under the memory policy."""
     assert abs(operations(FastAPLoss, 2048) - operations(FastAPLoss, 256)) <= 10
+
+
+def test_fastap_waits_for_the_gpu_once_beside_the_input_and_output_checks(memory_policy):
+    """It reads back how many queries have a positive; when all have (here), it selects
+    none (no nonzero, no boolean index, no scatter of their gradients)."""
+    count = counted(FastAPLoss(), 256)
+    assert count.waits == {"aten::_local_scalar_dense": 3}, count.waits
+
+
+def test_rambo_waits_for_the_gpu_only_where_the_numbers_decide_the_work(memory_policy):
+    """Forward: the input check, the positives' places (nonzero), their most per row (the
+    slots' width), the rows with ties (nonzero; none here), the output check; backward:
+    the loss's scale k and whether any rank moved (`LossScale`). No count before the
+    nonzero, no bincount, no second read of the width, none for ties in the backward
+    pass, no statistic without collect_stats."""
+    count = counted(RaMBORecallLoss(memory_size=0), 256)
+    assert count.waits == {"aten::_local_scalar_dense": 5, "aten::nonzero": 2}, count.waits
+    # The "rows" memory adds nothing on the GPU (its stored shapes are read on the host).
+    count = counted(RaMBORecallLoss(memory_size=3), 256, calls=4)
+    assert count.waits["aten::nonzero"] == 2 and "aten::bincount" not in count.waits, count.waits
+
+
+@pytest.mark.parametrize("memory_size", [0, 3])
+def test_rambo_under_the_memory_policy_computes_what_the_cache_policy_does(memory_size, monkeypatch):
+    """Float16 comparisons in a few chunks against float64 ones in many (batch 700 gives
+    the CPU several), 4 per class (the counting path), on embeddings of small integers,
+    whose similarities tie (a few rows take the exact pass for ties), with the batch or
+    a separate `ref_emb` as references, and through a filled "rows" memory: the same
+    values and gradients."""
+    generator = torch.Generator().manual_seed(2)
+    batches = [torch.randint(-2, 3, (700, 6), generator=generator).double() for _ in range(4)]
+    labels = (torch.arange(700) // 4)[torch.randperm(700, generator=generator)]
+    layouts = [{}, {"ref_emb": batches[0][:300], "ref_labels": labels[:300]}]
+    for kwargs in layouts:
+        results = []
+        for policy in ("cache", "memory"):
+            with monkeypatch.context() as patch:
+                patch.setattr(_device_policy, "sized_for", lambda device: policy)
+                loss = RaMBORecallLoss(memory_size=memory_size, lambda_val=4.0)
+                for embeddings in batches[1:]:
+                    last = value_and_grads(loss, embeddings, labels, **kwargs)
+                results.append(last)
+        torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+        assert results[0][1].abs().max() > 0
+
+
+def test_fastap_under_the_memory_policy_computes_what_the_cache_policy_does(monkeypatch):
+    """One chunk of rows instead of several (batch 700)."""
+    generator = torch.Generator().manual_seed(3)
+    embeddings = torch.randn(700, 16, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 150, (700,), generator=generator)
+    cache = value_and_grads(FastAPLoss(), embeddings, labels)
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
+    memory = value_and_grads(FastAPLoss(), embeddings, labels)
+    torch.testing.assert_close(memory, cache, rtol=1e-12, atol=1e-15)
 
 
 def test_rambos_comparison_chunks_do_not_grow_with_the_batch(memory_policy, one_thread):

@@ -185,7 +185,7 @@ def dense(values, index, like):
     return torch.zeros(like.shape, dtype=values.dtype).index_put(tuple(index), values)
 
 
-def test_counted_ranks_redo_exactly_the_sequences_tied_before_the_perturbation(monkeypatch):
+def test_counted_ranks_redo_exactly_the_sequences_tied_before_the_perturbation(monkeypatch, either_policy):
     """Distinct float32 scores (multiples of 1/64, so perturbed values are exact); then a
     tie before the perturbation in sequence 1, perturbed positives meeting a negative
     (sequences 2 and 4: moving up and down), another perturbed positive (3) or one that
@@ -217,7 +217,7 @@ def test_counted_ranks_redo_exactly_the_sequences_tied_before_the_perturbation(m
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_counted_ranks_equal_sorted_ones_on_float32_cosine_similarities(seed):
+def test_counted_ranks_equal_sorted_ones_on_float32_cosine_similarities(seed, either_policy):
     # Batch-sized rows of float32 cosines: a few exact ties per batch are to be expected.
     generator = torch.Generator().manual_seed(seed)
     embeddings = torch.nn.functional.normalize(torch.randn(256, 16, generator=generator), dim=1)
@@ -360,7 +360,19 @@ def test_counts_are_summed_in_a_type_where_they_are_exact(dtype, length, expecte
     assert ranking._count_dtype(scores) == expected
 
 
-def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch):
+def test_float16_comparisons_count_past_2048_exactly(either_policy):
+    """Under an accelerator's policy the comparisons are float16, whose integers end at
+    2048; they are summed into float32, so longer sequences still count exactly."""
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randperm(3 * 5000, generator=generator).view(3, 5000).float()
+    values = scores[:, [7, 2500, 4999]]
+    greater = ranking._counts(scores, values, ranking._Slots(torch.ones_like(values, dtype=torch.bool)))[0]
+    assert ranking._comparison_dtype(scores) == (torch.float16 if either_policy == "memory" else torch.float32)
+    assert torch.equal(greater, (scores[:, None, :] > values[:, :, None]).sum(-1, dtype=torch.int32))
+    assert greater.max() > 2048
+
+
+def test_counted_ranks_over_many_chunks_equal_sorted_ones(monkeypatch, either_policy):
     """The comparisons run a chunk of sequences at a time: chunks of 3 sequences (and a
     partial last one) give the sorting path's ranks and gradient exactly."""
     compared, parts = ranking._compared, []

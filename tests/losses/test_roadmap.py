@@ -3,6 +3,7 @@ paper's formulas (pml_rank.harness.references.roadmap), in float64, values and
 gradients, on every layout; the calibration part against PML's ContrastiveLoss, which
 the authors' CalibrationLoss is."""
 
+import collections
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from loss_checks import LAYOUTS, assert_same_loss_and_gradients, grads, seeded
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners
 from pytorch_metric_learning.distances import CosineSimilarity
-from pytorch_metric_learning.reducers import DoNothingReducer
+from pytorch_metric_learning.reducers import AvgNonZeroReducer, DoNothingReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank.harness.references import roadmap as reference
 from pml_rank.harness.speed import peak_memory
@@ -189,3 +191,51 @@ def test_a_negative_level_with_a_positive_counts_as_half_of_one_above_it(loss_cl
     # Query 0: itself (σ(−40) of a negative above it) and positive 1 (rank 2 among the
     # positives, half a negative above): AP = (1 + 2 / 2.5) / 2. Query 1: nothing above, AP = 1.
     assert loss.item() == pytest.approx((1 - (1 + 2 / 2.5) / 2) / 2, abs=1e-12)
+
+
+def _reducing_in_pml():
+    """ROADMAP's default reducers, but recording statistics: the calibration's pair losses
+    then go to PML's AvgNonZeroReducer instead of being averaged in the loss."""
+    recording = {name: AvgNonZeroReducer(collect_stats=True) for name in ("pos_loss", "neg_loss")}
+    return MultipleReducers(recording, MeanReducer())
+
+
+@pytest.mark.parametrize("lambda_", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("references", ["batch", "ref_emb", "miner"])
+def test_the_calibration_averaged_in_the_loss_equals_pmls_avg_non_zero_reducer(references, lambda_):
+    generator = torch.Generator().manual_seed(6)
+    labels = torch.randint(0, 12, (60,), generator=generator)
+    embeddings = seeded(60, seed=6, scale=3.0)
+    kwargs, tensors = {}, (embeddings,)
+    if references == "ref_emb":
+        kwargs = {"ref_emb": seeded(40, seed=7, scale=3.0), "ref_labels": labels[:40]}
+        tensors = (embeddings, kwargs["ref_emb"])
+    elif references == "miner":
+        kwargs = {"indices_tuple": miners.MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
+    ours = ROADMAPLoss(lambda_=lambda_)(embeddings, labels, **kwargs)
+    pmls = ROADMAPLoss(lambda_=lambda_, reducer=_reducing_in_pml())(embeddings, labels, **kwargs)
+    assert_same_loss_and_gradients(ours, pmls, tensors)
+
+
+class _Operations(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_calibration_picks_no_pairs_out_and_waits_for_nothing():
+    """ROADMAP adds the calibration to SupAP without nonzero (index tensors as long as
+    the pairs, a wait for the device), boolean indexing or reading a number back."""
+    embeddings = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    labels = torch.arange(64) // 4
+    counted = {}
+    for loss_class in (SupAPLoss, ROADMAPLoss):
+        with _Operations() as operations:
+            loss_class()(embeddings, labels).backward()
+        counted[loss_class] = operations.names
+    for name in ("aten::nonzero", "aten::index", "aten::index_put", "aten::_local_scalar_dense"):
+        assert counted[ROADMAPLoss][name] == counted[SupAPLoss][name], name

@@ -16,18 +16,46 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         self.add_to_recordable_attributes(list_of_names=["alpha", "beta", "cost"], is_stat=False)
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
-        if len(a1) == 0 or len(a2) == 0:
-            return self.zero_losses()
         # In float32 under autocast too: the means of many pairs keep no digits in 16 bits.
         with torch.autocast(embeddings.device.type, enabled=False):
             dtype = torch.promote_types(embeddings.dtype, torch.float32)
             queries = embeddings.to(dtype)
             sim = self.distance(queries, queries if ref_emb is embeddings else ref_emb.to(dtype))
-            positive = F.softplus(-self.alpha * (sim[a1, p] - self.beta))
-            negative = F.softplus(self.alpha * self.cost * (sim[a2, n] - self.beta))
-            loss = positive.mean() + negative.mean()
+            if indices_tuple is None:
+                loss = self.all_pairs_loss(sim, labels, ref_labels)
+            else:
+                loss = self.listed_pairs_loss(sim, labels, indices_tuple, ref_labels)
+        if loss is None:
+            return self.zero_losses()
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
+
+    def listed_pairs_loss(self, sim, labels, indices_tuple, ref_labels):
+        """The loss over the pairs of `indices_tuple` (None when it has no positive or no
+        negative pair)."""
+        a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
+        if len(a1) == 0 or len(a2) == 0:
+            return None
+        positive = F.softplus(-self.alpha * (sim[a1, p] - self.beta))
+        negative = F.softplus(self.alpha * self.cost * (sim[a2, n] - self.beta))
+        return positive.mean() + negative.mean()
+
+    def all_pairs_loss(self, sim, labels, ref_labels):
+        """The loss over every pair by label (PML's pairs: no (i, i) when the references
+        are the batch): the deviance of the whole matrix, summed under the two masks.
+        Picking the pairs out instead (index tensors of every pair, and a scatter of
+        their gradients back) costs several times the rest on a GPU. 0 when there is no
+        positive or no negative pair, without asking the device whether there is."""
+        matches, diffs = lmu.get_matches_and_diffs(labels, ref_labels)
+        positive, negative = matches.bool(), diffs.bool()
+        # -alpha for the positive pairs, alpha * cost for the negative ones.
+        factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
+        deviance = F.softplus((sim - self.beta).mul_(factor))
+        # Not mask.sum(): a sum of booleans converts them to int64 first (on the CPU).
+        num_positive, num_negative = torch.count_nonzero(positive), torch.count_nonzero(negative)
+        positive_mean = deviance.where(positive, 0).sum() / num_positive.clamp(min=1)
+        negative_mean = deviance.where(negative, 0).sum() / num_negative.clamp(min=1)
+        both = (num_positive > 0) & (num_negative > 0)
+        return torch.where(both, positive_mean + negative_mean, 0)
 
     def get_default_distance(self):
         return CosineSimilarity()
