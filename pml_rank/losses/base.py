@@ -139,13 +139,21 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
     return positive, negative
 
 
-def label_pairs(labels, ref_labels):
+def label_pairs(labels, ref_labels, with_self=False):
     """The positive pairs by label as ``(queries, references)`` index tensors in row-major
-    order: ``true_entries(pair_masks(labels, ref_labels)[0])`` without building any
+    order: ``true_entries(pair_masks(labels, ref_labels)[0])``. (i, i) is left out when
+    `reference_is_batch`, unless `with_self`. On the CPU without building any
     [queries, references] mask (comparing every pair of labels costs more than the loss's
     own work on the pairs): each query's run of equal labels among the references sorted
-    stably by label. (i, i) is left out when `reference_is_batch`."""
-    batch = reference_is_batch(labels, ref_labels)
+    stably by label. On an accelerator (`sized_for`), the comparison of every pair and one
+    `nonzero`: a handful of kernels where the runs' sort, searches and repeats take dozens
+    (and three waits for the device)."""
+    batch = reference_is_batch(labels, ref_labels) and not with_self
+    if _device_policy.sized_for(labels.device) == "memory":
+        positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+        if batch:
+            positive.fill_diagonal_(False)
+        return positive.nonzero(as_tuple=True)
     common = torch.promote_types(labels.dtype, ref_labels.dtype)
     labels, ref_labels = labels.to(common), ref_labels.to(common)
     sorted_labels, order = torch.sort(ref_labels, stable=True)

@@ -72,9 +72,12 @@ class SmoothAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
+        # Each query is its own positive by its own column: its pair comes with the others'.
+        own_column = indices_tuple is None and self.include_query and ref_emb is embeddings
+        own_column = own_column and reference_is_batch(labels, ref_labels)
         if indices_tuple is None:  # no [queries, references] mask is needed
-            pair_query, pair_positive = label_pairs(labels, ref_labels)
-            has_positive = torch.bincount(pair_query, minlength=len(labels)) > 0
+            pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=own_column)
+            has_positive = torch.bincount(pair_query, minlength=len(labels)) > int(own_column)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple)
             has_positive = any_per_row(positive)
@@ -86,11 +89,11 @@ class SmoothAPLoss(RankLossBase):
         scores = matrix if self.distance.is_inverted else -matrix
         if indices_tuple is None:
             left_out = None
-            if self.include_query:
+            if self.include_query and not own_column:
                 scores, pair_query, pair_positive = with_query_as_positive_pairs(
                     self.distance, embeddings, ref_emb, scores, pair_query, pair_positive
                 )
-            elif reference_is_batch(labels, ref_labels):
+            elif not self.include_query and reference_is_batch(labels, ref_labels):
                 left_out = own_columns(len(labels), scores.device)
         else:
             if self.include_query:

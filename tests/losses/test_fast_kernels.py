@@ -12,7 +12,7 @@ from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning.distances import DotProductSimilarity
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from pml_rank import ranking
+from pml_rank import _device_policy, ranking
 from pml_rank.harness.references import auc as auc_reference
 from pml_rank.harness.references import npairs as npairs_reference
 from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, query_panels
@@ -412,18 +412,25 @@ def test_mask_helpers_equal_torchs_reductions_on_any_layout(shape, density):
         assert query_panels.is_all_true(mask) == bool(mask.all())
 
 
+@pytest.mark.parametrize("with_self", [False, True], ids=["", "with self"])
+@pytest.mark.parametrize("policy", ["cache", "memory"])
 @pytest.mark.parametrize("batch", [True, False], ids=["references are the batch", "separate references"])
-def test_label_pairs_equal_the_positive_mask_entries(batch):
-    """`label_pairs` (sorted labels, no mask) against the entries of `pair_masks`'s
-    positive mask, row-major: shuffled and unequal classes, singletons, negative labels,
-    labels of two integer types, and empty batches."""
+def test_label_pairs_equal_the_positive_mask_entries(batch, policy, with_self, monkeypatch):
+    """`label_pairs` (the CPU's sorted labels without a mask; an accelerator's mask) against
+    the entries of `pair_masks`'s positive mask, row-major, (i, i) included `with_self`:
+    shuffled and unequal classes, singletons, negative labels, labels of two integer types,
+    and empty batches."""
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: policy)
     generator = torch.Generator().manual_seed(3)
     for trial in range(60):
         size = trial % 23
         labels = torch.randint(-3, 6, (size,), generator=generator)
         ref_labels = labels if batch else torch.randint(-3, 6, (trial % 17,), generator=generator).int()
         positive, _ = pair_masks(labels, ref_labels)
-        for ours, expected in zip(label_pairs(labels, ref_labels), positive.nonzero(as_tuple=True)):
+        if with_self and batch:
+            positive.fill_diagonal_(True)
+        pairs = label_pairs(labels, ref_labels, with_self=with_self)
+        for ours, expected in zip(pairs, positive.nonzero(as_tuple=True), strict=True):
             assert torch.equal(ours, expected)
 
 
