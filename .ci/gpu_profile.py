@@ -20,8 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 from pml_rank.harness import speed
 from pml_rank.plugins import registry
 
-# Host-side calls that make the host wait for the device.
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+# Host-side calls that make the host wait for the device (a read-back: .item(), nonzero's
+# size, .tolist(); the device-to-device cudaMemcpyAsync of a copy does not wait).
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def call(fn, inputs):
