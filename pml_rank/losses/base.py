@@ -83,7 +83,10 @@ class RankLossBase(BaseMetricLossFunction):
         its matrix product runs in the autocast precision and only the result is upcast:
         the rounding of a float16 (bfloat16) product, relative 2^-11 (2^-8), moves each
         rank loss by under 3e-4 (4e-3) of its float32 value on clustered embeddings at batch
-        1024 (tests/losses/test_autocast.py), at a tenth of a float32 product's time on a GPU."""
+        1024 (tests/losses/test_autocast.py), at a tenth of a float32 product's time on a GPU.
+        Without a separate `ref_emb`, PML's distance normalises the embeddings once (given
+        twice, it normalises them twice, forward and backward)."""
+        ref_emb = None if ref_emb is embeddings else ref_emb
         if getattr(self, "autocast_dtype", None) is None:
             return self.distance(embeddings, ref_emb)
         with torch.autocast(embeddings.device.type, dtype=self.autocast_dtype):

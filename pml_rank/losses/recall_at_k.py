@@ -140,8 +140,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 f"{type(self).__name__}: similarity_mixup=True mixes the batch with itself; "
                 "it takes no ref_emb and no indices_tuple"
             )
-        # Without a separate ref_emb, PML's distance normalises the embeddings once.
-        scores = self.similarity_matrix(embeddings, None if ref_emb is embeddings else ref_emb)
+        scores = self.similarity_matrix(embeddings, ref_emb)
         query_index = torch.arange(len(embeddings), device=embeddings.device)
         if self.similarity_mixup:
             scores, labels, query_index = with_virtual_samples(scores, labels)

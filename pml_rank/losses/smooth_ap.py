@@ -84,8 +84,7 @@ class SmoothAPLoss(RankLossBase):
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
-        # Without a separate ref_emb, PML's distance normalises the embeddings once.
-        matrix = self.similarity_matrix(embeddings, None if ref_emb is embeddings else ref_emb)
+        matrix = self.similarity_matrix(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         if indices_tuple is None:
             left_out = None
