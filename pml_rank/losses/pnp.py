@@ -95,13 +95,22 @@ class PNPLoss(RankLossBase):
         pair_query, pair_positive = true_entries(positive)
         weights = mask_weights(negative, scores.dtype)
         kernel = ClampedSigmoid(self.anneal)
-        losses = relaxed_ranks(scores, pair_query, pair_positive, kernel, self.mean_penalty, weights=weights)
+        formula = MeanPenalty(self.variant, self.alpha, self.b)
+        losses = relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, weights=weights)
         if self.variant == "Dq":
             losses = 1 - losses
         return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
 
-    def mean_penalty(self, above, own, queries):
-        """The mean of f(N) over each query's positives, from N [queries, positives]."""
+
+class MeanPenalty:
+    """PNP's formula for `query_panels.RelaxedRanks`: the mean over each query's positives
+    of the variant's f(N), from N [queries, positives], with its derivative by hand
+    (`gradients`): autograd's graph would cost more than the formula."""
+
+    def __init__(self, variant, alpha, b):
+        self.variant, self.alpha, self.b = variant, alpha, b
+
+    def __call__(self, above, own, queries):
         return self.penalty(above).sum(1) / above.shape[1]
 
     def penalty(self, above):
@@ -116,3 +125,18 @@ class PNPLoss(RankLossBase):
             return (1 + above) * torch.log1p(above)
         scaled = self.b * above  # Ib
         return (scaled - torch.log1p(scaled)) / self.b**2
+
+    def slope(self, above):
+        """f'(N), a fresh tensor."""
+        if self.variant == "O":
+            return torch.ones_like(above)
+        if self.variant == "Ds":
+            return (1 + above).reciprocal_()
+        if self.variant == "Dq":
+            return (1 + above).pow_(-self.alpha - 1).mul_(-self.alpha)
+        if self.variant == "Iu":
+            return torch.log1p(above).add_(1)
+        return above / (1 + self.b * above)  # Ib: (b − b / (1 + bN)) / b²
+
+    def gradients(self, above, own, queries):
+        return self(above, own, queries), self.slope(above).div_(above.shape[1]), None

@@ -150,10 +150,26 @@ def supap(negatives_above, own, queries):
     """AP of each query from Σ_{j ∈ N} H⁻(s_qj − s_qi) [queries, positives] and its
     positives' scores s_qi, with R⁺(i), how many positives (i included) score at least
     s_qi, exact and without gradient."""
+    return _supap_precisions(negatives_above, own)[1].sum(1) / own.shape[1]
+
+
+def _supap_precisions(negatives_above, own):
+    """R⁺(i) and the precision R⁺(i) / (R⁺(i) + N(i)) of each positive [queries, positives]."""
     detached = own.detach()
     rank_among_positives = (detached.unsqueeze(1) >= detached.unsqueeze(2)).sum(2).to(own.dtype)
-    precision = rank_among_positives / (rank_among_positives + negatives_above)
-    return precision.sum(1) / precision.shape[1]
+    return rank_among_positives, rank_among_positives / (rank_among_positives + negatives_above)
+
+
+def supap_gradients(negatives_above, own, queries):
+    """`supap` and its gradient with respect to the sums (none through the exact R⁺), by
+    hand: autograd's graph would cost more than the formula (`formula_and_gradients`).
+    d/dN(i) of the mean of R⁺ / (R⁺ + N) is −R⁺ / (R⁺ + N)² / c = −precision² / (R⁺ c)."""
+    rank_among_positives, precision = _supap_precisions(negatives_above, own)
+    ap = precision.sum(1) / own.shape[1]
+    return ap, precision.square().div_(rank_among_positives).div_(-own.shape[1]), None
+
+
+supap.gradients = supap_gradients
 
 
 class ROADMAPLoss(SupAPLoss):

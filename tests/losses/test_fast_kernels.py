@@ -15,11 +15,13 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pml_rank import _device_policy, ranking
 from pml_rank.harness.references import auc as auc_reference
 from pml_rank.harness.references import npairs as npairs_reference
-from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, query_panels
+from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, PNPLoss, query_panels
 from pml_rank.losses.auc import relaxed_roc_area, thresholds
 from pml_rank.losses.base import label_pairs, pair_masks
 from pml_rank.losses.npairs import EXP_FLOOR
+from pml_rank.losses.pnp import MeanPenalty
 from pml_rank.losses.recall_at_k import PAPER_K_VALUES, recall_formula
+from pml_rank.losses.roadmap import supap
 from pml_rank.losses.smooth_ap import smooth_ap
 
 
@@ -459,6 +461,10 @@ def formula_inputs(formula_name, dtype, seed=0, queries=6, positives=5):
     own = torch.randn(queries, positives, generator=generator, dtype=dtype) * 3
     if formula_name == "smooth_ap":
         return smooth_ap, sums, own
+    if formula_name == "supap":
+        return supap, sums, own
+    if formula_name.startswith("pnp-"):
+        return MeanPenalty(formula_name.removeprefix("pnp-"), alpha=4.0, b=2.0), sums, own
     k = torch.tensor(PAPER_K_VALUES, dtype=dtype).expand(queries + 2, -1)
     normalizer = torch.minimum(k, torch.tensor(float(positives), dtype=dtype))
     return recall_formula(k, normalizer, 1.0), sums, own
@@ -466,7 +472,7 @@ def formula_inputs(formula_name, dtype, seed=0, queries=6, positives=5):
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 @pytest.mark.parametrize("queries", [slice(1, 7), torch.tensor([0, 2, 3, 5, 6, 7])], ids=["slice", "indices"])
-@pytest.mark.parametrize("formula_name", ["smooth_ap", "recall"])
+@pytest.mark.parametrize("formula_name", ["smooth_ap", "recall", "supap", *(f"pnp-{v}" for v in PNPLoss.VARIANTS)])
 def test_hand_written_formula_derivatives_equal_autograds(formula_name, queries, dtype, rtol):
     for seed in range(3):
         formula, sums, own = formula_inputs(formula_name, dtype, seed)
