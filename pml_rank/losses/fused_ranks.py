@@ -65,12 +65,17 @@ def interpreted():
     return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def runs_on(tensor):
+    """Whether Triton kernels run on this tensor: float32 on a CUDA device, or on the CPU
+    under Triton's interpreter."""
+    device_ok = tensor.device.type == "cuda" or (interpreted() and tensor.device.type == "cpu")
+    return triton is not None and device_ok and tensor.dtype == torch.float32
+
+
 def applies(scores, kernel):
-    """Whether the fused kernels compute `RelaxedRanks` for these float `scores` and this
-    kernel: float32 scores on a CUDA device (or on the CPU under Triton's interpreter) and
-    a kernel with a ``fused`` form."""
-    device_ok = scores.device.type == "cuda" or (interpreted() and scores.device.type == "cpu")
-    return triton is not None and device_ok and scores.dtype == torch.float32 and hasattr(kernel, "fused")
+    """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`runs_on`) and
+    this kernel (one with a ``fused`` form)."""
+    return runs_on(scores) and hasattr(kernel, "fused")
 
 
 def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
@@ -80,7 +85,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
     slopes = scores.new_empty(pairs) if with_slopes else sums
     if pairs:
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
-        with _on(scores.device):
+        with on_device(scores.device):
             _sums_kernel[grid](
                 scores,
                 scores.stride(0),
@@ -102,7 +107,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
     return sums, slopes if with_slopes else None
 
 
-def _on(device):
+def on_device(device):
     """The context that makes `device` current for a launch: Triton launches on the current
     CUDA device, which need not be the tensors' (cuda:1 while cuda:0 is current)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -115,7 +120,7 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
     out = torch.empty_like(scores)
     if out.numel():
         grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
-        with _on(scores.device):
+        with on_device(scores.device):
             _jacobian_kernel[grid](
                 scores,
                 scores.stride(0),

@@ -28,6 +28,7 @@ from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, Mul
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
+from . import fused_calibration
 from .base import RankLossBase, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
@@ -208,6 +209,15 @@ class ROADMAPLoss(SupAPLoss):
         ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
+        if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_calibration.applies(matrix):
+            sign = 1.0 if self.distance.is_inverted else -1.0
+            terms = fused_calibration.calibration_terms(
+                matrix, positive, negative, self.pos_margin, self.neg_margin, self.lambda_, sign
+            )
+            pos_loss, neg_loss = (
+                {"losses": term, "indices": None, "reduction_type": "already_reduced"} for term in terms
+            )
+            return {"ap_loss": ap_loss, "pos_loss": pos_loss, "neg_loss": neg_loss}
         # PML's margin(x, y) is y − x for a similarity, x − y for a distance.
         return {
             "ap_loss": ap_loss,

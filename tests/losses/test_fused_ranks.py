@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
 
 from pml_rank.losses import (
@@ -18,6 +19,7 @@ from pml_rank.losses import (
     ROADMAPLoss,
     SmoothAPLoss,
     SupAPLoss,
+    fused_calibration,
     fused_ranks,
     query_panels,
 )
@@ -33,6 +35,7 @@ LOSSES = {
     "SupAP": SupAPLoss,
     "ROADMAP": ROADMAPLoss,
     "ROADMAP-offset": lambda: ROADMAPLoss(offset=1.44, start=0.0, delta=0.1),
+    "ROADMAP-distance": lambda: ROADMAPLoss(distance=LpDistance(), pos_margin=0.6, neg_margin=1.3, temperature=0.05),
 }
 INPUTS = ("labels", "ref_emb", "miner")
 
@@ -52,24 +55,26 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
     if inputs == "miner":
         kwargs = {"indices_tuple": MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
     calls = []
-    original = query_panels._fused
-    query_panels._fused = lambda *args: calls.append(1) or original(*args)
-    applies = fused_ranks.applies
+    original = query_panels._fused, fused_calibration.calibration_terms
+    query_panels._fused = lambda *args: calls.append("ranks") or original[0](*args)
+    fused_calibration.calibration_terms = lambda *args: calls.append("calibration") or original[1](*args)
+    runs_on = fused_ranks.runs_on
     if not fused:
-        fused_ranks.applies = lambda *args: False
+        fused_ranks.runs_on = lambda *args: False
     try:
         loss = make_loss()(embeddings, labels, **kwargs)
         loss.backward()
     finally:
-        query_panels._fused, fused_ranks.applies = original, applies
+        (query_panels._fused, fused_calibration.calibration_terms), fused_ranks.runs_on = original, runs_on
     tensors = [embeddings, *(kwargs.get("ref_emb", None),)]
-    return loss.detach(), [t.grad for t in tensors if t is not None], bool(calls)
+    return loss.detach(), [t.grad for t in tensors if t is not None], set(calls)
 
 
 def check_fused_equals_torch(name, inputs, device, batch=40):
     value, gradients, ran = value_and_gradients(LOSSES[name], inputs, device, True, batch)
     expected, expected_gradients, ran_torch = value_and_gradients(LOSSES[name], inputs, device, False, batch)
-    assert ran and not ran_torch
+    # ROADMAP's calibration with its default reducer has its own fused pass.
+    assert ran == ({"ranks", "calibration"} if name.startswith("ROADMAP") else {"ranks"}) and not ran_torch
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
     for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
         assert gradient.abs().max() > 0

@@ -1,0 +1,117 @@
+"""ROADMAP's calibration terms with their default reducer (`ROADMAPLoss.calibration`) on a GPU
+in one Triton pass over the similarity matrix forward and one backward, instead of a dozen
+elementwise passes each way (margin, mask, weight, relu, count, sum; and their gradients).
+
+For the pairs of a mask, each term is λ times the mean of the positive shortfalls over the
+pairs that have one (PML's AvgNonZeroReducer over λ · relu(shortfall)):
+
+    positive pairs: shortfall = sign · (α − s),  negative pairs: shortfall = sign · (s − β),
+
+sign = 1 for a similarity, −1 for a distance (PML's `margin`). Forward: each program sums its
+block's shortfalls and counts them (float32 sums, int32 counts: float32 counts stop being
+exact past 2^24 pairs), the blocks' partial results are added by torch. Backward: each pair
+with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
+torch terms (`ROADMAPLoss.calibration`) stay the reference and the path wherever this one
+cannot run (`fused_ranks.applies`'s conditions); the tests hold the two equal.
+"""
+
+import torch
+
+from . import fused_ranks
+from .fused_ranks import triton
+
+# Entries of the matrix per program, in both passes.
+ENTRIES_PER_BLOCK = 4096
+
+
+def applies(matrix):
+    """Whether the fused terms run for this similarity matrix (`fused_ranks.runs_on`)."""
+    return fused_ranks.runs_on(matrix)
+
+
+def calibration_terms(matrix, positive, negative, pos_margin, neg_margin, lambda_, sign):
+    """(positive term, negative term): two float32 scalars, each λ · mean of the non-zero
+    shortfalls of its pairs (0 without one), differentiable with respect to `matrix`."""
+    return CalibrationTerms.apply(matrix, positive, negative, (pos_margin, neg_margin, lambda_, sign))
+
+
+class CalibrationTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, matrix, positive, negative, parameters):
+        matrix = matrix.contiguous()
+        positive, negative = positive.contiguous().view(torch.uint8), negative.contiguous().view(torch.uint8)
+        entries = matrix.numel()
+        blocks = triton.cdiv(entries, ENTRIES_PER_BLOCK) if entries else 0
+        sums = matrix.new_zeros(max(blocks, 1), 2)
+        counts = torch.zeros(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
+        pos_margin, neg_margin, lambda_, sign = map(float, parameters)
+        if blocks:
+            with fused_ranks.on_device(matrix.device):
+                _terms_kernel[(blocks,)](
+                    matrix, positive, negative, sums, counts, entries, pos_margin, neg_margin, sign,
+                    BLOCK=ENTRIES_PER_BLOCK,
+                )  # fmt: skip
+        counts = counts.sum(0, dtype=torch.int64)
+        # Per pair of a term with a shortfall: d term / d shortfall = λ / count.
+        scales = counts.clamp(min=1).to(matrix.dtype).reciprocal_().mul_(lambda_)
+        ctx.save_for_backward(matrix, positive, negative, scales)
+        ctx.parameters = parameters
+        terms = sums.sum(0).mul_(scales)
+        return terms[0].clone(), terms[1].clone()
+
+    @staticmethod
+    def backward(ctx, grad_positive_term, grad_negative_term):
+        matrix, positive, negative, scales = ctx.saved_tensors
+        pos_margin, neg_margin, _, sign = map(float, ctx.parameters)
+        coefficients = torch.stack([grad_positive_term, grad_negative_term]).to(matrix.dtype).mul_(scales)
+        grad = torch.empty_like(matrix)
+        entries = matrix.numel()
+        if entries:
+            with fused_ranks.on_device(matrix.device):
+                _gradient_kernel[(triton.cdiv(entries, ENTRIES_PER_BLOCK),)](
+                    matrix, positive, negative, coefficients, grad, entries, pos_margin, neg_margin, sign,
+                    BLOCK=ENTRIES_PER_BLOCK,
+                )  # fmt: skip
+        return grad, None, None, None
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _shortfalls(matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr):
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = at < entries
+        s = tl.load(matrix + at, mask=inside, other=0.0)
+        is_positive = tl.load(positive + at, mask=inside, other=0) != 0
+        is_negative = tl.load(negative + at, mask=inside, other=0) != 0
+        pos_short = tl.where(is_positive, sign * (pos_margin - s), 0.0)
+        neg_short = tl.where(is_negative, sign * (s - neg_margin), 0.0)
+        return at, inside, pos_short, neg_short
+
+    @triton.jit
+    def _terms_kernel(
+        matrix, positive, negative, sums, counts, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr
+    ):
+        _, _, pos_short, neg_short = _shortfalls(
+            matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK
+        )
+        block = tl.program_id(0)
+        tl.store(sums + 2 * block, tl.sum(tl.maximum(pos_short, 0.0), axis=0))
+        tl.store(sums + 2 * block + 1, tl.sum(tl.maximum(neg_short, 0.0), axis=0))
+        tl.store(counts + 2 * block, tl.sum((pos_short > 0.0).to(tl.int32), axis=0))
+        tl.store(counts + 2 * block + 1, tl.sum((neg_short > 0.0).to(tl.int32), axis=0))
+
+    @triton.jit
+    def _gradient_kernel(
+        matrix, positive, negative, coefficients, grad, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr
+    ):
+        at, inside, pos_short, neg_short = _shortfalls(
+            matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK
+        )
+        # d shortfall / d s: −sign for the positive term, +sign for the negative one.
+        pos_coefficient = tl.load(coefficients)
+        neg_coefficient = tl.load(coefficients + 1)
+        value = tl.where(pos_short > 0.0, -sign * pos_coefficient, 0.0)
+        value += tl.where(neg_short > 0.0, sign * neg_coefficient, 0.0)
+        tl.store(grad + at, value, mask=inside)
