@@ -45,8 +45,12 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         Picking the pairs out instead (index tensors of every pair, and a scatter of
         their gradients back) costs several times the rest on a GPU. 0 when there is no
         positive or no negative pair, without asking the device whether there is."""
-        matches, diffs = lmu.get_matches_and_diffs(labels, ref_labels)
-        positive, negative = matches.bool(), diffs.bool()
+        # PML's pairs (`lmu.get_all_pairs_indices`): equal labels, less (i, i) when the
+        # references are the batch.
+        positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+        negative = ~positive
+        if ref_labels is labels:
+            positive.fill_diagonal_(False)
         # -alpha for the positive pairs, alpha * cost for the negative ones.
         factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
         deviance = F.softplus((sim - self.beta).mul_(factor))
