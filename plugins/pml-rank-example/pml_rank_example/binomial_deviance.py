@@ -49,13 +49,16 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         # references are the batch.
         positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
         negative = ~positive
-        if ref_labels is labels:
+        self_pairs = len(labels) if ref_labels is labels else 0
+        if self_pairs:
             positive.fill_diagonal_(False)
         # -alpha for the positive pairs, alpha * cost for the negative ones.
         factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
         deviance = F.softplus((sim - self.beta).mul_(factor))
-        # Not mask.sum(): a sum of booleans converts them to int64 first (on the CPU).
-        num_positive, num_negative = torch.count_nonzero(positive), torch.count_nonzero(negative)
+        # Not mask.sum(): a sum of booleans converts them to int64 first. Every pair but
+        # the self-pairs is positive or negative: one count gives both.
+        num_positive = torch.count_nonzero(positive)
+        num_negative = sim.numel() - self_pairs - num_positive
         positive_mean = deviance.where(positive, 0).sum() / num_positive.clamp(min=1)
         negative_mean = deviance.where(negative, 0).sum() / num_negative.clamp(min=1)
         both = (num_positive > 0) & (num_negative > 0)
