@@ -297,8 +297,8 @@ def _comparison_dtype(scores):
     """The type the 0/1 comparisons are written in: the counts' on the CPU (where float16
     has no fast arithmetic); on an accelerator (`_device_policy.sized_for`), where writing
     and reading them back is the whole cost, float16, half the bytes, summed into the
-    counts' type by the same kernel that reads them. Exact: sums of 0s and 1s, and on
-    the way differences of two, accumulate in float32 or wider."""
+    counts' type by the same kernel that reads them. Exact: the entries are 0 and 1 (−1
+    to 1 after the backward pass's subtraction), their sums accumulate in float32 or wider."""
     return _count_dtype(scores) if _device_policy.sized_for(scores.device) == "cache" else torch.float16
 
 
