@@ -8,7 +8,9 @@ them. On an accelerator ("memory"), cache-sized panels are hundreds of small ker
 holds as many entries as the call's own [queries, references] matrix (`MEMORY_MATRICES`
 of them), a memory budget that grows with the batch, so that a call is a few panels
 (about one per positive of a query) whatever the batch size, and its memory a few
-similarity matrices.
+similarity matrices. RaMBO's rank counting also writes its 0/1 comparisons in float16
+there (`ranking._comparison_dtype`): on an accelerator writing and reading them back is
+the cost, on the CPU float16 has no fast arithmetic.
 """
 
 # Entries of one panel's [queries, positives, references] tensor: 4 MB in float32, in

@@ -297,8 +297,8 @@ def _comparison_dtype(scores):
     """The type the 0/1 comparisons are written in: the counts' on the CPU (where float16
     has no fast arithmetic); on an accelerator (`_device_policy.sized_for`), where writing
     and reading them back is the whole cost, float16, half the bytes, summed into the
-    counts' type by the same kernel that reads them. Exact: sums of 0s and 1s, and on
-    the way differences of two, accumulate in float32 or wider."""
+    counts' type by the same kernel that reads them. Exact: the entries are 0 and 1 (−1
+    to 1 after the backward pass's subtraction), their sums accumulate in float32 or wider."""
     return _count_dtype(scores) if _device_policy.sized_for(scores.device) == "cache" else torch.float16
 
 
@@ -308,12 +308,19 @@ def _counts(scores, values, slots):
     padding slots count 0)."""
     # x > the float just below a value <=> x >= the value: both counts in one pass.
     thresholds = torch.cat([values, torch.nextafter(values, _minus_infinity(values))], dim=1)
-    counts = torch.empty(thresholds.shape, dtype=torch.int32, device=scores.device)
-    total = _count_dtype(scores)
-    for part, larger in _compared(scores, thresholds):
-        counts[part] = larger.sum(-1, dtype=total)
+    counts = _summed_per_threshold(scores, thresholds)
     greater, at_least = counts[:, : slots.shape[1]], counts[:, slots.shape[1] :]
     return greater, at_least - greater
+
+
+def _summed_per_threshold(scores, thresholds):
+    """[sequences, thresholds] int32: how many elements of each sequence exceed each of
+    its thresholds. Summed chunk by chunk straight into one float tensor (exact, see
+    `_count_dtype`), converted once."""
+    counts = torch.empty(thresholds.shape, dtype=_count_dtype(scores), device=scores.device)
+    for part, larger in _compared(scores, thresholds):
+        torch.sum(larger, -1, dtype=counts.dtype, out=counts[part])
+    return counts.to(torch.int32)
 
 
 def _minus_infinity(like):
@@ -393,12 +400,12 @@ def _crossings_without_ties(scores, values, new_values, above, slots):
     below = torch.nextafter(new_values, _minus_infinity(new_values))
     thresholds = torch.where(new_values > values, below, new_values)
     change = torch.empty_like(scores)
-    greater = torch.empty(slots.shape, dtype=torch.int32, device=scores.device)
-    total = _count_dtype(scores)
+    greater = torch.empty(slots.shape, dtype=_count_dtype(scores), device=scores.device)
     for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
         above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
-        greater[part] = above_after.sum(-1, dtype=total)
+        torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
         torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
+    greater = greater.to(torch.int32)
     # In the positives' columns the perturbed sequence holds new_values, not values:
     # take out what the pass counted there and count the perturbed positives above each
     # other (equal ones in forward order: no two positives are equal before).

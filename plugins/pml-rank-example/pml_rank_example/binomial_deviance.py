@@ -45,13 +45,20 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         Picking the pairs out instead (index tensors of every pair, and a scatter of
         their gradients back) costs several times the rest on a GPU. 0 when there is no
         positive or no negative pair, without asking the device whether there is."""
-        matches, diffs = lmu.get_matches_and_diffs(labels, ref_labels)
-        positive, negative = matches.bool(), diffs.bool()
+        # PML's pairs (`lmu.get_all_pairs_indices`): equal labels, less (i, i) when the
+        # references are the batch.
+        positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+        negative = ~positive
+        self_pairs = len(labels) if ref_labels is labels else 0
+        if self_pairs:
+            positive.fill_diagonal_(False)
         # -alpha for the positive pairs, alpha * cost for the negative ones.
         factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
         deviance = F.softplus((sim - self.beta).mul_(factor))
-        # Not mask.sum(): a sum of booleans converts them to int64 first (on the CPU).
-        num_positive, num_negative = torch.count_nonzero(positive), torch.count_nonzero(negative)
+        # Not mask.sum(): a sum of booleans converts them to int64 first. Every pair but
+        # the self-pairs is positive or negative: one count gives both.
+        num_positive = torch.count_nonzero(positive)
+        num_negative = sim.numel() - self_pairs - num_positive
         positive_mean = deviance.where(positive, 0).sum() / num_positive.clamp(min=1)
         negative_mean = deviance.where(negative, 0).sum() / num_negative.clamp(min=1)
         both = (num_positive > 0) & (num_negative > 0)
