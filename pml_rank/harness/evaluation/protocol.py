@@ -17,9 +17,10 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from ..budget import NUM_FOLDS
 from ..datasets import Transformed
+from .loaders import embedding_loaders
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
 from .splits import LabelledSubset, class_disjoint_split, cross_validation_folds
-from .training import compute_embeddings, seed_everything, train_model
+from .training import EMBEDDING_BATCH, compute_embeddings, seed_everything, train_model
 
 
 @dataclasses.dataclass
@@ -103,7 +104,7 @@ def train_fold_model(recipe, make_trunk, train_set, val_set, fold_seed, config, 
     0 .. n - 1), its sampler (given the network, for samplers that mine with it) and trains
     with `training.train_model` and `config` (a `TrainingConfig`), validating on `val_set`
     every epoch; `training` holds `train_model`'s other keywords (``folder``,
-    ``on_iteration``). Returns its `TrainResult`."""
+    ``on_iteration``, ``loaders``). Returns its `TrainResult`."""
     seed_everything(fold_seed)
     trunk = make_trunk()
     embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
@@ -155,7 +156,8 @@ def run_protocol(
     measures the test classes. ``config.epochs`` 0 gives the untrained networks' accuracy.
     `folder`, when given, keeps each fold's record-keeper logs and models in
     ``<folder>/fold<k>``. `transforms`: ``(train, eval)`` image transforms (see
-    `test_set_and_folds`).
+    `test_set_and_folds`). With ``config.loader_workers``, one set of loader processes
+    (`loaders.EmbeddingLoaders`) reads every validation and test pass of the run.
 
     ``validation_only=True`` is the tuning objective: the test classes are never embedded;
     ``concatenated`` and ``separated`` are then empty and ``per_model`` holds each fold
@@ -166,29 +168,38 @@ def run_protocol(
     folds, test_set = test_set_and_folds(dataset, config.num_folds, transforms)
     test_embeddings, histories, best_epochs, best_validation = [], [], [], []
     labels = None
-    for k, (train_set, val_set) in enumerate(folds):
-        result = train_fold_model(
-            recipe,
-            make_trunk,
-            train_set,
-            val_set,
-            seed * 1000 + k,
-            config,
-            make_embedder=make_embedder,
-            folder=None if folder is None else f"{folder}/fold{k}",
-            on_iteration=on_iteration,
-        )
-        histories.append(result.history)
-        best_epochs.append(result.best_epoch)
-        best = next((e for e in result.history if e["epoch"] == result.best_epoch), {})
-        best_validation.append({m: best[m] for m in METRICS if m in best})
-        if on_fold is not None:
-            on_fold(k, best_validation)
-        if not validation_only:
-            embeddings, labels = compute_embeddings(
-                result.trunk, test_set, result.embedder, config.device, loader_workers=config.loader_workers
+    # One set of loader processes embeds every fold's validation set and the test set.
+    embedded = [val_set for _, val_set in folds] + ([] if validation_only else [test_set])
+    with embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders:
+        for k, (train_set, val_set) in enumerate(folds):
+            result = train_fold_model(
+                recipe,
+                make_trunk,
+                train_set,
+                val_set,
+                seed * 1000 + k,
+                config,
+                make_embedder=make_embedder,
+                folder=None if folder is None else f"{folder}/fold{k}",
+                on_iteration=on_iteration,
+                loaders=loaders,
             )
-            test_embeddings.append(embeddings)
+            histories.append(result.history)
+            best_epochs.append(result.best_epoch)
+            best = next((e for e in result.history if e["epoch"] == result.best_epoch), {})
+            best_validation.append({m: best[m] for m in METRICS if m in best})
+            if on_fold is not None:
+                on_fold(k, best_validation)
+            if not validation_only:
+                embeddings, labels = compute_embeddings(
+                    result.trunk,
+                    test_set,
+                    result.embedder,
+                    config.device,
+                    loader_workers=config.loader_workers,
+                    loaders=loaders,
+                )
+                test_embeddings.append(embeddings)
     if validation_only:
         return ProtocolResult({}, {}, best_validation, histories, best_epochs, time.perf_counter() - started)
     scores = concatenated_and_separated(test_embeddings, labels, device=config.device)
@@ -249,13 +260,22 @@ def run_standard_protocol(
         Path(model_folder, "models").mkdir(parents=True, exist_ok=True)
         c_f.save_dict_of_models(models, config.epochs, f"{model_folder}/models", assert_success=True)
 
-    def embed(dataset):
-        return compute_embeddings(
-            result.trunk, dataset, result.embedder, config.device, normalize=True, loader_workers=config.loader_workers
-        )
+    embedded = [splits.query] + ([] if splits.reference is None else [splits.reference])
+    with embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders:
 
-    query, query_labels = embed(splits.query)
-    reference, reference_labels = (None, None) if splits.reference is None else embed(splits.reference)
+        def embed(dataset):
+            return compute_embeddings(
+                result.trunk,
+                dataset,
+                result.embedder,
+                config.device,
+                normalize=True,
+                loader_workers=config.loader_workers,
+                loaders=loaders,
+            )
+
+        query, query_labels = embed(splits.query)
+        reference, reference_labels = (None, None) if splits.reference is None else embed(splits.reference)
     scores = accuracy(query, query_labels, reference, reference_labels, metrics=metrics, device=config.device)
     seconds = time.perf_counter() - started
     return ProtocolResult(scores, scores, [scores], [result.history], [result.best_epoch], seconds)

@@ -30,6 +30,7 @@ from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pytorch_metric_learning.utils.inference import CustomKNN
 
+from .loaders import embedding_loaders
 from .metrics import METRICS, knn_backend
 
 VALIDATION_SPLIT = "val"
@@ -225,35 +226,69 @@ EMBEDDING_BATCH = 128
 KNN_QUERY_BLOCK = 4096
 
 
+class Tester(testers.GlobalEmbeddingSpaceTester):
+    """PML's `GlobalEmbeddingSpaceTester` whose passes over a data set of `loaders` (a
+    `loaders.EmbeddingLoaders` of its batch size, or None) read the same batches from its
+    processes instead of starting processes of their own."""
+
+    def __init__(self, *args, loaders=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if loaders is not None and loaders.batch_size != self.batch_size:
+            raise ValueError(f"loaders of batch size {loaders.batch_size} for a tester of batch size {self.batch_size}")
+        self.loaders = loaders
+
+    def compute_all_embeddings(self, dataloader, trunk_model, embedder_model):
+        pooled = None
+        if self.loaders is not None and dataloader.collate_fn is torch.utils.data.default_collate:
+            pooled = self.loaders.pass_over(dataloader.dataset)
+        return super().compute_all_embeddings(dataloader if pooled is None else pooled, trunk_model, embedder_model)
+
+
 def make_tester(
-    device="cpu", batch_size=EMBEDDING_BATCH, end_of_testing_hook=None, normalize_embeddings=True, loader_workers=0
+    device="cpu",
+    batch_size=EMBEDDING_BATCH,
+    end_of_testing_hook=None,
+    normalize_embeddings=True,
+    loader_workers=0,
+    loaders=None,
 ):
-    """PML's `GlobalEmbeddingSpaceTester` computing `METRICS` with k = "max_bin_count",
-    its neighbours searched where `metrics.knn_backend` says: PML's default faiss search,
-    or on a CUDA device without a GPU faiss, PML's torch k-NN (`CustomKNN`, squared L2 as
-    faiss's ``IndexFlatL2``) on the GPU."""
+    """PML's `GlobalEmbeddingSpaceTester` (`Tester`, reading from `loaders` where given)
+    computing `METRICS` with k = "max_bin_count", its neighbours searched where
+    `metrics.knn_backend` says: PML's default faiss search, or on a CUDA device without a
+    GPU faiss, PML's torch k-NN (`CustomKNN`, squared L2 as faiss's ``IndexFlatL2``) on the GPU."""
     device = torch.device(device)
     knn_func = None
     if knn_backend(device) == "torch":
         knn_func = CustomKNN(LpDistance(normalize_embeddings=False, power=2), batch_size=KNN_QUERY_BLOCK)
-    return testers.GlobalEmbeddingSpaceTester(
+    return Tester(
         normalize_embeddings=normalize_embeddings,
         batch_size=batch_size,
         dataloader_num_workers=loader_workers,
         data_device=device,
         end_of_testing_hook=end_of_testing_hook,
         accuracy_calculator=AccuracyCalculator(include=METRICS, k="max_bin_count", device=device, knn_func=knn_func),
+        loaders=loaders,
     )
 
 
 def compute_embeddings(
-    trunk, dataset, embedder=None, device="cpu", batch_size=EMBEDDING_BATCH, normalize=False, loader_workers=0
+    trunk,
+    dataset,
+    embedder=None,
+    device="cpu",
+    batch_size=EMBEDDING_BATCH,
+    normalize=False,
+    loader_workers=0,
+    loaders=None,
 ):
     """``(embeddings, labels)`` of every item of `dataset` (in order) through
-    ``embedder(trunk(x))``, computed by PML's tester in eval mode. Returns float tensors
+    ``embedder(trunk(x))``, computed by PML's tester in eval mode, its batches read by
+    `loaders` (an `EmbeddingLoaders` holding `dataset`) where given. Returns float tensors
     of shape (N, dim) and an int64 numpy array of shape (N,)."""
     with quiet_pml():
-        tester = make_tester(device, batch_size, normalize_embeddings=normalize, loader_workers=loader_workers)
+        tester = make_tester(
+            device, batch_size, normalize_embeddings=normalize, loader_workers=loader_workers, loaders=loaders
+        )
         embeddings, labels = tester.get_all_embeddings(dataset, trunk.to(device), embedder)
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
@@ -399,12 +434,15 @@ class _EpochRecorder:
     """PML's hooks plus what `train_model` keeps: every epoch's mean loss and validation
     accuracies (``history``), validating on `val_set` with PML's tester after each epoch."""
 
-    def __init__(self, hooks, config, val_set, model_folder, on_iteration):
+    def __init__(self, hooks, config, val_set, model_folder, on_iteration, loaders):
         self.hooks, self.on_iteration, self.history, self.losses = hooks, on_iteration, [], []
         self.tester = self.validate = None
         if val_set is not None:
             self.tester = make_tester(
-                config.device, end_of_testing_hook=hooks.end_of_testing_hook, loader_workers=config.loader_workers
+                config.device,
+                end_of_testing_hook=hooks.end_of_testing_hook,
+                loader_workers=config.loader_workers,
+                loaders=loaders,
             )
             self.validate = hooks.end_of_epoch_hook(
                 self.tester, {VALIDATION_SPLIT: val_set}, model_folder, patience=config.patience
@@ -446,6 +484,7 @@ def train_model(
     folder=None,
     seed=None,
     on_iteration: Callable | None = None,
+    loaders=None,
 ):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer as `config` (a
     `TrainingConfig`) says and returns a `TrainResult`.
@@ -468,6 +507,9 @@ def train_model(
             default a temporary folder, deleted afterwards.
         seed: seeds Python, numpy and torch first (`seed_everything`) when given.
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
+        loaders: the `loaders.EmbeddingLoaders` (holding `val_set`) that the validations
+            read from; default: with ``config.loader_workers``, one of its own over `val_set`,
+            whose processes serve every epoch's validation and end with the training.
     """
     if seed is not None:
         seed_everything(seed)
@@ -493,7 +535,9 @@ def train_model(
         # not saved every epoch (PML's hooks would, for resuming, which a bench job never does).
         hooks.saveable_trainer_objects = ["models"]
         model_folder = str(Path(folder) / "models")
-        recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration)
+        if loaders is None and val_set is not None:
+            loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+        recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration, loaders)
         trainer = (MixedPrecisionTrainer if config.amp else MetricLossOnly)(
             models=models,
             optimizers=optimizers,

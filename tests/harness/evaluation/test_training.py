@@ -4,39 +4,14 @@ import dataclasses
 import multiprocessing
 import os
 
-import numpy as np
 import pytest
 import torch
+from loader_probes import PidStamped, RecordingTrunk
 
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.evaluation import TrainingConfig
 from pml_rank.harness.evaluation.training import train_model
 from pml_rank.losses import SmoothAPLoss
-
-
-class PidStamped(torch.utils.data.Dataset):
-    """Points of 8 classes whose last feature is the id of the process that loaded them."""
-
-    def __init__(self):
-        generator = torch.Generator().manual_seed(0)
-        self.labels = np.repeat(np.arange(8), 8)
-        self.points = torch.randn(len(self.labels), 6, generator=generator)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return torch.cat([self.points[index], torch.tensor([float(os.getpid())])]), int(self.labels[index])
-
-
-class RecordingTrunk(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear, self.loader_pids = torch.nn.Linear(6, 4), set()
-
-    def forward(self, x):
-        self.loader_pids.update(x[:, -1].long().tolist())
-        return self.linear(x[:, :-1])
 
 
 @pytest.mark.slow  # starts loader processes
@@ -49,7 +24,21 @@ def test_the_loaders_processes_live_through_every_pass_and_epoch():
     assert not multiprocessing.active_children()
     # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, each of which started
     # PML's loader processes anew.
-    assert len(trunk.loader_pids) == 2 and os.getpid() not in trunk.loader_pids
+    assert len(trunk.loader_pids["train"]) == 2 and os.getpid() not in trunk.loader_pids["train"]
+
+
+@pytest.mark.slow  # starts loader processes
+def test_every_epochs_validation_reads_from_one_set_of_loader_processes():
+    trunk = RecordingTrunk()
+    budget = dict(resolve("glyphs"), epochs=3, iterations_per_epoch=2, batch_size=16)
+    config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=2)
+    val_set = PidStamped(per_class=20, first_label=8, seed=1)  # 160 items: 2 batches of the tester's
+    result = train_model(SmoothAPLoss(), PidStamped(), config, trunk=trunk, val_set=val_set, seed=0)
+    assert len(result.history) == 3 and all("precision_at_1" in entry for entry in result.history)
+    # PML's tester started 2 processes for each of the 3 validations; they end with the training.
+    validation_pids = trunk.loader_pids["eval"]
+    assert len(validation_pids) == 2 and not validation_pids & (trunk.loader_pids["train"] | {os.getpid()})
+    assert not multiprocessing.active_children()
 
 
 def test_a_training_without_a_kept_folder_reloads_its_best_epoch_from_memory(tmp_path):

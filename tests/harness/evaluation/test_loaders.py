@@ -1,0 +1,74 @@
+"""`EmbeddingLoaders`: one set of loader processes serving many embedding passes, each the
+batches PML's tester would have read."""
+
+import dataclasses
+import multiprocessing
+import os
+
+import pytest
+import torch
+from loader_probes import PidStamped, RecordingTrunk
+from pytorch_metric_learning.utils import common_functions as c_f
+
+from pml_rank.harness.budget import resolve
+from pml_rank.harness.evaluation import Recipe, TrainingConfig, run_protocol
+from pml_rank.harness.evaluation.loaders import embedding_loaders
+from pml_rank.losses import SmoothAPLoss
+
+
+def _passes(loaders_or_none, order):
+    """The batches of a pass over each data set of `order`, from the loaders or PML's own loader."""
+    if loaders_or_none is None:
+        return [list(c_f.get_eval_dataloader(dataset, 16, 0, None)) for dataset in order]
+    return [list(loaders_or_none.pass_over(dataset)) for dataset in order]
+
+
+@pytest.mark.slow  # starts loader processes
+def test_passes_give_pmls_batches_from_one_set_of_processes_and_draw_as_pmls_loader():
+    a, b = PidStamped(classes=5, per_class=7), PidStamped(classes=3, per_class=5, seed=1)  # 35 and 15 items
+    order = [a, b, a]
+    with embedding_loaders([a, b], 16, workers=2) as loaders:
+        torch.manual_seed(0)
+        pooled = _passes(loaders, order)
+        after_pooled = torch.rand(4)
+        assert loaders.pass_over(PidStamped()) is None  # not one of its data sets
+    assert not multiprocessing.active_children()
+    torch.manual_seed(0)
+    expected = _passes(None, order)
+    # Torch's generator is where PML's loader (one a pass) leaves it: what follows draws the same.
+    assert torch.equal(torch.rand(4), after_pooled)
+    pids = set()
+    for pooled_pass, expected_pass in zip(pooled, expected, strict=True):
+        assert len(pooled_pass) == len(expected_pass)  # 3, 1, 3 batches: the last ones short
+        for (x, labels), (expected_x, expected_labels) in zip(pooled_pass, expected_pass):
+            assert torch.equal(x[:, :-1], expected_x[:, :-1]) and torch.equal(labels, expected_labels)
+            pids.update(x[:, -1].long().tolist())
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_without_loader_processes_there_are_no_loaders():
+    with embedding_loaders([PidStamped()], 16, workers=0) as loaders:
+        assert loaders is None
+
+
+@pytest.mark.slow  # starts loader processes
+def test_an_experiments_embedding_passes_share_one_set_of_loader_processes():
+    """Two fold models of two epochs each: 4 validations and 2 test passes of 2 batches or
+    more, for which PML's tester started 2 processes each (12), read by 2; the results are
+    those of loading in the calling process."""
+    # 8 training classes in 2 folds of 4 (160 items to validate on), 8 test classes (320 items)
+    dataset = PidStamped(classes=16, per_class=40)
+    budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=3, batch_size=16, num_folds=2)
+    results, records = [], []
+    for workers in (2, 0):
+        record = {"train": set(), "eval": set()}
+        config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=workers)
+        result = run_protocol(dataset, Recipe(make_loss=SmoothAPLoss), lambda: RecordingTrunk(record), config, seed=3)
+        results.append(result)
+        records.append(record)
+        assert not multiprocessing.active_children()
+    (with_workers, in_process), (record, _) = results, records
+    assert len(record["eval"]) == 2 and not record["eval"] & (record["train"] | {os.getpid()})
+    assert len(record["train"]) == 4  # each fold model's training has loader processes of its own
+    assert with_workers.histories == in_process.histories
+    assert (with_workers.concatenated, with_workers.separated) == (in_process.concatenated, in_process.separated)
