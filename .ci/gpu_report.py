@@ -74,6 +74,9 @@ def build(report):
         if step["step"].startswith("sweep-") and step["rc"] == "0":
             sweep[step["step"].removeprefix("sweep-")] = float(step["seconds"])
     out["sweep seconds by processes per GPU"] = sweep
+    for name in ("bench-amp", "bench"):  # the last lines: the table's end, or how far it got
+        lines = [line.strip() for line in read(logs / f"{name}.log").splitlines() if line.strip()]
+        out[f"{name} log"] = lines[-4:]
     bench = report / "bench" / "bench.json"
     if bench.exists():
         data = json.loads(bench.read_text())
@@ -137,6 +140,9 @@ def markdown(out):
             " | ".join(f"{p}: {s}" for p, s in out["sweep seconds by processes per GPU"].items()),
             "",
         ]
+    for name, title in (("bench-amp", "Every bench row under float16 autocast"), ("bench", "Default glyph bench")):
+        if out.get(f"{name} log"):
+            lines += [f"## {title}: the log's last lines", "", *[f"    {t[:160]}" for t in out[f"{name} log"]], ""]
     if out.get("glyph bench"):
         lines += [
             "## Default glyph bench on CUDA",
