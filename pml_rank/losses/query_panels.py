@@ -6,7 +6,8 @@ Queries with the same number of positives c are cut into panels of r queries, so
 a panel's work is one broadcast [r, c, references] tensor: on the CPU it stays in cache
 while a few elementwise passes and reductions go over it (passes over whole similarity
 matrices would go through memory instead); on an accelerator a call is a few large
-panels (`pml_rank._device_policy`).
+panels (`pml_rank._device_policy`). On CUDA, float32 sums go through two Triton kernels
+instead (`fused_ranks`), which these panels are the reference for.
 
 Each query's loss depends on its own row of scores only, so its gradient with respect
 to that row (its row of the Jacobian) can be computed in the forward pass, panel by
