@@ -245,8 +245,8 @@ def add_budget_arguments(parser, command):
         "--loader-workers",
         type=arguments.non_negative_int,
         help="data-loading processes per worker for image decoding, >= 0 (default: 0 on the CPU and for the "
-        "glyphs; on a GPU, the cores left to each worker, at most 12: a ResNet-50 step at 224 px on an H200 "
-        "takes as long as 5 to 9 processes need to decode its batch)",
+        "glyphs; on a GPU, 4 per worker within the cores: a ResNet-50 step at 224 px outruns one decoding "
+        "process)",
     )
     parser.add_argument(
         "--storage",

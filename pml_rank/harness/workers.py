@@ -19,11 +19,9 @@ from .storage import StorageUnavailable, unavailable_in
 # 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
 # fills the GPU alone.
 PROCESSES_PER_GPU = {"small-cnn": 4}
-# Image-decoding processes per worker on a GPU, at most: a ResNet-50 step at 224 px (21 ms on
-# an H200) needs a batch of 32 images decoded, cropped and normalised in that time; one image
-# takes 3-6 ms of a core (the bench's folder transforms, measured on a 2-core Xeon), so 5 to 9
-# processes keep up. With 4 the fold model ran at 0.37 of the raw step's rate on the H200.
-LOADER_WORKERS_PER_GPU_PROCESS = 12
+# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (18 ms) needs a
+# batch of 32 JPEGs decoded and cropped in that time, which one process cannot do.
+LOADER_WORKERS_PER_GPU_PROCESS = 4
 
 
 def default_processes(devices, trunk, cores=None):
@@ -41,8 +39,8 @@ def default_processes(devices, trunk, cores=None):
 def default_loader_workers(device, in_memory, processes, cores=None):
     """Data-loading processes per worker when --loader-workers is not given: none on the
     CPU (decoding would take the cores the steps use) or for data held in memory (the
-    glyphs); on a GPU, the cores left to each worker beside its own, at most
-    `LOADER_WORKERS_PER_GPU_PROCESS`."""
+    glyphs); on a GPU, `LOADER_WORKERS_PER_GPU_PROCESS`, within the cores left to each
+    worker."""
     cores = cores or os.cpu_count() or 1
     if device.startswith("cpu") or in_memory:
         return 0
