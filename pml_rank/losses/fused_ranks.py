@@ -87,10 +87,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
         with on_device(scores.device):
             _sums_kernel[grid](
-                scores,
-                scores.stride(0),
-                scores if weights is None else weights,
-                0 if weights is None else weights.stride(0),
+                *_matrices(scores, weights),
                 pair_query,
                 own,
                 sums,
@@ -105,6 +102,12 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
                 BLOCK_J=REFERENCES_PER_STEP,
             )
     return sums, slopes if with_slopes else None
+
+
+def _matrices(scores, weights):
+    """The kernels' first arguments: the scores, the weights (the scores again when there are
+    none: HAS_WEIGHTS keeps them unread) and their row strides."""
+    return scores, scores.stride(0), scores if weights is None else weights, 0 if weights is None else weights.stride(0)
 
 
 def on_device(device):
@@ -122,10 +125,7 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
         grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
         with on_device(scores.device):
             _jacobian_kernel[grid](
-                scores,
-                scores.stride(0),
-                scores if weights is None else weights,
-                0 if weights is None else weights.stride(0),
+                *_matrices(scores, weights),
                 pair_offsets,
                 pair_positive,
                 own,
