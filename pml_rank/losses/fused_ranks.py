@@ -43,6 +43,11 @@ except ImportError:  # pragma: no cover - torch's CUDA wheels bring Triton
 PAIRS_PER_BLOCK = 16
 REFERENCES_PER_STEP = 256
 REFERENCES_PER_BLOCK = 1024
+# The oldest CUDA GPUs Triton compiles for (as torch.compile's Triton backend requires).
+MIN_CAPABILITY = (7, 0)
+# Whether Triton runs its interpreter on the CPU: read when Triton defines the kernels,
+# as Triton itself does.
+_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class FusedForm(NamedTuple):
@@ -59,17 +64,20 @@ class FusedForm(NamedTuple):
 
 
 def interpreted():
-    """Whether Triton runs its interpreter on the CPU (TRITON_INTERPRET=1, read when Triton
-    is imported): then the fused kernels take CPU tensors, which is how the CPU's tests
-    hold them equal to the plain-torch path."""
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs its interpreter on the CPU (TRITON_INTERPRET=1 when this module was
+    imported): then the fused kernels take CPU tensors, which is how the CPU's tests hold
+    them equal to the plain-torch path."""
+    return _INTERPRETED
 
 
 def runs_on(tensor):
-    """Whether Triton kernels run on this tensor: float32 on a CUDA device, or on the CPU
-    under Triton's interpreter."""
-    device_ok = tensor.device.type == "cuda" or (interpreted() and tensor.device.type == "cpu")
-    return triton is not None and device_ok and tensor.dtype == torch.float32
+    """Whether Triton kernels run on this tensor: float32 on a CUDA device Triton compiles
+    for, or on the CPU under Triton's interpreter."""
+    if triton is None or tensor.dtype != torch.float32:
+        return False
+    if tensor.device.type == "cuda":
+        return torch.cuda.get_device_capability(tensor.device) >= MIN_CAPABILITY
+    return _INTERPRETED and tensor.device.type == "cpu"
 
 
 def applies(scores, kernel):

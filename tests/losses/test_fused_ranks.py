@@ -7,6 +7,7 @@ process, since Triton reads it when a kernel is defined)."""
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -111,6 +112,15 @@ def test_plain_torch_path_where_the_kernels_cannot_run():
         assert not fused_ranks.applies(scores.double(), Sigmoid)
         assert not fused_ranks.applies(scores, object())
         assert fused_ranks.applies(scores, Sigmoid) == (device == "cuda" or fused_ranks.interpreted())
+
+
+@pytest.mark.parametrize("capability, runs", [((6, 1), False), ((7, 0), True), ((9, 0), True)])
+def test_kernels_run_on_the_gpus_triton_compiles_for(capability, runs, monkeypatch):
+    """A CUDA GPU older than Triton supports (a Pascal card) takes the plain-torch path."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    scores = types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0))
+    assert fused_ranks.runs_on(scores) == (runs and fused_ranks.triton is not None)
+    assert not fused_ranks.runs_on(types.SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0)))
 
 
 @pytest.mark.skipif(fused_ranks.triton is None, reason="Triton is not installed")
