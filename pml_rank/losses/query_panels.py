@@ -288,7 +288,9 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     values = scores.new_zeros(len(scores))
     pair_gradients = torch.empty_like(sums) if with_jacobian else None
     own_gradients = torch.empty_like(sums) if with_jacobian else None
-    for queries, pairs in query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query))):
+    # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
+    groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
+    for queries, pairs in groups:
         panel_sums, panel_own = sums[pairs], own[pairs]
         if not with_jacobian:
             values[queries] = formula(panel_sums, panel_own, queries)
