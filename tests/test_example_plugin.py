@@ -1,17 +1,16 @@
 """The third-party example plugin in plugins/: computes its formula, and trains inside
 PML's trainers after pml_rank.install()."""
 
-import collections
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from aten_counts import OperationNames
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import trainers
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import pml_rank
 from pml_rank.plugins import NameClashWarning
@@ -82,22 +81,10 @@ def test_binomial_deviance_without_a_positive_or_a_negative_pair_is_zero(labels)
     assert torch.equal(embeddings.grad, torch.zeros_like(embeddings))
 
 
-class _Operations(TorchDispatchMode):
-    """The aten operations run inside the context, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _operations(batch):
     loss = pml_rank.registry.losses()["BinomialDevianceLoss"]()
     embeddings = torch.randn(batch, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    with _Operations() as operations:
+    with OperationNames() as operations:
         loss(embeddings, torch.arange(batch) // 4).backward()
     return operations.names
 

@@ -3,18 +3,17 @@ paper's formulas (pml_rank.harness.references.roadmap), in float64, values and
 gradients, on every layout; the calibration part against PML's ContrastiveLoss, which
 the authors' CalibrationLoss is."""
 
-import collections
 import math
 
 import pytest
 import torch
+from aten_counts import OperationNames
 from loss_checks import LAYOUTS, assert_same_loss_and_gradients, grads, seeded
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, DoNothingReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank.harness.references import roadmap as reference
 from pml_rank.harness.speed import peak_memory
@@ -217,16 +216,6 @@ def test_the_calibration_averaged_in_the_loss_equals_pmls_avg_non_zero_reducer(r
     assert_same_loss_and_gradients(ours, pmls, tensors)
 
 
-class _Operations(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_calibration_picks_no_pairs_out_and_waits_for_nothing():
     """ROADMAP adds the calibration to SupAP without nonzero (index tensors as long as
     the pairs, a wait for the device), boolean indexing or reading a number back."""
@@ -234,7 +223,7 @@ def test_the_calibration_picks_no_pairs_out_and_waits_for_nothing():
     labels = torch.arange(64) // 4
     counted = {}
     for loss_class in (SupAPLoss, ROADMAPLoss):
-        with _Operations() as operations:
+        with OperationNames() as operations:
             loss_class()(embeddings, labels).backward()
         counted[loss_class] = operations.names
     for name in ("aten::nonzero", "aten::index", "aten::index_put", "aten::_local_scalar_dense"):
