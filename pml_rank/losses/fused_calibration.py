@@ -12,7 +12,7 @@ block's shortfalls and counts them (float32 sums, int32 counts: float32 counts s
 exact past 2^24 pairs), the blocks' partial results are added by torch. Backward: each pair
 with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
 torch terms (`ROADMAPLoss.calibration`) stay the reference and the path wherever this one
-cannot run (`fused_ranks.applies`'s conditions); the tests hold the two equal.
+cannot run (`fused_ranks.runs_on`); the tests hold the two equal.
 """
 
 import torch
@@ -22,11 +22,6 @@ from .fused_ranks import triton
 
 # Entries of the matrix per program, in both passes.
 ENTRIES_PER_BLOCK = 4096
-
-
-def applies(matrix):
-    """Whether the fused terms run for this similarity matrix (`fused_ranks.runs_on`)."""
-    return fused_ranks.runs_on(matrix)
 
 
 def calibration_terms(matrix, positive, negative, pos_margin, neg_margin, lambda_, sign):

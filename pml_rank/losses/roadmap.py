@@ -28,7 +28,7 @@ from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, Mul
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from . import fused_calibration
+from . import fused_calibration, fused_ranks
 from .base import RankLossBase, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
@@ -209,7 +209,7 @@ class ROADMAPLoss(SupAPLoss):
         ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
-        if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_calibration.applies(matrix):
+        if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_ranks.runs_on(matrix):
             sign = 1.0 if self.distance.is_inverted else -1.0
             terms = fused_calibration.calibration_terms(
                 matrix, positive, negative, self.pos_margin, self.neg_margin, self.lambda_, sign
