@@ -11,7 +11,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,28 +24,15 @@ from pml_rank.plugins import registry
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def call(fn, inputs):
-    for tensor in inputs:
-        if tensor.requires_grad:
-            tensor.grad = None
-    fn(*inputs).backward()
-
-
 def wall_seconds(fn, inputs, device, repeats):
-    times = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        start = time.perf_counter()
-        call(fn, inputs)
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    """Median synchronised seconds of `repeats` calls (`speed`'s timing), after one more."""
+    return statistics.median([speed._timed(fn, inputs, device) for _ in range(repeats + 1)][1:])
 
 
 def profiled(fn, inputs, device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        call(fn, inputs)
+        speed._run(fn, inputs)
         torch.cuda.synchronize(device) if device.type == "cuda" else None
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -92,7 +78,7 @@ def main():
             try:
                 inputs = case.inputs(size, speed.DEFAULT_DIM, torch.Generator().manual_seed(0), device)
                 fn = speed._prepare(factory, device, case.prime, inputs, args.amp)
-                call(fn, inputs)
+                speed._run(fn, inputs)
                 row = {"loss": name, "size": size, "seconds": wall_seconds(fn, inputs, device, args.repeats)}
                 row.update(profiled(fn, inputs, device))
             except Exception as error:  # one loss's failure must not hide the others' figures
