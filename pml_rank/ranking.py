@@ -471,8 +471,7 @@ def _check_targets(owner, scores, targets):
 
 def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
     check_numbers(owner, "> 0", lambda_val=lambda_val)
-    if not bool(torch.isfinite(scores.sum())):  # one cheap pass; the full check names the culprit
-        check_embeddings(owner, scores=scores)
+    check_embeddings(owner, scores=scores)
     targets = _check_targets(owner, scores, targets)
     precision, has_positive = precision_at_positives(scores, targets, lambda_val, margin, loss_scale)
     if not bool(has_positive.any()):

@@ -285,32 +285,51 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     if scale != 1:
         own = own * scale
     sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian)
-    values = scores.new_zeros(len(scores))
-    pair_gradients = torch.empty_like(sums) if with_jacobian else None
-    own_gradients = torch.empty_like(sums) if with_jacobian else None
-    # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
-    groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
-    for queries, pairs in groups:
-        panel_sums, panel_own = sums[pairs], own[pairs]
-        if not with_jacobian:
-            values[queries] = formula(panel_sums, panel_own, queries)
-            continue
-        values[queries], grad_sums, grad_own = formula_and_gradients(formula, panel_sums, panel_own, queries)
-        grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
-        pair_gradients[pairs] = grad_sums
-        # dS_qi moves s_qi by minus the sum of its slopes: T_qi · scale.
-        own_column = slopes[pairs].mul_(grad_sums).neg_()
-        if grad_own is not None:
-            own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
-        own_gradients[pairs] = own_column
+    per_query = torch.bincount(pair_query, minlength=len(scores))
+    fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
+    if fewest == most > 0:
+        # Every query has c pairs, in order: the group is [queries, c] views, no gathers.
+        values, pair_gradients, own_gradients = _formula_on_group(
+            formula, slice(0, len(scores)), *(t.view(-1, most) for t in (sums, own)), slopes, scale, with_jacobian
+        )
+        if with_jacobian:
+            pair_gradients, own_gradients = pair_gradients.view(-1), own_gradients.view(-1)
+    else:
+        values = scores.new_zeros(len(scores))
+        pair_gradients = torch.empty_like(sums) if with_jacobian else None
+        own_gradients = torch.empty_like(sums) if with_jacobian else None
+        # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
+        groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
+        for queries, pairs in groups:
+            values[queries], grad_sums, own_column = _formula_on_group(
+                formula, queries, sums[pairs], own[pairs], slopes, scale, with_jacobian, pairs
+            )
+            if with_jacobian:
+                pair_gradients[pairs], own_gradients[pairs] = grad_sums, own_column
     if not with_jacobian:
         return values, None
     offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
-    torch.cumsum(torch.bincount(pair_query, minlength=len(scores)), 0, out=offsets[1:])
+    torch.cumsum(per_query, 0, out=offsets[1:])
     jacobian = fused_ranks.jacobian(
         scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale
     )
     return values, jacobian
+
+
+def _formula_on_group(formula, queries, sums, own, slopes, scale, with_jacobian, pairs=None):
+    """The formula's values [r] on a group's [r, c] `sums` and `own` and, when
+    `with_jacobian`, the pairs' gradients G (by S, times `scale`) and their own columns'
+    gradients (−G · T plus the formula's own-score gradient), [r, c] each; `slopes` T
+    [pairs] (the group's pairs by the index `pairs`, or all of them in [r, c] order when None)."""
+    if not with_jacobian:
+        return formula(sums, own, queries), None, None
+    values, grad_sums, grad_own = formula_and_gradients(formula, sums, own, queries)
+    grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
+    # dS_qi moves s_qi by minus the sum of its slopes: T_qi · scale.
+    own_column = (slopes.view_as(sums) if pairs is None else slopes[pairs]).mul(grad_sums).neg_()
+    if grad_own is not None:
+        own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+    return values, grad_sums, own_column
 
 
 def _weights_with(left_out, weights, scores):

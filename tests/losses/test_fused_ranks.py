@@ -38,7 +38,9 @@ LOSSES = {
     "ROADMAP-offset": lambda: ROADMAPLoss(offset=1.44, start=0.0, delta=0.1),
     "ROADMAP-distance": lambda: ROADMAPLoss(distance=LpDistance(), pos_margin=0.6, neg_margin=1.3, temperature=0.05),
 }
-INPUTS = ("labels", "ref_emb", "miner")
+# "labels": classes of 6, 4 and 2, so queries with unequal numbers of pairs (a group each);
+# "classes-of-4": every query with as many pairs (one group, as views of the pairs).
+INPUTS = ("labels", "classes-of-4", "ref_emb", "miner")
 
 
 def value_and_gradients(make_loss, inputs, device, fused, batch=40):
@@ -46,7 +48,8 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
     or the plain-torch panels, and whether the fused kernels ran."""
     generator = torch.Generator().manual_seed(0)
     labels = torch.arange(batch) // 4
-    labels[:6] = 100  # classes of 6, 4 and 2: panels of several sizes
+    if inputs != "classes-of-4":
+        labels[:6] = 100  # classes of 6, 4 and 2: panels of several sizes
     embeddings = torch.randn(batch, 16, generator=generator).to(device).requires_grad_()
     kwargs = {}
     if inputs == "ref_emb":
@@ -56,9 +59,10 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
     if inputs == "miner":
         kwargs = {"indices_tuple": MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
     calls = []
-    original = query_panels._fused, fused_calibration.calibration_terms
+    original = query_panels._fused, fused_calibration.calibration_terms, query_panels.query_panels
     query_panels._fused = lambda *args: calls.append("ranks") or original[0](*args)
     fused_calibration.calibration_terms = lambda *args: calls.append("calibration") or original[1](*args)
+    query_panels.query_panels = lambda *args, **kw: calls.append("groups") or original[2](*args, **kw)
     runs_on = fused_ranks.runs_on
     if not fused:
         fused_ranks.runs_on = lambda *args: False
@@ -66,7 +70,8 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
         loss = make_loss()(embeddings, labels, **kwargs)
         loss.backward()
     finally:
-        (query_panels._fused, fused_calibration.calibration_terms), fused_ranks.runs_on = original, runs_on
+        (query_panels._fused, fused_calibration.calibration_terms, query_panels.query_panels) = original
+        fused_ranks.runs_on = runs_on
     tensors = [embeddings, *(kwargs.get("ref_emb", None),)]
     return loss.detach(), [t.grad for t in tensors if t is not None], set(calls)
 
@@ -74,8 +79,11 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
 def check_fused_equals_torch(name, inputs, device, batch=40):
     value, gradients, ran = value_and_gradients(LOSSES[name], inputs, device, True, batch)
     expected, expected_gradients, ran_torch = value_and_gradients(LOSSES[name], inputs, device, False, batch)
-    # ROADMAP's calibration with its default reducer has its own fused pass.
-    assert ran == ({"ranks", "calibration"} if name.startswith("ROADMAP") else {"ranks"}) and not ran_torch
+    # ROADMAP's calibration with its default reducer has its own fused pass; with queries of
+    # equally many pairs, the fused path takes them as one group without cutting any.
+    assert ran - {"groups"} == ({"ranks", "calibration"} if name.startswith("ROADMAP") else {"ranks"})
+    if inputs in ("labels", "classes-of-4"):
+        assert ("groups" in ran) == (inputs == "labels") and "groups" in ran_torch
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
     for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
         assert gradient.abs().max() > 0
