@@ -13,6 +13,7 @@ from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, DoNothingReducer, MeanReducer, MultipleReducers
+from pytorch_metric_learning.regularizers import LpRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from pml_rank.harness.references import roadmap as reference
@@ -214,6 +215,26 @@ def test_the_calibration_averaged_in_the_loss_equals_pmls_avg_non_zero_reducer(r
     ours = ROADMAPLoss(lambda_=lambda_)(embeddings, labels, **kwargs)
     pmls = ROADMAPLoss(lambda_=lambda_, reducer=_reducing_in_pml())(embeddings, labels, **kwargs)
     assert_same_loss_and_gradients(ours, pmls, tensors)
+
+
+def test_the_default_reducer_adds_what_pmls_multiple_reducers_add():
+    """One level of reducers, one per sub-loss (an embedding regularizer's to the default
+    MeanReducer), summed without PML's buffer: PML's value and gradients, fewer operations."""
+    embeddings = seeded(48, seed=3, scale=2.0)
+    labels = torch.arange(48) // 4
+    ours = ROADMAPLoss(embedding_regularizer=LpRegularizer())
+    assert type(ours.reducer).__name__ == "SumOfReducers"
+    assert all(type(r) is not MultipleReducers for r in ours.reducer.reducers.values())
+    pmls = ROADMAPLoss(embedding_regularizer=LpRegularizer())
+    pmls.reducer = MultipleReducers(dict(ours.reducer.reducers), MeanReducer())
+    counts = []
+    for loss in (ours, pmls):
+        with OperationNames() as operations:
+            value = loss(embeddings, labels)
+            value.backward(retain_graph=True)
+        counts.append(sum(operations.names.values()))
+    assert_same_loss_and_gradients(ours(embeddings, labels), pmls(embeddings, labels), (embeddings,))
+    assert counts[0] < counts[1] - 10, counts
 
 
 def test_the_calibration_picks_no_pairs_out_and_waits_for_nothing():
