@@ -142,23 +142,26 @@ class FastAPFunction(torch.autograd.Function):
             flat_slots = position.view(torch.int32)
         else:
             flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
-        row_start = torch.arange(0, n * num_slots, num_slots, dtype=torch.int32, device=position.device)[:, None]
+        row_start = torch.arange(0, n * num_slots, num_slots, device=position.device)[:, None]
         for rows in _row_chunks(n, m, position.device):
             # Slots are small integers, computed exactly in floating point (float ops are
             # the fast ones; scatter_add_ then wants int64). At distance exactly 4 the
             # whole weight goes to the last centre, as the upper weight of the one before.
             lower = position[rows].floor().clamp_(max=num_bins - 1)
             upper_weight = position[rows].sub_(lower)
-            slot = torch.add(pair_copy, lower, alpha=INTERLEAVE)
+            # The slot, in place of `lower`: each temporary here is an N x M matrix at once
+            # on an accelerator (one chunk).
+            slot = lower.mul_(INTERLEAVE).add_(pair_copy)
             slot.add_(positive[rows].view(torch.uint8), alpha=num_centres * INTERLEAVE)
             index = slot.to(torch.int64)
+            del lower, slot
             excluded_rows = None if excluded is None else excluded[rows]
             _leave_out(upper_weight, excluded_rows, exclude_self, rows.start)
             hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
             lower_weight = upper_weight.neg_().add_(1)
             _leave_out(lower_weight, excluded_rows, exclude_self, rows.start)
             hist[rows].scatter_add_(1, index, lower_weight)
-            torch.add(slot.to(torch.int32), row_start[rows], out=flat_slots[rows])
+            flat_slots[rows].copy_(index.add_(row_start[rows]))
         del position
         hist = hist.view(n, 2, num_centres, INTERLEAVE).sum(-1)
         pos_hist = hist[:, 1]

@@ -13,6 +13,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from pytorch_metric_learning.utils.distributed import DistributedLossWrapper, get_indices_tuple
 
 import pml_rank
+from pml_rank import _device_policy
 from pml_rank.harness.references import fastap as reference
 from pml_rank.harness.speed import peak_memory
 from pml_rank.losses import FastAPLoss
@@ -207,6 +208,17 @@ def test_peak_memory_is_a_few_matrices_whatever_num_bins():
     assert max(peaks) < 6 * matrix
     # 95 more bins cost only per-query histograms (n x bins), not 95 more n x n pulses.
     assert peaks[1] - peaks[0] < 2 * matrix
+
+
+def test_peak_memory_on_an_accelerator_is_under_five_matrices(monkeypatch):
+    """Under the accelerator's policy the whole matrix is one chunk, so each temporary of
+    the histogram pass is an N x N matrix at once (6.7 matrices before the slots were
+    computed in place); the issue's bound is 4 times the similarity product's own peak."""
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
+    n = 512
+    embeddings, labels = batch(n=n, dim=8, classes=128, dtype=torch.float32)
+    peak = peak_memory(FastAPLoss(), (embeddings, labels), torch.device("cpu"))
+    assert peak < 5 * n * n * 4, f"{peak / (n * n * 4):.2f} matrices"
 
 
 def test_inside_distributed_loss_wrapper_single_process():
