@@ -13,6 +13,7 @@ from pytorch_metric_learning import trainers
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 import pml_rank
+from pml_rank.harness.speed import peak_memory
 from pml_rank.plugins import NameClashWarning
 
 
@@ -96,6 +97,17 @@ def test_binomial_deviance_picks_no_pairs_out_of_the_matrix():
     small, large = _operations(64), _operations(512)
     assert small == large
     assert not {"aten::nonzero", "aten::index", "aten::index_put", "aten::_local_scalar_dense"} & set(large)
+
+
+def test_binomial_deviance_keeps_under_four_similarity_matrices():
+    """Its backward pass recomputes the deviance's arguments instead of keeping them: 5.75
+    matrices at once before (batch 2048), autograd keeping the margins, the arguments and
+    the masked deviances of every pair."""
+    n = 512
+    embeddings = torch.randn(n, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    loss = pml_rank.registry.losses()["BinomialDevianceLoss"]()
+    peak = peak_memory(loss, (embeddings, torch.arange(n) // 4), torch.device("cpu"))
+    assert peak < 4 * n * n * 4, f"{peak / (n * n * 4):.2f} matrices"
 
 
 def _clustered_dataset(num_classes=8, per_class=16, dim=16, seed=0):

@@ -48,21 +48,54 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         # PML's pairs (`lmu.get_all_pairs_indices`): equal labels, less (i, i) when the
         # references are the batch.
         positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-        negative = ~positive
         self_pairs = len(labels) if ref_labels is labels else 0
         if self_pairs:
             positive.fill_diagonal_(False)
-        # -alpha for the positive pairs, alpha * cost for the negative ones.
-        factor = torch.full_like(sim, self.alpha * self.cost).masked_fill_(positive, -self.alpha)
-        deviance = F.softplus((sim - self.beta).mul_(factor))
         # Not mask.sum(): a sum of booleans converts them to int64 first. Every pair but
         # the self-pairs is positive or negative: one count gives both.
         num_positive = torch.count_nonzero(positive)
         num_negative = sim.numel() - self_pairs - num_positive
-        positive_mean = deviance.where(positive, 0).sum() / num_positive.clamp(min=1)
-        negative_mean = deviance.where(negative, 0).sum() / num_negative.clamp(min=1)
-        both = (num_positive > 0) & (num_negative > 0)
-        return torch.where(both, positive_mean + negative_mean, 0)
+        loss = _PairMeans.apply(
+            sim, positive, self_pairs > 0, num_positive, num_negative, self.alpha, self.beta, self.cost
+        )
+        return torch.where((num_positive > 0) & (num_negative > 0), loss, 0)
 
     def get_default_distance(self):
         return CosineSimilarity()
+
+
+class _PairMeans(torch.autograd.Function):
+    """The mean deviance softplus(m (s − β)) of the positive pairs (m = −α) plus that of the
+    negative pairs (m = α · cost) of a similarity matrix, self-pairs (its diagonal, when
+    `no_diagonal`) in neither. The backward pass recomputes m (s − β) from the
+    similarities: what autograd would keep of the elementwise steps (m, the arguments,
+    the masked deviances) is three more matrices at once, at batch 8192 over 5 times the
+    similarity product's own peak memory."""
+
+    @staticmethod
+    def forward(ctx, sim, positive, no_diagonal, num_positive, num_negative, alpha, beta, cost):
+        deviance = F.softplus(_arguments(sim, positive, alpha, beta, cost))
+        if no_diagonal:
+            deviance.diagonal().zero_()
+        positive_sum = deviance.where(positive, 0).sum()
+        negative_sum = deviance.sum() - positive_sum
+        ctx.save_for_backward(sim, positive, num_positive, num_negative)
+        ctx.constants = no_diagonal, alpha, beta, cost
+        return positive_sum / num_positive.clamp(min=1) + negative_sum / num_negative.clamp(min=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sim, positive, num_positive, num_negative = ctx.saved_tensors
+        no_diagonal, alpha, beta, cost = ctx.constants
+        # d/ds of softplus(m (s − β)) / count is σ(m (s − β)) · m / count.
+        grad_sim = _arguments(sim, positive, alpha, beta, cost).sigmoid_()
+        positive_count, negative_count = (n.clamp(min=1).to(sim.dtype) for n in (num_positive, num_negative))
+        grad_sim.mul_(torch.where(positive, -alpha / positive_count, alpha * cost / negative_count).mul_(grad))
+        if no_diagonal:
+            grad_sim.fill_diagonal_(0)
+        return grad_sim, None, None, None, None, None, None, None
+
+
+def _arguments(sim, positive, alpha, beta, cost):
+    """m (s − β): −α at the positive pairs, α · cost elsewhere."""
+    return torch.full_like(sim, alpha * cost).masked_fill_(positive, -alpha).mul_(sim - beta)
