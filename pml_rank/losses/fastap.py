@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
+from .query_panels import true_rows
 
 # Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
 MAX_DISTANCE = 4.0
@@ -67,11 +68,8 @@ class FastAPLoss(RankLossBase):
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self, num_positives, self.num_bins)
-        if self.num_queries == len(ap):
-            indices = torch.arange(len(ap), device=ap.device)
-        else:
-            indices = has_positive.nonzero(as_tuple=True)[0]
-            ap = ap[indices]
+        indices = true_rows(has_positive, self.num_queries)
+        ap = ap if self.num_queries == len(ap) else ap[indices]
         return {"loss": {"losses": 1 - ap, "indices": indices, "reduction_type": "element"}}
 
     def get_default_distance(self):

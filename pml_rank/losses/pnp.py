@@ -21,7 +21,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from .._checks import check_numbers
 from .base import RankLossBase, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
-from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
+from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
 SIGMOID_CLAMP = 50.0
@@ -89,7 +89,7 @@ class PNPLoss(RankLossBase):
         scores, positive, negative = with_query_as_positive(
             self.distance, embeddings, ref_emb, scores, positive, negative
         )
-        queries = torch.where(has_positive)[0]
+        queries = true_rows(has_positive, self.num_queries)
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
         pair_query, pair_positive = true_entries(positive)

@@ -63,6 +63,14 @@ def is_all_true(mask):
     return mask.numel() == 0 or bool(mask.view(torch.uint8).amin())
 
 
+def true_rows(mask, count):
+    """The indices of the True entries of a boolean vector with `count` of them (known
+    already): an arange when all are, without the `nonzero` that makes a GPU's host wait."""
+    if count == len(mask):
+        return torch.arange(count, device=mask.device)
+    return mask.nonzero(as_tuple=True)[0]
+
+
 def true_entries(mask):
     """``mask.nonzero(as_tuple=True)`` of a boolean matrix: rows and columns of its True
     entries in row-major order. A sparse mask is scanned eight bytes at a time (as

@@ -189,7 +189,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
             self.rank_temperature,
             self.recall_temperature,
         )
-        return {"loss": {"losses": 1 - recall, "indices": query_index[keep], "reduction_type": "element"}}
+        queries = query_index if self.num_queries == len(keep) else query_index[keep]
+        return {"loss": {"losses": 1 - recall, "indices": queries, "reduction_type": "element"}}
 
     def k_and_normalizer(self, ranked, positives, dtype):
         """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length

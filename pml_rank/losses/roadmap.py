@@ -34,7 +34,7 @@ from . import fused_calibration, fused_ranks
 from .base import RankLossBase, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
-from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries
+from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
 
 
 class SupAPBound:
@@ -139,7 +139,7 @@ class SupAPLoss(RankLossBase):
         scores, positive, negative = with_query_as_positive(
             self.distance, embeddings, ref_emb, scores, positive.clone(), negative.clone()
         )
-        queries = torch.where(has_positive)[0]
+        queries = true_rows(has_positive, self.num_queries)
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
         pair_query, pair_positive = true_entries(positive)

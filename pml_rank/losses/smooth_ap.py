@@ -29,7 +29,7 @@ from .base import (
     with_query_as_positive_pairs,
 )
 from .fused_ranks import FusedForm
-from .query_panels import any_per_row, left_out_of, own_columns, relaxed_ranks, true_entries
+from .query_panels import any_per_row, left_out_of, own_columns, relaxed_ranks, true_entries, true_rows
 
 
 class SmoothAPLoss(RankLossBase):
@@ -105,8 +105,9 @@ class SmoothAPLoss(RankLossBase):
             kept = has_positive[pair_query]
             pair_query, pair_positive = pair_query[kept], pair_positive[kept]
         ap = relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, 1 / self.temperature, left_out)
-        queries = torch.where(has_positive)[0]
-        return {"loss": {"losses": 1 - ap[queries], "indices": queries, "reduction_type": "element"}}
+        queries = true_rows(has_positive, self.num_queries)
+        ap = ap if self.num_queries == len(ap) else ap[queries]
+        return {"loss": {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}}
 
 
 class Sigmoid:
