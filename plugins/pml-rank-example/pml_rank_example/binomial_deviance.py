@@ -20,7 +20,8 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         with torch.autocast(embeddings.device.type, enabled=False):
             dtype = torch.promote_types(embeddings.dtype, torch.float32)
             queries = embeddings.to(dtype)
-            sim = self.distance(queries, queries if ref_emb is embeddings else ref_emb.to(dtype))
+            # No ref_emb for the batch against itself: PML's distance then normalises it once.
+            sim = self.distance(queries, None if ref_emb is embeddings else ref_emb.to(dtype))
             if indices_tuple is None:
                 loss = self.all_pairs_loss(sim, labels, ref_labels)
             else:
