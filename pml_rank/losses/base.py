@@ -1,10 +1,12 @@
 import contextlib
+import functools
 import math
+import operator
 
 import torch
 from pytorch_metric_learning.distances import BaseDistance
 from pytorch_metric_learning.losses import BaseMetricLossFunction
-from pytorch_metric_learning.reducers import BaseReducer
+from pytorch_metric_learning.reducers import BaseReducer, MultipleReducers
 from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
@@ -53,6 +55,13 @@ class RankLossBase(BaseMetricLossFunction):
         if "__init__" in cls.__dict__:
             checked_constructor(cls)
 
+    def set_reducer(self, reducer):
+        super().set_reducer(reducer)
+        built = self.reducer
+        if type(built) is MultipleReducers and built is not reducer:
+            # PML's for a loss with several sub-losses (an embedding regularizer's, too).
+            self.reducer = SumOfReducers(dict(built.reducers), built.default_reducer)
+
     def forward(self, embeddings, labels=None, indices_tuple=None, ref_emb=None, ref_labels=None):
         check_embeddings(self, embeddings=embeddings, ref_emb=ref_emb)
         self.distance.check_shapes(embeddings, ref_emb)
@@ -92,6 +101,24 @@ class RankLossBase(BaseMetricLossFunction):
             return self.distance(embeddings, ref_emb)
         with torch.autocast(embeddings.device.type, dtype=self.autocast_dtype):
             return self.distance(embeddings, ref_emb).float()
+
+
+class SumOfReducers(MultipleReducers):
+    """PML's `MultipleReducers` (each sub-loss to its reducer, the sum of the results),
+    adding the results directly: PML copies each into a zeros buffer and sums that, a
+    kernel per copy and more in the backward pass (28 of ROADMAP's 119 operations per
+    call; tests/losses/test_roadmap.py counts them). The rank losses' reducer wherever PML
+    would build a MultipleReducers itself."""
+
+    def forward(self, loss_dict, embeddings, labels):
+        self.reset_stats()
+        reduced = [
+            self.reducers[name]({name: info}, embeddings, labels)
+            if name in self.reducers
+            else self.default_reducer({name: info}, embeddings, labels)
+            for name, info in loss_dict.items()
+        ]
+        return functools.reduce(operator.add, reduced).to(embeddings.dtype)
 
 
 def autocast_dtype(device):

@@ -20,9 +20,7 @@ neg_margin β = 0.6, each of its two terms averaged over its non-zero pairs (the
 (1 − λ) L_SupAP + λ L_calibr.
 """
 
-import functools
 import math
-import operator
 
 import torch
 from pytorch_metric_learning.distances import CosineSimilarity
@@ -31,7 +29,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from . import fused_calibration, fused_ranks
-from .base import RankLossBase, pair_masks, with_query_as_positive
+from .base import RankLossBase, SumOfReducers, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
 from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
@@ -269,20 +267,3 @@ class ROADMAPLoss(SupAPLoss):
         while isinstance(reducer, MultipleReducers):
             reducer = reducer.reducers[name] if name in reducer.reducers else reducer.default_reducer
         return type(reducer) is AvgNonZeroReducer and not reducer.collect_stats
-
-
-class SumOfReducers(MultipleReducers):
-    """PML's `MultipleReducers` (each sub-loss to its reducer, the sum of the results),
-    adding the results directly: PML copies each into a zeros buffer and sums that, a
-    kernel per copy and more in the backward pass: 28 of ROADMAP's 119 operations per
-    call (tests/losses/test_roadmap.py counts them)."""
-
-    def forward(self, loss_dict, embeddings, labels):
-        self.reset_stats()
-        reduced = [
-            self.reducers[name]({name: info}, embeddings, labels)
-            if name in self.reducers
-            else self.default_reducer({name: info}, embeddings, labels)
-            for name, info in loss_dict.items()
-        ]
-        return functools.reduce(operator.add, reduced).to(embeddings.dtype)

@@ -1,8 +1,12 @@
 import pytest
 import torch
+from aten_counts import OperationNames
+from loss_checks import assert_same_loss_and_gradients, seeded
+from pytorch_metric_learning.reducers import MeanReducer, MultipleReducers
 
 from pml_rank._checks import check_embeddings
-from pml_rank.losses.base import RankLossBase
+from pml_rank.losses import NPairsMCLoss
+from pml_rank.losses.base import RankLossBase, SumOfReducers
 
 
 class _Toy(RankLossBase):
@@ -75,3 +79,23 @@ def test_a_loss_that_overflows_on_finite_input_is_an_error_naming_the_scale():
     with pytest.raises(ValueError, match=r"_Gram: the loss overflowed to inf .* largest norm is 1\.73e\+20"):
         _Gram()(embeddings, torch.arange(2))
     assert torch.isfinite(_Gram()(embeddings / 1e20, torch.arange(2)))
+
+
+def test_several_sub_losses_are_summed_without_pmls_buffer():
+    """Where PML builds a MultipleReducers itself (N-pair's own L2 regularizer, a reducer
+    given for every sub-loss), the rank losses take `SumOfReducers`: PML's sum, value and
+    gradients, in fewer operations; a MultipleReducers given by the user stays as given."""
+    embeddings, labels = seeded(32, seed=2), torch.arange(32) // 4
+    given = MultipleReducers({"loss": MeanReducer()})
+    assert NPairsMCLoss(reducer=given).reducer is given
+    for reducer in (None, MeanReducer()):
+        ours = NPairsMCLoss(reducer=reducer)
+        assert type(ours.reducer) is SumOfReducers and set(ours.reducer.reducers) == {"loss", "embedding_reg_loss"}
+        pmls = NPairsMCLoss(reducer=MultipleReducers(dict(ours.reducer.reducers)))
+        counts = []
+        for loss in (ours, pmls):
+            with OperationNames() as operations:
+                loss(embeddings, labels).backward(retain_graph=True)
+            counts.append(sum(operations.names.values()))
+        assert_same_loss_and_gradients(ours(embeddings, labels), pmls(embeddings, labels), (embeddings,))
+        assert counts[0] < counts[1] - 5, counts
