@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from . import _device_policy
+from . import _device_policy, fused_counts
 from ._checks import check_embeddings, check_numbers
 
 __all__ = [
@@ -316,7 +316,9 @@ def _counts(scores, values, slots):
 def _summed_per_threshold(scores, thresholds):
     """[sequences, thresholds] int32: how many elements of each sequence exceed each of
     its thresholds. Summed chunk by chunk straight into one float tensor (exact, see
-    `_count_dtype`), converted once."""
+    `_count_dtype`), converted once; on a GPU by `fused_counts`."""
+    if fused_counts.applies(scores, thresholds):
+        return fused_counts.counts_above(scores, thresholds)
     counts = torch.empty(thresholds.shape, dtype=_count_dtype(scores), device=scores.device)
     for part, larger in _compared(scores, thresholds):
         torch.sum(larger, -1, dtype=counts.dtype, out=counts[part])
@@ -399,13 +401,17 @@ def _crossings_without_ties(scores, values, new_values, above, slots):
     # float just below it); one equal to a positive that moved down stays below (x > new).
     below = torch.nextafter(new_values, _minus_infinity(new_values))
     thresholds = torch.where(new_values > values, below, new_values)
-    change = torch.empty_like(scores)
-    greater = torch.empty(slots.shape, dtype=_count_dtype(scores), device=scores.device)
-    for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
-        above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
-        torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
-        torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
-    greater = greater.to(torch.int32)
+    if fused_counts.applies(scores, thresholds):
+        greater = fused_counts.counts_above(scores, thresholds)
+        change = fused_counts.changes(scores, values, thresholds)
+    else:
+        change = torch.empty_like(scores)
+        greater = torch.empty(slots.shape, dtype=_count_dtype(scores), device=scores.device)
+        for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
+            above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
+            torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
+            torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
+        greater = greater.to(torch.int32)
     # In the positives' columns the perturbed sequence holds new_values, not values:
     # take out what the pass counted there and count the perturbed positives above each
     # other (equal ones in forward order: no two positives are equal before).

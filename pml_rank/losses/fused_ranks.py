@@ -25,29 +25,23 @@ CUDA under the `cuda` marker), and it runs wherever this one cannot (no Triton, 
 float64, a kernel without a ``fused`` form).
 """
 
-import contextlib
 import math
-import os
 from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
+from .._triton import interpreted, on_device, runs_on, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - torch's CUDA wheels bring Triton
-    triton = None
 
 # Pairs per program of the sums kernel and references per step: a [16, 256] tile of float32
 # scores (16 KB) at a time; references per program of the Jacobian kernel.
 PAIRS_PER_BLOCK = 16
 REFERENCES_PER_STEP = 256
 REFERENCES_PER_BLOCK = 1024
-# The oldest CUDA GPUs Triton compiles for (as torch.compile's Triton backend requires).
-MIN_CAPABILITY = (7, 0)
-# Whether Triton runs its interpreter on the CPU: read when Triton defines the kernels,
-# as Triton itself does.
-_INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+__all__ = ["FusedForm", "applies", "interpreted", "jacobian", "on_device", "pair_sums", "runs_on"]
 
 
 class FusedForm(NamedTuple):
@@ -61,23 +55,6 @@ class FusedForm(NamedTuple):
     start: float = 0.0
     jump: float = 0.0
     slope_floor: float = 0.0
-
-
-def interpreted():
-    """Whether Triton runs its interpreter on the CPU (TRITON_INTERPRET=1 when this module was
-    imported): then the fused kernels take CPU tensors, which is how the CPU's tests hold
-    them equal to the plain-torch path."""
-    return _INTERPRETED
-
-
-def runs_on(tensor):
-    """Whether Triton kernels run on this tensor: float32 on a CUDA device Triton compiles
-    for, or on the CPU under Triton's interpreter."""
-    if triton is None or tensor.dtype != torch.float32:
-        return False
-    if tensor.device.type == "cuda":
-        return torch.cuda.get_device_capability(tensor.device) >= MIN_CAPABILITY
-    return _INTERPRETED and tensor.device.type == "cpu"
 
 
 def applies(scores, kernel):
@@ -116,12 +93,6 @@ def _matrices(scores, weights):
     """The kernels' first arguments: the scores, the weights (the scores again when there are
     none: HAS_WEIGHTS keeps them unread) and their row strides."""
     return scores, scores.stride(0), scores if weights is None else weights, 0 if weights is None else weights.stride(0)
-
-
-def on_device(device):
-    """The context that makes `device` current for a launch: Triton launches on the current
-    CUDA device, which need not be the tensors' (cuda:1 while cuda:0 is current)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale):

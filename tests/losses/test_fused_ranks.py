@@ -14,8 +14,10 @@ import torch
 from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
 
+from pml_rank import _device_policy, fused_counts, ranking
 from pml_rank.losses import (
     PNPLoss,
+    RaMBORecallLoss,
     RecallAtKSurrogateLoss,
     ROADMAPLoss,
     SmoothAPLoss,
@@ -112,6 +114,82 @@ def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
     check_fused_equals_torch(name, inputs, "cpu")
 
 
+# RaMBO's counting (`fused_counts`): recall with labels and with `ref_emb`, the AP loss on
+# sequences of scores;
+# similarities rounded to 2 decimals have ties, which the kernels count as the passes do.
+RAMBO_CASES = ("recall", "recall-ties", "recall-ref_emb", "ap")
+
+
+def rambo_value_and_gradients(case, device, fused):
+    """RaMBO's loss and gradients under the accelerator's policy, with the counting
+    kernels or the plain-torch passes, and whether the kernels ran."""
+    generator = torch.Generator().manual_seed(1)
+    calls = []
+    original = fused_counts.applies, _device_policy.sized_for
+    fused_counts.applies = lambda *args: (fused and original[0](*args)) and not calls.append("counts")
+    _device_policy.sized_for = lambda device: "memory"
+    try:
+        if case == "ap":
+            scores = torch.randn(6, 300, generator=generator).to(device).requires_grad_()
+            targets = (torch.rand(6, 300, generator=generator) < 0.01).to(device)
+            targets[:, 0] = True
+            loss, tensors = ranking.average_precision_loss(scores, targets), [scores]
+        else:
+            embeddings = torch.randn(48, 8, generator=generator)
+            if case == "recall-ties":
+                embeddings = embeddings.round(decimals=0)
+            embeddings = embeddings.to(device).requires_grad_()
+            labels = (torch.arange(48) // 3).to(device)
+            kwargs = {}
+            if case == "recall-ref_emb":
+                kwargs = {"ref_emb": torch.randn(40, 8, generator=generator).to(device).requires_grad_()}
+                kwargs["ref_labels"] = (torch.arange(40) // 4).to(device)
+            loss = RaMBORecallLoss(memory_size=0)(embeddings, labels, **kwargs)
+            tensors = [embeddings, *kwargs.values()][: 2 if kwargs else 1]
+        gradients = torch.autograd.grad(loss, tensors)
+    finally:
+        fused_counts.applies, _device_policy.sized_for = original
+    return loss.detach(), gradients, bool(calls)
+
+
+def check_counting_kernels_equal_the_passes(case, device):
+    value, gradients, ran = rambo_value_and_gradients(case, device, True)
+    expected, expected_gradients, _ = rambo_value_and_gradients(case, device, False)
+    assert ran
+    # Counts are exact: the same ranks, so the same loss and gradients to the last bit.
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
+        assert gradient.abs().max() > 0
+        torch.testing.assert_close(gradient, expected_gradient, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", RAMBO_CASES)
+def test_counting_kernels_on_cuda_equal_the_passes(case):
+    check_counting_kernels_equal_the_passes(case, "cuda")
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("case", RAMBO_CASES)
+def test_interpreted_counting_kernels_equal_the_passes(case):
+    check_counting_kernels_equal_the_passes(case, "cpu")
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+def test_interpreted_counts_of_a_formula():
+    """Straight from the definitions, with ties, NaN padding and a sequence longer than a
+    step of the kernel."""
+    generator = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 2 * fused_counts.ELEMENTS_PER_STEP + 5, generator=generator).round(decimals=1)
+    thresholds = torch.randn(3, 6, generator=generator).round(decimals=1)
+    thresholds[0, 4:] = float("nan")
+    expected = (scores[:, None, :] > thresholds[:, :, None]).sum(-1, dtype=torch.int32)
+    assert torch.equal(fused_counts.counts_above(scores, thresholds), expected)
+    before, after = thresholds[:, :3], thresholds[:, 3:]
+    passed = (scores[:, None, :] > before[:, :, None]).float() - (scores[:, None, :] > after[:, :, None]).float()
+    assert torch.equal(fused_counts.changes(scores, before, after), passed.sum(1))
+
+
 def test_plain_torch_path_where_the_kernels_cannot_run():
     """float64 scores, a kernel without a fused form, and the CPU outside Triton's
     interpreter take the plain-torch panels."""
@@ -144,4 +222,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"{len(LOSSES) * len(INPUTS)} passed" in result.stdout, result.stdout[-1000:]
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 1
+    assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
