@@ -63,8 +63,9 @@ def applies(scores, kernel):
     return runs_on(scores) and hasattr(kernel, "fused")
 
 
-def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
-    """S [pairs] and, when `with_slopes`, T [pairs] (else None) of `_sums_kernel`."""
+def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_own):
+    """S [pairs] and, when `with_slopes`, T [pairs] (else None) of `_sums_kernel`; with
+    `skip_own`, weight 0 at each query's own column (q, q)."""
     pairs = len(pair_query)
     sums = scores.new_empty(pairs)
     slopes = scores.new_empty(pairs) if with_slopes else sums
@@ -82,6 +83,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes):
                 float(scale),
                 *map(float, form),
                 HAS_WEIGHTS=weights is not None,
+                SKIP_OWN=skip_own,
                 WITH_SLOPES=with_slopes,
                 BLOCK_P=PAIRS_PER_BLOCK,
                 BLOCK_J=REFERENCES_PER_STEP,
@@ -95,10 +97,11 @@ def _matrices(scores, weights):
     return scores, scores.stride(0), scores if weights is None else weights, 0 if weights is None else weights.stride(0)
 
 
-def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale):
+def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale, skip_own):
     """[queries, references] Jacobian of `_jacobian_kernel`: `pair_offsets` [queries + 1]
     delimits each query's pairs; `pair_gradients` G_p (the formula's gradient by S_p, times
-    `scale`) and `own_gradients` (what each pair's own column gains besides)."""
+    `scale`) and `own_gradients` (what each pair's own column gains besides); with
+    `skip_own`, weight 0 at each query's own column (q, q)."""
     out = torch.empty_like(scores)
     if out.numel():
         grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
@@ -116,6 +119,7 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
                 float(scale),
                 *map(float, form),
                 HAS_WEIGHTS=weights is not None,
+                SKIP_OWN=skip_own,
                 BLOCK_J=REFERENCES_PER_BLOCK,
             )
     return out
@@ -162,6 +166,7 @@ if triton is not None:
         jump,
         slope_floor,
         HAS_WEIGHTS: tl.constexpr,
+        SKIP_OWN: tl.constexpr,
         WITH_SLOPES: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_J: tl.constexpr,
@@ -175,6 +180,8 @@ if triton is not None:
         for first in range(0, references, BLOCK_J):
             j = first + tl.arange(0, BLOCK_J)
             inside = in_pairs[:, None] & (j < references)[None, :]
+            if SKIP_OWN:
+                inside = inside & (j[None, :] != query[:, None])
             s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
             x = s * scale - own_score[:, None]
             sigmoid = _sigmoid(x, temperature, limit)
@@ -215,6 +222,7 @@ if triton is not None:
         jump,
         slope_floor,
         HAS_WEIGHTS: tl.constexpr,
+        SKIP_OWN: tl.constexpr,
         BLOCK_J: tl.constexpr,
     ):
         query = tl.program_id(0).to(tl.int64)
@@ -232,4 +240,6 @@ if triton is not None:
             own_columns += tl.where(j == tl.load(pair_positive + p), tl.load(own_gradients + p), 0.0)
         if HAS_WEIGHTS:
             through_sums = through_sums * tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
+        if SKIP_OWN:
+            through_sums = tl.where(j == query, 0.0, through_sums)
         tl.store(out + query * out_stride + j, through_sums + own_columns, mask=inside)

@@ -132,10 +132,16 @@ def left_out_of(positive, negative):
     return None if is_all_true(ranked) else ranked.logical_not_()
 
 
+class OwnColumns(tuple):
+    """``(queries, queries)``: each query's own column (q, q), in `left_out_filled_`'s index
+    form, known to be no more than that: the fused kernels skip these columns themselves
+    instead of reading a [queries, references] matrix of weights with zeros there."""
+
+
 def own_columns(num_queries, device):
-    """Each query's own column, (q, q) for every query q, in `left_out_filled_`'s index
-    form: what a ranking by labels leaves out when the references are the batch."""
-    return (torch.arange(num_queries, device=device),) * 2
+    """Each query's own column, (q, q) for every query q (`OwnColumns`): what a ranking by
+    labels leaves out when the references are the batch."""
+    return OwnColumns((torch.arange(num_queries, device=device),) * 2)
 
 
 def left_out_per_query(left_out, num_queries):
@@ -143,6 +149,8 @@ def left_out_per_query(left_out, num_queries):
     query's ranking."""
     if left_out is None:
         return 0
+    if isinstance(left_out, OwnColumns):
+        return 1
     if torch.is_tensor(left_out):
         return row_counts(left_out)
     return torch.bincount(left_out[0], minlength=num_queries)
@@ -286,13 +294,14 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     """`_panel_by_panel`'s values and Jacobian from `fused_ranks`' two kernels, with the
     formula applied once per group of queries with equally many pairs."""
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
-    weights = _weights_with(left_out, weights, scores)
+    skip_own = isinstance(left_out, OwnColumns)
+    weights = _weights_with(None if skip_own else left_out, weights, scores)
     if weights is not None and weights.stride(1) != 1:
         weights = weights.contiguous()
     own = scores[pair_query, pair_positive]
     if scale != 1:
         own = own * scale
-    sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian)
+    sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian, skip_own)
     per_query = torch.bincount(pair_query, minlength=len(scores))
     fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
     if fewest == most > 0:
@@ -319,7 +328,7 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
     torch.cumsum(per_query, 0, out=offsets[1:])
     jacobian = fused_ranks.jacobian(
-        scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale
+        scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale, skip_own
     )
     return values, jacobian
 

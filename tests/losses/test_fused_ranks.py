@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from pytorch_metric_learning.distances import LpDistance
+from pytorch_metric_learning.distances import DotProductSimilarity, LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
 
 from pml_rank import _device_policy, fused_counts, ranking
@@ -31,6 +31,10 @@ from pml_rank.losses.smooth_ap import Sigmoid
 LOSSES = {
     "SmoothAP": SmoothAPLoss,
     "SmoothAP-no-query": lambda: SmoothAPLoss(include_query=False),
+    # Unnormalised: each query's own column, left out, then has a gradient of its own.
+    "SmoothAP-no-query-dot": lambda: SmoothAPLoss(
+        include_query=False, temperature=2.0, distance=DotProductSimilarity(normalize_embeddings=False)
+    ),
     "Recall@k": RecallAtKSurrogateLoss,
     "Recall@k-query-in-ranking": lambda: RecallAtKSurrogateLoss(query_in_ranking=True),
     "PNP": PNPLoss,
