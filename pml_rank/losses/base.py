@@ -170,6 +170,14 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
     return positive, negative
 
 
+def negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
+    """`labels` when a ranking's negatives are exactly the batch's pairs of different labels
+    (by labels, no `indices_tuple`, the batch its own references), else None: the form
+    `query_panels.negative_weights` takes."""
+    batch = indices_tuple is None and ref_emb is embeddings and reference_is_batch(labels, ref_labels)
+    return labels if batch else None
+
+
 def label_pairs(labels, ref_labels, with_self=False):
     """The positive pairs by label as ``(queries, references)`` index tensors in row-major
     order: ``true_entries(pair_masks(labels, ref_labels)[0])``. (i, i) is left out when

@@ -82,7 +82,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_o
                 scores.shape[1],
                 float(scale),
                 *map(float, form),
-                HAS_WEIGHTS=weights is not None,
+                WEIGHTS=_weights_form(weights),
                 SKIP_OWN=skip_own,
                 WITH_SLOPES=with_slopes,
                 BLOCK_P=PAIRS_PER_BLOCK,
@@ -91,10 +91,25 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_o
     return sums, slopes if with_slopes else None
 
 
+# How the kernels weigh each (query q, reference j): by 1, by a float [queries, references]
+# matrix, or by labels: 1 where the query's label differs from the reference's, else 0.
+NO_WEIGHTS, WEIGHT_MATRIX, WEIGHTS_BY_LABEL = 0, 1, 2
+
+
+def _weights_form(weights):
+    if weights is None:
+        return NO_WEIGHTS
+    return WEIGHT_MATRIX if torch.is_tensor(weights) else WEIGHTS_BY_LABEL
+
+
 def _matrices(scores, weights):
-    """The kernels' first arguments: the scores, the weights (the scores again when there are
-    none: HAS_WEIGHTS keeps them unread) and their row strides."""
-    return scores, scores.stride(0), scores if weights is None else weights, 0 if weights is None else weights.stride(0)
+    """The kernels' first arguments: the scores and their row stride, the weight matrix and
+    its row stride, the query and reference labels (`_weights_form`; the scores where the
+    form reads none, and strides 0)."""
+    form = _weights_form(weights)
+    matrix = weights if form == WEIGHT_MATRIX else scores
+    labels, ref_labels = weights if form == WEIGHTS_BY_LABEL else (scores, scores)
+    return scores, scores.stride(0), matrix, matrix.stride(0) if form == WEIGHT_MATRIX else 0, labels, ref_labels
 
 
 def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale, skip_own):
@@ -118,7 +133,7 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
                 scores.shape[1],
                 float(scale),
                 *map(float, form),
-                HAS_WEIGHTS=weights is not None,
+                WEIGHTS=_weights_form(weights),
                 SKIP_OWN=skip_own,
                 BLOCK_J=REFERENCES_PER_BLOCK,
             )
@@ -151,6 +166,8 @@ if triton is not None:
         score_stride,
         weights,
         weight_stride,
+        labels,
+        ref_labels,
         pair_query,
         own,
         sums,
@@ -165,7 +182,7 @@ if triton is not None:
         start,
         jump,
         slope_floor,
-        HAS_WEIGHTS: tl.constexpr,
+        WEIGHTS: tl.constexpr,
         SKIP_OWN: tl.constexpr,
         WITH_SLOPES: tl.constexpr,
         BLOCK_P: tl.constexpr,
@@ -175,6 +192,8 @@ if triton is not None:
         in_pairs = p < pairs
         query = tl.load(pair_query + p, mask=in_pairs, other=0).to(tl.int64)
         own_score = tl.load(own + p, mask=in_pairs, other=0.0)
+        if WEIGHTS == 2:
+            query_label = tl.load(labels + query, mask=in_pairs, other=0)
         total = tl.zeros([BLOCK_P], dtype=tl.float32)
         total_slope = tl.zeros([BLOCK_P], dtype=tl.float32)
         for first in range(0, references, BLOCK_J):
@@ -186,13 +205,17 @@ if triton is not None:
             x = s * scale - own_score[:, None]
             sigmoid = _sigmoid(x, temperature, limit)
             value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump)
-            if HAS_WEIGHTS:
+            if WEIGHTS == 1:
                 w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
+                value = value * w
+            if WEIGHTS == 2:
+                ref_label = tl.load(ref_labels + j, mask=j < references, other=0)
+                w = (ref_label[None, :] != query_label[:, None]).to(tl.float32)
                 value = value * w
             total += tl.sum(tl.where(inside, value, 0.0), axis=1)
             if WITH_SLOPES:
                 slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor)
-                if HAS_WEIGHTS:
+                if WEIGHTS != 0:
                     slope = slope * w
                 total_slope += tl.sum(tl.where(inside, slope, 0.0), axis=1)
         tl.store(sums + p, total, mask=in_pairs)
@@ -205,6 +228,8 @@ if triton is not None:
         score_stride,
         weights,
         weight_stride,
+        labels,
+        ref_labels,
         pair_offsets,
         pair_positive,
         own,
@@ -221,7 +246,7 @@ if triton is not None:
         start,
         jump,
         slope_floor,
-        HAS_WEIGHTS: tl.constexpr,
+        WEIGHTS: tl.constexpr,
         SKIP_OWN: tl.constexpr,
         BLOCK_J: tl.constexpr,
     ):
@@ -238,8 +263,11 @@ if triton is not None:
             slope = _slope(x, _sigmoid(x, temperature, limit), temperature, delta, rho, slope_floor)
             through_sums += tl.load(pair_gradients + p) * slope
             own_columns += tl.where(j == tl.load(pair_positive + p), tl.load(own_gradients + p), 0.0)
-        if HAS_WEIGHTS:
+        if WEIGHTS == 1:
             through_sums = through_sums * tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
+        if WEIGHTS == 2:
+            ref_label = tl.load(ref_labels + j, mask=inside, other=0)
+            through_sums = tl.where(ref_label != tl.load(labels + query), through_sums, 0.0)
         if SKIP_OWN:
             through_sums = tl.where(j == query, 0.0, through_sums)
         tl.store(out + query * out_stride + j, through_sums + own_columns, mask=inside)

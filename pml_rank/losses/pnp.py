@@ -19,9 +19,9 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks, with_query_as_positive
+from .base import RankLossBase, negatives_by_label, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
-from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
+from .query_panels import any_per_row, negative_weights, relaxed_ranks, true_entries, true_rows
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
 SIGMOID_CLAMP = 50.0
@@ -93,7 +93,8 @@ class PNPLoss(RankLossBase):
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
         pair_query, pair_positive = true_entries(positive)
-        weights = mask_weights(negative, scores.dtype)
+        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
+        weights = negative_weights(negative, scores.dtype, by_label, queries)
         kernel = ClampedSigmoid(self.anneal)
         formula = MeanPenalty(self.variant, self.alpha, self.b)
         losses = relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, weights=weights)

@@ -132,6 +132,29 @@ def left_out_of(positive, negative):
     return None if is_all_true(ranked) else ranked.logical_not_()
 
 
+class LabelWeights(NamedTuple):
+    """`RelaxedRanks`'s weights w_qj = 1 where ``labels[q] != ref_labels[j]``, else 0: a
+    ranking by labels over the negatives alone, without a [queries, references] matrix of
+    weights (the fused kernels compare the labels themselves; the panels build a panel's
+    rows at a time)."""
+
+    labels: torch.Tensor
+    ref_labels: torch.Tensor
+
+    def rows(self, queries, dtype):
+        """The weights of the rows of `queries` (a slice or indices), as a float matrix."""
+        return mask_weights(self.labels[queries].unsqueeze(1) != self.ref_labels.unsqueeze(0), dtype)
+
+
+def negative_weights(negative, dtype, labels=None, queries=None):
+    """Weights 1 at the negatives of each ranking, else 0, for `RelaxedRanks`: from the
+    batch's `labels` (`base.negatives_by_label`) for the rows `queries` (None: all), else
+    the boolean mask `negative` as a float matrix."""
+    if labels is None:
+        return mask_weights(negative, dtype)
+    return LabelWeights(labels if queries is None or len(queries) == len(labels) else labels[queries], labels)
+
+
 class OwnColumns(tuple):
     """``(queries, queries)``: each query's own column (q, q), in `left_out_filled_`'s index
     form, known to be no more than that: the fused kernels skip these columns themselves
@@ -217,7 +240,7 @@ class RelaxedRanks(torch.autograd.Function):
 
     where w_qj is 0 at the pairs `left_out` of q's ranking (see `left_out_filled_`: x is
     −inf there, where h and its slope must vanish) and else `weights[q, j]` (a float
-    [queries, references] matrix, or 1 when None). Each query's value is
+    [queries, references] matrix, `LabelWeights`, or 1 when None). Each query's value is
     ``formula(S, own, queries)`` of its sums and its own scaled scores scale · s_qi, for
     the r queries of a panel with c pairs each ([r, c] tensors; `queries` selects theirs
     from per-query tensors); 0 for a query without pairs; a formula may carry its own
@@ -296,7 +319,7 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     skip_own = isinstance(left_out, OwnColumns)
     weights = _weights_with(None if skip_own else left_out, weights, scores)
-    if weights is not None and weights.stride(1) != 1:
+    if torch.is_tensor(weights) and weights.stride(1) != 1:
         weights = weights.contiguous()
     own = scores[pair_query, pair_positive]
     if scale != 1:
@@ -355,12 +378,21 @@ def _weights_with(left_out, weights, scores):
     the panels' −inf; None when both are None."""
     if left_out is None:
         return weights
+    if isinstance(weights, LabelWeights):
+        weights = weights.rows(slice(None), scores.dtype)
     if torch.is_tensor(left_out):
         kept = mask_weights(left_out.logical_not(), scores.dtype)
     else:
         kept = torch.ones_like(scores)
         kept[left_out] = 0
     return kept if weights is None else kept.mul_(weights)
+
+
+def _weights_of_rows(weights, queries, dtype):
+    """The [r, references] weights of the rows of `queries`; None for all 1."""
+    if weights is None:
+        return None
+    return weights.rows(queries, dtype) if isinstance(weights, LabelWeights) else weights[queries]
 
 
 def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
@@ -384,7 +416,7 @@ def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, l
         panel_own = own[pairs]
         x = differences(rows, panel_own, buffer)
         kernel_values = kernel.value(x)
-        panel_weights = None if weights is None else weights[queries]
+        panel_weights = _weights_of_rows(weights, queries, scores.dtype)
         if panel_weights is None:
             sums = kernel_values.sum(2)
         else:

@@ -29,10 +29,10 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from . import fused_calibration, fused_ranks
-from .base import RankLossBase, SumOfReducers, pair_masks, with_query_as_positive
+from .base import RankLossBase, SumOfReducers, negatives_by_label, pair_masks, with_query_as_positive
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
-from .query_panels import any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
+from .query_panels import any_per_row, negative_weights, relaxed_ranks, true_entries, true_rows
 
 
 class SupAPBound:
@@ -120,15 +120,17 @@ class SupAPLoss(RankLossBase):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb)}
+        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
+        return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb, by_label)}
 
     def pairs(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """The distance matrix and the positive and negative pair masks."""
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
         return self.similarity_matrix(embeddings, ref_emb), positive, negative
 
-    def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
-        """PML loss info of 1 − AP per query with a positive (0 when there is none)."""
+    def ap_losses(self, matrix, positive, negative, embeddings, ref_emb, labels=None):
+        """PML loss info of 1 − AP per query with a positive (0 when there is none);
+        `labels`: `negatives_by_label`'s."""
         has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
@@ -142,7 +144,7 @@ class SupAPLoss(RankLossBase):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
         pair_query, pair_positive = true_entries(positive)
         bound = SupAPBound(self.temperature, self.rho, self.offset, self.delta, self.start)
-        weights = mask_weights(negative, scores.dtype)
+        weights = negative_weights(negative, scores.dtype, labels, queries)
         ap = relaxed_ranks(scores, pair_query, pair_positive, bound, supap, weights=weights)
         return {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}
 
@@ -212,7 +214,8 @@ class ROADMAPLoss(SupAPLoss):
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
+        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
+        ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb, by_label)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
         if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_ranks.runs_on(matrix):
