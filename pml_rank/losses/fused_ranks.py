@@ -18,8 +18,11 @@ plain-torch path gives as its ``fused`` attribute:
     h(x)  = σ(clamp(min(x, δ) / τ, −L, L)) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ]
     h'(x) = ρ where x > δ, else σ(clamp(x / τ, −L, L))' / τ; 0 where it is at most `slope_floor`
 
-(Smooth-AP's sigmoid, PNP's and Recall@k's clamped sigmoids, SupAP's bound H⁻.) Pairs left
-out of a ranking get weight 0 (the torch path's −inf). The plain-torch path stays the
+(Smooth-AP's sigmoid, PNP's and Recall@k's clamped sigmoids, SupAP's bound H⁻.) The weights
+w_qj are 1, a float matrix, or 1 where the query's and the reference's labels differ
+(`query_panels.LabelWeights`); pairs left out of a ranking get weight 0 (the torch path's
+−inf), and each query's own column (q, q) is skipped without weights when it is all that a
+ranking leaves out (`query_panels.OwnColumns`). The plain-torch path stays the
 reference: the tests hold this one equal to it (in Triton's interpreter on the CPU, on
 CUDA under the `cuda` marker), and it runs wherever this one cannot (no Triton, the CPU,
 float64, a kernel without a ``fused`` form).
