@@ -321,13 +321,19 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     weights = _weights_with(None if skip_own else left_out, weights, scores)
     if torch.is_tensor(weights) and weights.stride(1) != 1:
         weights = weights.contiguous()
+    # The groups' sizes, read back before the sums kernel is queued: the host then queues the
+    # formula's operations while the device sums (at batch 8192, a millisecond).
+    per_query = torch.bincount(pair_query, minlength=len(scores))
+    fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
+    uniform = fewest == most > 0
+    if not uniform:
+        # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
+        groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
     own = scores[pair_query, pair_positive]
     if scale != 1:
         own = own * scale
     sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian, skip_own)
-    per_query = torch.bincount(pair_query, minlength=len(scores))
-    fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
-    if fewest == most > 0:
+    if uniform:
         # Every query has c pairs, in order: the group is [queries, c] views, no gathers.
         values, pair_gradients, own_gradients = _formula_on_group(
             formula, slice(0, len(scores)), *(t.view(-1, most) for t in (sums, own)), slopes, scale, with_jacobian
@@ -338,8 +344,6 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
         values = scores.new_zeros(len(scores))
         pair_gradients = torch.empty_like(sums) if with_jacobian else None
         own_gradients = torch.empty_like(sums) if with_jacobian else None
-        # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
-        groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
         for queries, pairs in groups:
             values[queries], grad_sums, own_column = _formula_on_group(
                 formula, queries, sums[pairs], own[pairs], slopes, scale, with_jacobian, pairs

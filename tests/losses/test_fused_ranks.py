@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from aten_counts import OperationNames
 from pytorch_metric_learning.distances import DotProductSimilarity, LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
 
@@ -26,7 +27,7 @@ from pml_rank.losses import (
     fused_ranks,
     query_panels,
 )
-from pml_rank.losses.smooth_ap import Sigmoid
+from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
 
 LOSSES = {
     "SmoothAP": SmoothAPLoss,
@@ -116,6 +117,34 @@ def test_fused_kernels_on_cuda_at_batch_3000(name):
 @pytest.mark.parametrize("name", LOSSES)
 def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
     check_fused_equals_torch(name, inputs, "cpu")
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("inputs", ["labels", "classes-of-4"])
+def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inputs):
+    """Every read-back of the fused path (the groups' sizes) comes before the sums kernel is
+    queued, so that on a GPU the host queues the formula while the device sums."""
+    events = []
+
+    class Waits(OperationNames):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
+                events.append("wait")
+            return func(*args, **(kwargs or {}))
+
+    pair_sums = fused_ranks.pair_sums
+    fused_ranks.pair_sums = lambda *args: events.append("sums") or pair_sums(*args)
+    try:
+        scores = torch.randn(40, 40, generator=torch.Generator().manual_seed(0))
+        labels = torch.arange(40) // 4
+        if inputs == "labels":
+            labels[:6] = 100
+        pair_query, pair_positive = (labels[:, None] == labels[None, :]).nonzero(as_tuple=True)
+        with Waits():
+            query_panels.relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, 10.0)
+    finally:
+        fused_ranks.pair_sums = pair_sums
+    assert "wait" in events and "wait" not in events[events.index("sums") :], events
 
 
 # RaMBO's counting (`fused_counts`): recall with labels and with `ref_emb`, the AP loss on
@@ -226,5 +255,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 1
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 3
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
