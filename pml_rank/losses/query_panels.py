@@ -277,11 +277,19 @@ class Ranking(NamedTuple):
     scale: float = 1.0
     left_out: object = None
     weights: torch.Tensor | None = None
+    pairs_per_query: int | None = None
 
 
-def relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, scale=1.0, left_out=None, weights=None):
-    """Each query's ``formula`` value over its relaxed ranks: `RelaxedRanks`."""
-    ranking = Ranking(kernel, formula, scale, left_out, weights)
+def relaxed_ranks(
+    scores, pair_query, pair_positive, kernel, formula, scale=1.0, left_out=None, weights=None, pairs_per_query=None
+):
+    """Each query's ``formula`` value over its relaxed ranks: `RelaxedRanks`. `pairs_per_query`:
+    c when the caller has counted c pairs for every query (the fused kernels then read no
+    count back from the device, where the caller's count could wait before the similarity
+    product instead of after it)."""
+    if pairs_per_query is not None and len(pair_query) != pairs_per_query * len(scores):
+        raise ValueError(f"relaxed_ranks: {len(pair_query)} pairs are not {pairs_per_query} for each of {len(scores)}")
+    ranking = Ranking(kernel, formula, scale, left_out, weights, pairs_per_query)
     return RelaxedRanks.apply(scores, pair_query, pair_positive, ranking)
 
 
@@ -313,7 +321,9 @@ def _values_and_jacobian(scores, pair_query, pair_positive, ranking, with_jacobi
         return _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_jacobian)
 
 
-def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
+def _fused(
+    scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, pairs_per_query, with_jacobian
+):
     """`_panel_by_panel`'s values and Jacobian from `fused_ranks`' two kernels, with the
     formula applied once per group of queries with equally many pairs."""
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
@@ -321,11 +331,15 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
     weights = _weights_with(None if skip_own else left_out, weights, scores)
     if torch.is_tensor(weights) and weights.stride(1) != 1:
         weights = weights.contiguous()
-    # The groups' sizes, read back before the sums kernel is queued: the host then queues the
-    # formula's operations while the device sums (at batch 8192, a millisecond).
-    per_query = torch.bincount(pair_query, minlength=len(scores))
-    fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
-    uniform = fewest == most > 0
+    # The groups' sizes, read back (unless the caller counted them) before the sums kernel is
+    # queued: the host then queues the formula's operations while the device sums (at batch
+    # 8192, a millisecond).
+    if pairs_per_query:
+        per_query, uniform, most = None, True, pairs_per_query
+    else:
+        per_query = torch.bincount(pair_query, minlength=len(scores))
+        fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
+        uniform = fewest == most > 0
     if not uniform:
         # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
         groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
@@ -352,8 +366,11 @@ def _fused(scores, pair_query, pair_positive, kernel, formula, scale, left_out, 
                 pair_gradients[pairs], own_gradients[pairs] = grad_sums, own_column
     if not with_jacobian:
         return values, None
-    offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
-    torch.cumsum(per_query, 0, out=offsets[1:])
+    if uniform:
+        offsets = torch.arange(0, len(pair_query) + 1, most, dtype=pair_query.dtype, device=scores.device)
+    else:
+        offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
+        torch.cumsum(per_query, 0, out=offsets[1:])
     jacobian = fused_ranks.jacobian(
         scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale, skip_own
     )
@@ -399,7 +416,9 @@ def _weights_of_rows(weights, queries, dtype):
     return weights.rows(queries, dtype) if isinstance(weights, LabelWeights) else weights[queries]
 
 
-def _panel_by_panel(scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, with_jacobian):
+def _panel_by_panel(
+    scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, pairs_per_query, with_jacobian
+):
     own = scores[pair_query, pair_positive]
     if scale != 1:
         own = own * scale

@@ -140,27 +140,35 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 f"{type(self).__name__}: similarity_mixup=True mixes the batch with itself; "
                 "it takes no ref_emb and no indices_tuple"
             )
-        scores = self.similarity_matrix(embeddings, ref_emb)
+        # Without SiMix the similarities are computed after the pairs are counted: on a GPU the
+        # count's read-back then does not wait for the matrix product.
+        scores = self.similarity_matrix(embeddings, ref_emb) if self.similarity_mixup else None
         query_index = torch.arange(len(embeddings), device=embeddings.device)
         if self.similarity_mixup:
             scores, labels, query_index = with_virtual_samples(scores, labels)
             ref_labels = labels
+        shape = (len(labels), len(ref_labels))
         if indices_tuple is None:  # no [queries, references] mask is needed
             pair_query, pair_positive = label_pairs(labels, ref_labels)
-            left_out = own_columns(len(scores), scores.device) if batch_is_reference else None
+            left_out = own_columns(shape[0], labels.device) if batch_is_reference else None
         else:
-            positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=scores.shape)
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=shape)
             pair_query, pair_positive = true_entries(positive)
             left_out = left_out_of(positive, negative)
-        positives = torch.bincount(pair_query, minlength=len(scores))
+        positives = torch.bincount(pair_query, minlength=shape[0])
         # Each query's number of ranked references, as `positives` counts its positives.
-        ranked = torch.full_like(positives, scores.shape[1]) - left_out_per_query(left_out, len(scores))
+        ranked = torch.full_like(positives, shape[1]) - left_out_per_query(left_out, shape[0])
         # By labels, every ranked reference that is no positive is a negative.
         has_negative = ranked > positives if indices_tuple is None else any_per_row(negative)
         keep = (positives > 0) & has_negative
-        self.num_queries = int(keep.sum())
+        # Read back with the count, before the similarity product is queued (see
+        # `query_panels.relaxed_ranks`): the pairs of each query when every query has as many.
+        self.num_queries, fewest, most = torch.stack([keep.sum(), *torch.aminmax(positives)]).tolist()
         if self.num_queries == 0:
             return self.zero_losses()
+        pairs_per_query = most if fewest == most and self.num_queries == len(keep) else None
+        if scores is None:
+            scores = self.similarity_matrix(embeddings, ref_emb)
         if self.query_in_ranking:
             if batch_is_reference:
                 own = scores.diagonal()
@@ -188,6 +196,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
             normalizer,
             self.rank_temperature,
             self.recall_temperature,
+            pairs_per_query,
         )
         queries = query_index if self.num_queries == len(keep) else query_index[keep]
         return {"loss": {"losses": 1 - recall, "indices": queries, "reduction_type": "element"}}
@@ -245,14 +254,17 @@ class ClampedSigmoid:
         return F.threshold_(values.addcmul_(values, values, value=-1), _SLOPE_AT_LIMIT, 0.0)
 
 
-def relaxed_recall(scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature):
+def relaxed_recall(
+    scores, left_out, pair_query, pair_positive, k, normalizer, rank_temperature, recall_temperature, pairs=None
+):
     """Per query: (1/|K|) Σ_k min(Σ_{x ∈ P_q} σ((k − r(q, x)) / τ2), k) / normalizer, from
     `scores` [queries, references], the pairs `left_out` of each query's list (see
     `query_panels.left_out_filled_`), the positive pairs (`pair_query`, `pair_positive`,
     sorted by query) and per-query k and normalizer [queries, |K|]; the ranks r are
-    `query_panels.RelaxedRanks`'s."""
+    `query_panels.RelaxedRanks`'s; `pairs`: its ``pairs_per_query``."""
     recall = recall_formula(k, normalizer, recall_temperature)
-    return relaxed_ranks(scores, pair_query, pair_positive, ClampedSigmoid, recall, 1 / rank_temperature, left_out)
+    scale = 1 / rank_temperature
+    return relaxed_ranks(scores, pair_query, pair_positive, ClampedSigmoid, recall, scale, left_out, None, pairs)
 
 
 def recall_formula(k, normalizer, recall_temperature):

@@ -75,13 +75,21 @@ class SmoothAPLoss(RankLossBase):
         # Each query is its own positive by its own column: its pair comes with the others'.
         own_column = indices_tuple is None and self.include_query and ref_emb is embeddings
         own_column = own_column and reference_is_batch(labels, ref_labels)
+        pairs_per_query = None
         if indices_tuple is None:  # no [queries, references] mask is needed
             pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=own_column)
-            has_positive = torch.bincount(pair_query, minlength=len(labels)) > int(own_column)
+            per_query = torch.bincount(pair_query, minlength=len(labels))
+            has_positive = per_query > int(own_column)
+            # Read back with the count, before the similarity product is queued: how many pairs
+            # each query has when they all have as many, which the relaxed ranks then need not
+            # ask the device (its answer would wait for the product).
+            self.num_queries, fewest, most = torch.stack([has_positive.sum(), *torch.aminmax(per_query)]).tolist()
+            if fewest == most and self.num_queries == len(labels):
+                pairs_per_query = most + int(self.include_query and not own_column)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple)
             has_positive = any_per_row(positive)
-        self.num_queries = int(has_positive.sum())
+            self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
         matrix = self.similarity_matrix(embeddings, ref_emb)
@@ -104,7 +112,9 @@ class SmoothAPLoss(RankLossBase):
         if self.num_queries < len(has_positive):  # a query whose only positive is itself is left out
             kept = has_positive[pair_query]
             pair_query, pair_positive = pair_query[kept], pair_positive[kept]
-        ap = relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, 1 / self.temperature, left_out)
+        ap = relaxed_ranks(
+            scores, pair_query, pair_positive, Sigmoid, smooth_ap, 1 / self.temperature, left_out, None, pairs_per_query
+        )
         queries = true_rows(has_positive, self.num_queries)
         ap = ap if self.num_queries == len(ap) else ap[queries]
         return {"loss": {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}}

@@ -147,6 +147,35 @@ def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inpu
     assert "wait" in events and "wait" not in events[events.index("sums") :], events
 
 
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("name", ["SmoothAP", "SmoothAP-no-query", "Recall@k"])
+def test_interpreted_losses_by_labels_read_nothing_back_after_the_similarity_product(name):
+    """With as many pairs for every query, the counts are read back before the product is
+    queued; after it, only the finiteness check of the loss itself waits for the device."""
+    events = []
+
+    class Waits(OperationNames):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
+                events.append("wait")
+            elif func._schema.name == "aten::mm":
+                events.append("product")
+            return func(*args, **(kwargs or {}))
+
+    embeddings = torch.randn(40, 16, generator=torch.Generator().manual_seed(0))
+    with Waits():
+        LOSSES[name]()(embeddings, torch.arange(40) // 4)
+    after = events[events.index("product") + 1 :]
+    assert after == ["wait"], events
+
+
+def test_a_count_of_pairs_per_query_that_does_not_add_up_is_refused():
+    scores = torch.zeros(4, 4)
+    pair_query, pair_positive = torch.tensor([0, 0, 1, 2, 3]), torch.tensor([1, 2, 0, 3, 2])
+    with pytest.raises(ValueError, match="relaxed_ranks: 5 pairs are not 2 for each of 4"):
+        query_panels.relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, pairs_per_query=2)
+
+
 # RaMBO's counting (`fused_counts`): recall with labels and with `ref_emb`, the AP loss on
 # sequences of scores;
 # similarities rounded to 2 decimals have ties, which the kernels count as the passes do.
@@ -255,5 +284,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 3
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 6
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
