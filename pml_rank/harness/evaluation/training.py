@@ -30,6 +30,7 @@ from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pytorch_metric_learning.utils.inference import CustomKNN
 
+from ..datasets import Transformed
 from .loaders import embedding_loaders
 from .metrics import METRICS, knn_backend
 
@@ -293,13 +294,38 @@ def compute_embeddings(
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
 
+class SeededDraws:
+    """The batch sampler `batches` with each index as the key ``(index, seed)`` of a
+    `datasets.Transformed`: the n-th item drawn has the seed of (`seed`, n). An image's random
+    augmentation then depends on its place in the stream of items, not on which loader
+    process decodes it, nor on what that process drew before."""
+
+    def __init__(self, batches, seed):
+        self.batches, self.seed, self.drawn = batches, seed, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            entropy = [[self.seed, self.drawn + k] for k in range(len(batch))]
+            seeds = [int(np.random.SeedSequence(e).generate_state(1, np.uint64)[0]) for e in entropy]
+            self.drawn += len(batch)
+            yield list(zip(batch, seeds))
+
+
 class MetricLossOnly(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` whose data-loading processes (``dataloader_num_workers`` > 0)
     live through the whole training and end with it, with batches in pinned memory for a
     GPU: PML's loader starts and stops its processes at every pass over the sampler (about
-    once an epoch; 0.3 s for 4 processes on a CPU here). The batches are PML's. Inside `quiet_pml`, its
+    once an epoch; 0.3 s for 4 processes on a CPU here). The batches are PML's; the items of a
+    `datasets.Transformed` are drawn by the keys of `SeededDraws` from `draws_seed`. Inside `quiet_pml`, its
     loop runs without the silenced progress bar, whose text read the loss from the device
     after every step, making the CPU wait for the GPU before it could queue the next step."""
+
+    def __init__(self, *args, draws_seed=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draws_seed = draws_seed
 
     def train(self, start_epoch=1, num_epochs=1):
         try:
@@ -329,18 +355,19 @@ class MetricLossOnly(trainers.MetricLossOnly):
 
     def initialize_dataloader(self):
         workers = self.dataloader_num_workers
-        if isinstance(self.sampler, torch.utils.data.BatchSampler):
-            batches = {"batch_sampler": self.sampler}
-        else:
-            batches = {"batch_size": int(self.batch_size), "sampler": self.sampler, "drop_last": True}
-            batches["shuffle"] = self.sampler is None
+        batches = self.sampler
+        if not isinstance(batches, torch.utils.data.BatchSampler):  # PML's loader's own, with drop_last
+            items = torch.utils.data.RandomSampler(self.dataset) if batches is None else batches
+            batches = torch.utils.data.BatchSampler(items, int(self.batch_size), drop_last=True)
+        if isinstance(self.dataset, Transformed):
+            batches = SeededDraws(batches, self.draws_seed)
         self.dataloader = torch.utils.data.DataLoader(
             self.dataset,
+            batch_sampler=batches,
             num_workers=workers,
             collate_fn=self.collate_fn,
             pin_memory=self.data_device.type == "cuda",
             persistent_workers=workers > 0,
-            **batches,
         )
         if not self.iterations_per_epoch:
             self.iterations_per_epoch = len(self.dataloader)
@@ -505,7 +532,10 @@ def train_model(
             with `loss_weight_decay` (default the config's).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
-        seed: seeds Python, numpy and torch first (`seed_everything`) when given.
+        seed: seeds Python, numpy and torch first (`seed_everything`) when given. The random
+            draws of an item of a `datasets.Transformed` `train_set` (its augmentation) come
+            from the seed torch was last seeded with and the item's place in the training's
+            stream of items (`SeededDraws`), whichever loader process decodes it.
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
         loaders: the `loaders.EmbeddingLoaders` (holding `val_set`) that the validations
             read from; default: with ``config.loader_workers``, one of its own over `val_set`,
@@ -557,6 +587,8 @@ def train_model(
             dataloader_num_workers=config.loader_workers,
             end_of_iteration_hook=recorder.end_of_iteration,
             end_of_epoch_hook=recorder.end_of_epoch,
+            # The seed torch was last seeded with: the fold model's, by `seed` or the caller.
+            draws_seed=torch.initial_seed(),
         )
         trainer.train(num_epochs=config.epochs)
         history = recorder.history
