@@ -32,6 +32,7 @@ from pytorch_metric_learning.utils.inference import CustomKNN
 
 from ..datasets import Transformed
 from .loaders import embedding_loaders
+from .loaders import training_loaders as open_training_loaders
 from .metrics import METRICS, knn_backend
 
 VALIDATION_SPLIT = "val"
@@ -318,16 +319,20 @@ class MetricLossOnly(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` whose data-loading processes (``dataloader_num_workers`` > 0)
     live through the whole training and end with it, with batches in pinned memory for a
     GPU: PML's loader starts and stops its processes at every pass over the sampler (about
-    once an epoch; 0.3 s for 4 processes on a CPU here). The batches are PML's; the items of a
+    once an epoch; 0.3 s for 4 processes on a CPU here). With `loaders` (a
+    `loaders.TrainingLoaders` holding its dataset), its batches come from their processes
+    instead, its sampler's passes read as one stream. The batches are PML's; the items of a
     `datasets.Transformed` are drawn by the keys of `SeededDraws` from `draws_seed`. Inside `quiet_pml`, its
     loop runs without the silenced progress bar, whose text read the loss from the device
     after every step, making the CPU wait for the GPU before it could queue the next step."""
 
-    def __init__(self, *args, draws_seed=0, **kwargs):
+    def __init__(self, *args, draws_seed=0, loaders=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.draws_seed = draws_seed
+        self.draws_seed, self.loaders, self.batches_to_read = draws_seed, loaders, None
 
     def train(self, start_epoch=1, num_epochs=1):
+        if self.iterations_per_epoch:
+            self.batches_to_read = (num_epochs - start_epoch + 1) * self.iterations_per_epoch
         try:
             if base_trainer.tqdm is not _SilentTqdm:
                 return super().train(start_epoch, num_epochs)
@@ -361,6 +366,12 @@ class MetricLossOnly(trainers.MetricLossOnly):
             batches = torch.utils.data.BatchSampler(items, int(self.batch_size), drop_last=True)
         if isinstance(self.dataset, Transformed):
             batches = SeededDraws(batches, self.draws_seed)
+        stream = None
+        if self.loaders is not None and self.batches_to_read and self.collate_fn is None:
+            stream = self.loaders.stream(self.dataset, batches, self.batches_to_read)
+        if stream is not None:
+            self.dataloader = self.dataloader_iter = stream
+            return
         self.dataloader = torch.utils.data.DataLoader(
             self.dataset,
             batch_sampler=batches,
@@ -512,6 +523,7 @@ def train_model(
     seed=None,
     on_iteration: Callable | None = None,
     loaders=None,
+    training_loaders=None,
 ):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer as `config` (a
     `TrainingConfig`) says and returns a `TrainResult`.
@@ -540,6 +552,8 @@ def train_model(
         loaders: the `loaders.EmbeddingLoaders` (holding `val_set`) that the validations
             read from; default: with ``config.loader_workers``, one of its own over `val_set`,
             whose processes serve every epoch's validation and end with the training.
+        training_loaders: the `loaders.TrainingLoaders` (holding `train_set`) that the
+            training reads from; default: with ``config.loader_workers``, one of its own.
     """
     if seed is not None:
         seed_everything(seed)
@@ -567,6 +581,10 @@ def train_model(
         model_folder = str(Path(folder) / "models")
         if loaders is None and val_set is not None:
             loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+        if training_loaders is None:
+            training_loaders = stack.enter_context(
+                open_training_loaders([train_set], config.loader_workers, pin_memory=device.type == "cuda")
+            )
         recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration, loaders)
         trainer = (MixedPrecisionTrainer if config.amp else MetricLossOnly)(
             models=models,
@@ -589,6 +607,7 @@ def train_model(
             end_of_epoch_hook=recorder.end_of_epoch,
             # The seed torch was last seeded with: the fold model's, by `seed` or the caller.
             draws_seed=torch.initial_seed(),
+            loaders=training_loaders,
         )
         trainer.train(num_epochs=config.epochs)
         history = recorder.history

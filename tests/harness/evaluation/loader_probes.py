@@ -51,14 +51,15 @@ def write_image_folder(root, classes=4, per_class=6, size=16):
 
 
 class FlatTrunk(torch.nn.Module):
-    """A linear layer over flattened 3 x 8 x 8 images that keeps every training batch it saw."""
+    """A linear layer over flattened 3 x 8 x 8 images that keeps every training batch it saw,
+    after a dropout of probability `dropout`: torch's generator draws at every step."""
 
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
-        self.linear = torch.nn.Linear(3 * 8 * 8, 4)
+        self.linear, self.dropout = torch.nn.Linear(3 * 8 * 8, 4), torch.nn.Dropout(dropout)
         self.seen = []
 
     def forward(self, x):
         if self.training:
             self.seen.append(x.detach().clone())
-        return self.linear(x.flatten(1))
+        return self.linear(self.dropout(x.flatten(1)))

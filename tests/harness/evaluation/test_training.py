@@ -22,8 +22,8 @@ def test_the_loaders_processes_live_through_every_pass_and_epoch():
     train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
     # They end with the training, not whenever the garbage collector frees the trainer.
     assert not multiprocessing.active_children()
-    # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, each of which started
-    # PML's loader processes anew.
+    # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, for each of which PML's
+    # loader started processes anew; here read as one stream by the same 2.
     assert len(trunk.loader_pids["train"]) == 2 and os.getpid() not in trunk.loader_pids["train"]
 
 
