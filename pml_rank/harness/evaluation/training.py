@@ -507,6 +507,30 @@ class _EpochRecorder:
         return keep_going
 
 
+def _record_keeper_and_hooks(folder, keep_models, config):
+    """A record-keeper writing in `folder` and PML's hooks logging to it, which keep the best
+    epoch's models in files with `keep_models`, else in memory (`BestModelsInMemory`)."""
+    record_keeper = make_record_keeper(folder)
+    hooks = (logging_presets.HookContainer if keep_models else BestModelsInMemory)(
+        record_keeper, log_freq=config.log_freq, validation_split_name=VALIDATION_SPLIT
+    )
+    # The best epoch's models are all it reloads: optimizers, schedulers and losses are
+    # not saved every epoch (PML's hooks would, for resuming, which a bench job never does).
+    hooks.saveable_trainer_objects = ["models"]
+    return record_keeper, hooks
+
+
+def _loaders(stack, config, train_set, val_set, loaders, training_loaders):
+    """``(loaders, training_loaders)``: those given, or with ``config.loader_workers``, a
+    training's own over `val_set` and `train_set`, closed with `stack`."""
+    if loaders is None and val_set is not None:
+        loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+    if training_loaders is None:
+        cuda = torch.device(config.device).type == "cuda"
+        training_loaders = stack.enter_context(open_training_loaders([train_set], config.loader_workers, cuda))
+    return loaders, training_loaders
+
+
 def train_model(
     loss_func,
     train_set,
@@ -544,10 +568,8 @@ def train_model(
             with `loss_weight_decay` (default the config's).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
-        seed: seeds Python, numpy and torch first (`seed_everything`) when given. The random
-            draws of an item of a `datasets.Transformed` `train_set` (its augmentation) come
-            from the seed torch was last seeded with and the item's place in the training's
-            stream of items (`SeededDraws`), whichever loader process decodes it.
+        seed: seeds Python, numpy and torch first (`seed_everything`) when given; the seed torch
+            was last seeded with draws the augmentations (`SeededDraws`).
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
         loaders: the `loaders.EmbeddingLoaders` (holding `val_set`) that the validations
             read from; default: with ``config.loader_workers``, one of its own over `val_set`,
@@ -571,20 +593,9 @@ def train_model(
         if folder is None:
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pml-rank-train-"))
         stack.enter_context(quiet_pml(config.quiet))
-        record_keeper = make_record_keeper(folder)
-        hooks = (logging_presets.HookContainer if kept_folder else BestModelsInMemory)(
-            record_keeper, log_freq=config.log_freq, validation_split_name=VALIDATION_SPLIT
-        )
-        # The best epoch's models are all it reloads: optimizers, schedulers and losses are
-        # not saved every epoch (PML's hooks would, for resuming, which a bench job never does).
-        hooks.saveable_trainer_objects = ["models"]
+        record_keeper, hooks = _record_keeper_and_hooks(folder, kept_folder is not None, config)
         model_folder = str(Path(folder) / "models")
-        if loaders is None and val_set is not None:
-            loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
-        if training_loaders is None:
-            training_loaders = stack.enter_context(
-                open_training_loaders([train_set], config.loader_workers, pin_memory=device.type == "cuda")
-            )
+        loaders, training_loaders = _loaders(stack, config, train_set, val_set, loaders, training_loaders)
         recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration, loaders)
         trainer = (MixedPrecisionTrainer if config.amp else MetricLossOnly)(
             models=models,
@@ -605,8 +616,7 @@ def train_model(
             dataloader_num_workers=config.loader_workers,
             end_of_iteration_hook=recorder.end_of_iteration,
             end_of_epoch_hook=recorder.end_of_epoch,
-            # The seed torch was last seeded with: the fold model's, by `seed` or the caller.
-            draws_seed=torch.initial_seed(),
+            draws_seed=torch.initial_seed(),  # the fold model's seed, by `seed` or the caller
             loaders=training_loaders,
         )
         trainer.train(num_epochs=config.epochs)
