@@ -113,7 +113,10 @@ class TrainingLoaders:
     """Loader processes (`workers` > 0 of them) that live until `close` and read the training
     batches over `datasets` (each fold model's training set), one `stream` at a time, collated
     by torch's default, in pinned memory with `pin_memory` (for a GPU). The processes start at
-    the first stream; they hold the data sets as they were then."""
+    the first stream; they hold the data sets as they were then. A stream asks the sampler for
+    its next pass a few batches early: the same batches where a pass depends on nothing the
+    steps in between change (PML's samplers draw from numpy's generator, which no step draws
+    from; one that mines with the network, as `HardNegativeClassSampler`, depends on the steps)."""
 
     def __init__(self, datasets, workers, pin_memory=False):
         self.datasets = list(datasets)
