@@ -5,9 +5,10 @@ PML's TripletMarginLoss, backward and the budget's optimizer step on a batch alr
 device, nothing else. The bench's rate is one fold model of `pml-rank bench` (PML's
 MetricLossOnly trainer with its hooks, the record-keeper, the sampler and data loader with
 the device's default loader processes, validation after every epoch and the best epoch's
-models kept) in iterations per second. With loader processes, the fold model starts those of
-its training and one set that serves all its validations (in a bench job, the fold models and
-the test passes share that one set). Both run in this one process, alternately, so that other
+models kept) in iterations per second. With loader processes, the fold model starts one set
+that reads its training, its sampler's passes as one stream, and one that serves all its
+validations (in a bench job, the fold models share both, and the test passes the second).
+Both run in this one process, alternately, so that other
 load on the machine hits them alike; on a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .budget import DATASET_NAMES, FOLDER_PREFIX, class_count
 from .data import load_glyphs, real
@@ -246,7 +247,12 @@ def image_transforms(budget, channels):
 
 class Transformed:
     """`subset` (a `LabelledSubset`) with `transform` applied to each item's image; None
-    leaves tensors (the glyphs) as they are."""
+    leaves tensors (the glyphs) as they are.
+
+    An item is read by its index or by the key ``(index, seed)``: then the transform's random
+    draws (torchvision's come from torch's generator) come from a generator seeded with
+    `seed`, and the process's own is left as it was, so the item is the same in whichever
+    process decodes it. The training loader keys every item it draws (`evaluation.training`)."""
 
     def __init__(self, subset, transform):
         self.subset, self.transform, self.labels = subset, transform, subset.labels
@@ -254,6 +260,13 @@ class Transformed:
     def __len__(self):
         return len(self.subset)
 
-    def __getitem__(self, index):
+    def __getitem__(self, key):
+        index, seed = key if isinstance(key, tuple) else (key, None)
         image, label = self.subset[index]
-        return (image if self.transform is None or not hasattr(image, "mode") else self.transform(image)), label
+        if self.transform is None or not hasattr(image, "mode"):
+            return image, label
+        if seed is None:
+            return self.transform(image), label
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)  # the CPU's alone: a GPU's generator is not forked
+            return self.transform(image), label

@@ -75,8 +75,11 @@ def run(
     {...}}, "histories": [fold histories], "best_epochs": [...], "seconds": ...}`` (with
     ``validation_only``: ``"validation"``, each fold model's best validation accuracies,
     in place of ``"run"``). The result depends only on `budget`, `row`, `params` and
-    `seed` (and the device's arithmetic, and on image data the number of loader processes:
-    their random augmentations are drawn in those processes). The budget's protocol decides what trains: the
+    `seed` (and the device's arithmetic), not on the number of loader processes: an image's
+    random augmentation is drawn from the seed and its place in the training, in whichever
+    process decodes it. One exception: a sampler that mines with the network being trained
+    (the N-pair rows' hard negative classes) mines the batches that loader processes read
+    ahead of the steps with the network of an earlier step. The budget's protocol decides what trains: the
     Reality Check's fold models, measured on `evaluation.METRICS`, or the standard
     protocol's one model (``concatenated`` and ``separated`` are then its values, of
     `metrics`: names as `evaluation.accuracy` takes them, default `evaluation.METRICS`).

@@ -1,4 +1,5 @@
-"""One set of loader processes for every embedding pass of an experiment.
+"""One set of loader processes for every embedding pass of an experiment, and one for every
+fold model's training.
 
 PML's tester builds a new `DataLoader` for every pass over a data set (every validation after
 an epoch, the test pass), which starts its ``dataloader_num_workers`` processes and ends them
@@ -6,6 +7,10 @@ after the pass: with 4 processes, 0.17 s a pass on this 2-core CPU for 96 images
 0.05 s to decode, and far longer where starting a process is slow (a sandboxed GPU machine).
 `EmbeddingLoaders` starts them once, at the first pass, over every data set the experiment
 embeds; each pass gives PML's tester the batches its own loader would have given.
+
+PML's trainer likewise starts its loader anew for each model and each pass over its sampler,
+and every pass starts with no batch read ahead. `TrainingLoaders` starts its processes once,
+for every fold model's training set, and reads each model's passes as one stream.
 """
 
 import contextlib
@@ -98,6 +103,107 @@ def embedding_loaders(datasets, batch_size, workers):
         yield None
         return
     loaders = EmbeddingLoaders(datasets, batch_size, workers)
+    try:
+        yield loaders
+    finally:
+        loaders.close()
+
+
+class TrainingLoaders:
+    """Loader processes (`workers` > 0 of them) that live until `close` and read the training
+    batches over `datasets` (each fold model's training set), one `stream` at a time, collated
+    by torch's default, in pinned memory with `pin_memory` (for a GPU). The processes start at
+    the first stream; they hold the data sets as they were then. A stream asks the sampler for
+    its next pass a few batches early: the same batches where a pass depends on nothing the
+    steps in between change (PML's samplers draw from numpy's generator, which no step draws
+    from; one that mines with the network, as `HardNegativeClassSampler`, depends on the steps)."""
+
+    def __init__(self, datasets, workers, pin_memory=False):
+        self.datasets = list(datasets)
+        self._current = _CurrentPass()
+        self._loader = torch.utils.data.DataLoader(
+            _Keyed(self.datasets),
+            batch_sampler=self._current,
+            num_workers=workers,
+            persistent_workers=True,
+            pin_memory=pin_memory,
+        )
+        self._streams = 0
+
+    def stream(self, dataset, batches, count):
+        """The first `count` batches of `batches` (a batch sampler over `dataset`, one of
+        `datasets`, the same object), its passes one after another, as the trainer's loader
+        would have read them; None for another data set."""
+        which = next((k for k, held in enumerate(self.datasets) if held is dataset), None)
+        if which is None:
+            return None
+        stream = _Stream(batches)
+        # The keys know nothing of the stream: the loader's iterator, which holds them, ends
+        # its processes as soon as the stream and the loader let go of it, not in a garbage cycle.
+        self._current.batches = _keys(which, batches, count, stream.pass_starts)
+        if self._streams:
+            torch.empty((), dtype=torch.int64).random_()  # as `EmbeddingLoaders._iterate` does
+        self._streams += 1
+        stream.read = iter(self._loader)
+        return stream
+
+    def close(self):
+        """Ends the processes (they end with the loader's last reference)."""
+        self._loader, self._current.batches = None, []
+
+
+def _keys(which, batches, count, pass_starts):
+    """The keys of `_Keyed` of the first `count` batches of the passes of `batches` over data
+    set `which`; adds to `pass_starts` the number of each batch that starts a pass (the first
+    pass's excepted)."""
+    drawn = 0
+    while drawn < count:
+        if drawn:
+            pass_starts.add(drawn)
+        start = drawn
+        for batch in batches:
+            yield [(which, key) for key in batch]
+            drawn += 1
+            if drawn == count:
+                return
+        if drawn == start:  # an empty pass: PML's loader would fail on it too
+            return
+
+
+class _Stream:
+    """The batches of one model's training, all it reads, as one iterator that is also its
+    loader for PML's trainer (its ``len`` is a pass's)."""
+
+    def __init__(self, batches):
+        self.batches, self.read, self._taken = batches, None, 0
+        # The numbers of the batches that start a pass of `batches`, but the first.
+        self.pass_starts = set()
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.read)
+        if self._taken in self.pass_starts:
+            # PML's trainer starts a new loader iterator at each pass, which draws its processes'
+            # base seed from torch's generator: drawn here, before the same step, the steps
+            # after it draw the same numbers.
+            torch.empty((), dtype=torch.int64).random_()
+        self._taken += 1
+        return batch
+
+
+@contextlib.contextmanager
+def training_loaders(datasets, workers, pin_memory=False):
+    """`TrainingLoaders` over `datasets` inside the block, closed after it; None without
+    loader processes (`workers` 0)."""
+    if not workers:
+        yield None
+        return
+    loaders = TrainingLoaders(datasets, workers, pin_memory)
     try:
         yield loaders
     finally:

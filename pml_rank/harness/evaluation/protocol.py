@@ -17,7 +17,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from ..budget import NUM_FOLDS
 from ..datasets import Transformed
-from .loaders import embedding_loaders
+from .loaders import embedding_loaders, training_loaders
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
 from .splits import LabelledSubset, class_disjoint_split, cross_validation_folds
 from .training import EMBEDDING_BATCH, compute_embeddings, seed_everything, train_model
@@ -104,7 +104,7 @@ def train_fold_model(recipe, make_trunk, train_set, val_set, fold_seed, config, 
     0 .. n - 1), its sampler (given the network, for samplers that mine with it) and trains
     with `training.train_model` and `config` (a `TrainingConfig`), validating on `val_set`
     every epoch; `training` holds `train_model`'s other keywords (``folder``,
-    ``on_iteration``, ``loaders``). Returns its `TrainResult`."""
+    ``on_iteration``, ``loaders``, ``training_loaders``). Returns its `TrainResult`."""
     seed_everything(fold_seed)
     trunk = make_trunk()
     embedder = make_embedder() if make_embedder is not None else torch.nn.Identity()
@@ -157,7 +157,8 @@ def run_protocol(
     `folder`, when given, keeps each fold's record-keeper logs and models in
     ``<folder>/fold<k>``. `transforms`: ``(train, eval)`` image transforms (see
     `test_set_and_folds`). With ``config.loader_workers``, one set of loader processes
-    (`loaders.EmbeddingLoaders`) reads every validation and test pass of the run.
+    (`loaders.EmbeddingLoaders`) reads every validation and test pass of the run, and one
+    (`loaders.TrainingLoaders`) every fold model's training batches.
 
     ``validation_only=True`` is the tuning objective: the test classes are never embedded;
     ``concatenated`` and ``separated`` are then empty and ``per_model`` holds each fold
@@ -168,9 +169,14 @@ def run_protocol(
     folds, test_set = test_set_and_folds(dataset, config.num_folds, transforms)
     test_embeddings, histories, best_epochs, best_validation = [], [], [], []
     labels = None
-    # One set of loader processes embeds every fold's validation set and the test set.
+    # One set of loader processes embeds every fold's validation set and the test set, one
+    # reads every fold model's training batches.
     embedded = [val_set for _, val_set in folds] + ([] if validation_only else [test_set])
-    with embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders:
+    pin_memory = torch.device(config.device).type == "cuda"
+    with (
+        embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders,
+        training_loaders([train_set for train_set, _ in folds], config.loader_workers, pin_memory) as training,
+    ):
         for k, (train_set, val_set) in enumerate(folds):
             result = train_fold_model(
                 recipe,
@@ -183,6 +189,7 @@ def run_protocol(
                 folder=None if folder is None else f"{folder}/fold{k}",
                 on_iteration=on_iteration,
                 loaders=loaders,
+                training_loaders=training,
             )
             histories.append(result.history)
             best_epochs.append(result.best_epoch)

@@ -30,7 +30,9 @@ from pytorch_metric_learning.utils import logging_presets
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from pytorch_metric_learning.utils.inference import CustomKNN
 
+from ..datasets import Transformed
 from .loaders import embedding_loaders
+from .loaders import training_loaders as open_training_loaders
 from .metrics import METRICS, knn_backend
 
 VALIDATION_SPLIT = "val"
@@ -293,15 +295,44 @@ def compute_embeddings(
     return embeddings.cpu(), labels.cpu().numpy().reshape(-1).astype(np.int64)
 
 
+class SeededDraws:
+    """The batch sampler `batches` with each index as the key ``(index, seed)`` of a
+    `datasets.Transformed`: the n-th item drawn has the seed of (`seed`, n). An image's random
+    augmentation then depends on its place in the stream of items, not on which loader
+    process decodes it, nor on what that process drew before."""
+
+    def __init__(self, batches, seed):
+        self.batches, self.seed, self.drawn = batches, seed, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            entropy = [[self.seed, self.drawn + k] for k in range(len(batch))]
+            seeds = [int(np.random.SeedSequence(e).generate_state(1, np.uint64)[0]) for e in entropy]
+            self.drawn += len(batch)
+            yield list(zip(batch, seeds))
+
+
 class MetricLossOnly(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` whose data-loading processes (``dataloader_num_workers`` > 0)
     live through the whole training and end with it, with batches in pinned memory for a
     GPU: PML's loader starts and stops its processes at every pass over the sampler (about
-    once an epoch; 0.3 s for 4 processes on a CPU here). The batches are PML's. Inside `quiet_pml`, its
+    once an epoch; 0.3 s for 4 processes on a CPU here). With `loaders` (a
+    `loaders.TrainingLoaders` holding its dataset), its batches come from their processes
+    instead, its sampler's passes read as one stream. The batches are PML's; the items of a
+    `datasets.Transformed` are drawn by the keys of `SeededDraws` from `draws_seed`. Inside `quiet_pml`, its
     loop runs without the silenced progress bar, whose text read the loss from the device
     after every step, making the CPU wait for the GPU before it could queue the next step."""
 
+    def __init__(self, *args, draws_seed=0, loaders=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draws_seed, self.loaders, self.batches_to_read = draws_seed, loaders, None
+
     def train(self, start_epoch=1, num_epochs=1):
+        if self.iterations_per_epoch:
+            self.batches_to_read = (num_epochs - start_epoch + 1) * self.iterations_per_epoch
         try:
             if base_trainer.tqdm is not _SilentTqdm:
                 return super().train(start_epoch, num_epochs)
@@ -329,18 +360,25 @@ class MetricLossOnly(trainers.MetricLossOnly):
 
     def initialize_dataloader(self):
         workers = self.dataloader_num_workers
-        if isinstance(self.sampler, torch.utils.data.BatchSampler):
-            batches = {"batch_sampler": self.sampler}
-        else:
-            batches = {"batch_size": int(self.batch_size), "sampler": self.sampler, "drop_last": True}
-            batches["shuffle"] = self.sampler is None
+        batches = self.sampler
+        if not isinstance(batches, torch.utils.data.BatchSampler):  # PML's loader's own, with drop_last
+            items = torch.utils.data.RandomSampler(self.dataset) if batches is None else batches
+            batches = torch.utils.data.BatchSampler(items, int(self.batch_size), drop_last=True)
+        if isinstance(self.dataset, Transformed):
+            batches = SeededDraws(batches, self.draws_seed)
+        stream = None
+        if self.loaders is not None and self.batches_to_read and self.collate_fn is None:
+            stream = self.loaders.stream(self.dataset, batches, self.batches_to_read)
+        if stream is not None:
+            self.dataloader = self.dataloader_iter = stream
+            return
         self.dataloader = torch.utils.data.DataLoader(
             self.dataset,
+            batch_sampler=batches,
             num_workers=workers,
             collate_fn=self.collate_fn,
             pin_memory=self.data_device.type == "cuda",
             persistent_workers=workers > 0,
-            **batches,
         )
         if not self.iterations_per_epoch:
             self.iterations_per_epoch = len(self.dataloader)
@@ -469,6 +507,30 @@ class _EpochRecorder:
         return keep_going
 
 
+def _record_keeper_and_hooks(folder, keep_models, config):
+    """A record-keeper writing in `folder` and PML's hooks logging to it, which keep the best
+    epoch's models in files with `keep_models`, else in memory (`BestModelsInMemory`)."""
+    record_keeper = make_record_keeper(folder)
+    hooks = (logging_presets.HookContainer if keep_models else BestModelsInMemory)(
+        record_keeper, log_freq=config.log_freq, validation_split_name=VALIDATION_SPLIT
+    )
+    # The best epoch's models are all it reloads: optimizers, schedulers and losses are
+    # not saved every epoch (PML's hooks would, for resuming, which a bench job never does).
+    hooks.saveable_trainer_objects = ["models"]
+    return record_keeper, hooks
+
+
+def _loaders(stack, config, train_set, val_set, loaders, training_loaders):
+    """``(loaders, training_loaders)``: those given, or with ``config.loader_workers``, a
+    training's own over `val_set` and `train_set`, closed with `stack`."""
+    if loaders is None and val_set is not None:
+        loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+    if training_loaders is None:
+        cuda = torch.device(config.device).type == "cuda"
+        training_loaders = stack.enter_context(open_training_loaders([train_set], config.loader_workers, cuda))
+    return loaders, training_loaders
+
+
 def train_model(
     loss_func,
     train_set,
@@ -485,6 +547,7 @@ def train_model(
     seed=None,
     on_iteration: Callable | None = None,
     loaders=None,
+    training_loaders=None,
 ):
     """Trains `trunk` (and `embedder`) with PML's `MetricLossOnly` trainer as `config` (a
     `TrainingConfig`) says and returns a `TrainResult`.
@@ -505,11 +568,14 @@ def train_model(
             with `loss_weight_decay` (default the config's).
         folder: where record-keeper writes its records and the hooks save the models;
             default a temporary folder, deleted afterwards.
-        seed: seeds Python, numpy and torch first (`seed_everything`) when given.
+        seed: seeds Python, numpy and torch first (`seed_everything`) when given; the seed torch
+            was last seeded with draws the augmentations (`SeededDraws`).
         on_iteration: called as ``on_iteration(trainer)`` after every iteration (progress).
         loaders: the `loaders.EmbeddingLoaders` (holding `val_set`) that the validations
             read from; default: with ``config.loader_workers``, one of its own over `val_set`,
             whose processes serve every epoch's validation and end with the training.
+        training_loaders: the `loaders.TrainingLoaders` (holding `train_set`) that the
+            training reads from; default: with ``config.loader_workers``, one of its own.
     """
     if seed is not None:
         seed_everything(seed)
@@ -527,16 +593,9 @@ def train_model(
         if folder is None:
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pml-rank-train-"))
         stack.enter_context(quiet_pml(config.quiet))
-        record_keeper = make_record_keeper(folder)
-        hooks = (logging_presets.HookContainer if kept_folder else BestModelsInMemory)(
-            record_keeper, log_freq=config.log_freq, validation_split_name=VALIDATION_SPLIT
-        )
-        # The best epoch's models are all it reloads: optimizers, schedulers and losses are
-        # not saved every epoch (PML's hooks would, for resuming, which a bench job never does).
-        hooks.saveable_trainer_objects = ["models"]
+        record_keeper, hooks = _record_keeper_and_hooks(folder, kept_folder is not None, config)
         model_folder = str(Path(folder) / "models")
-        if loaders is None and val_set is not None:
-            loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+        loaders, training_loaders = _loaders(stack, config, train_set, val_set, loaders, training_loaders)
         recorder = _EpochRecorder(hooks, config, val_set, model_folder, on_iteration, loaders)
         trainer = (MixedPrecisionTrainer if config.amp else MetricLossOnly)(
             models=models,
@@ -557,6 +616,8 @@ def train_model(
             dataloader_num_workers=config.loader_workers,
             end_of_iteration_hook=recorder.end_of_iteration,
             end_of_epoch_hook=recorder.end_of_epoch,
+            draws_seed=torch.initial_seed(),  # the fold model's seed, by `seed` or the caller
+            loaders=training_loaders,
         )
         trainer.train(num_epochs=config.epochs)
         history = recorder.history

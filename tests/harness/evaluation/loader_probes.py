@@ -35,3 +35,31 @@ class RecordingTrunk(torch.nn.Module):
     def forward(self, x):
         self.loader_pids["train" if self.training else "eval"].update(x[:, -1].long().tolist())
         return self.linear(x[:, :-1])
+
+
+def write_image_folder(root, classes=4, per_class=6, size=16):
+    """A `folder:` data set of random RGB images, alternately PNG and JPEG; returns `root`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"class-{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class-{c}" / f"{i}.{'png' if i % 2 else 'jpg'}")
+    return root
+
+
+class FlatTrunk(torch.nn.Module):
+    """A linear layer over flattened 3 x 8 x 8 images that keeps every training batch it saw,
+    after a dropout of probability `dropout`: torch's generator draws at every step."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.linear, self.dropout = torch.nn.Linear(3 * 8 * 8, 4), torch.nn.Dropout(dropout)
+        self.seen = []
+
+    def forward(self, x):
+        if self.training:
+            self.seen.append(x.detach().clone())
+        return self.linear(self.dropout(x.flatten(1)))

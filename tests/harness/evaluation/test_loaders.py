@@ -54,8 +54,9 @@ def test_without_loader_processes_there_are_no_loaders():
 @pytest.mark.slow  # starts loader processes
 def test_an_experiments_embedding_passes_share_one_set_of_loader_processes():
     """Two fold models of two epochs each: 4 validations and 2 test passes of 2 batches or
-    more, for which PML's tester started 2 processes each (12), read by 2; the results are
-    those of loading in the calling process."""
+    more, for which PML's tester started 2 processes each (12), read by 2; the fold models'
+    training, for which PML's trainer started 2 for each model and each pass over its sampler,
+    by 2 others; the results are those of loading in the calling process."""
     # 8 training classes in 2 folds of 4 (160 items to validate on), 8 test classes (320 items)
     dataset = PidStamped(classes=16, per_class=40)
     budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=3, batch_size=16, num_folds=2)
@@ -69,6 +70,41 @@ def test_an_experiments_embedding_passes_share_one_set_of_loader_processes():
         assert not multiprocessing.active_children()
     (with_workers, in_process), (record, _) = results, records
     assert len(record["eval"]) == 2 and not record["eval"] & (record["train"] | {os.getpid()})
-    assert len(record["train"]) == 4  # each fold model's training has loader processes of its own
+    assert len(record["train"]) == 2  # and 2 read every fold model's training batches
+    assert with_workers.histories == in_process.histories
+    assert (with_workers.concatenated, with_workers.separated) == (in_process.concatenated, in_process.separated)
+
+
+@pytest.mark.slow  # starts loader processes
+def test_an_experiment_on_images_trains_as_in_the_calling_process_with_one_set_of_training_loader_processes(
+    tmp_path,
+):
+    """Images with random crops and flips, a trunk with dropout (torch's generator draws at
+    every step), one batch a pass of the sampler: each fold model's 4 steps read 4 passes,
+    chained in the loader processes, and train as those of PML's loader in the calling process."""
+    from loader_probes import FlatTrunk, write_image_folder
+
+    from pml_rank.harness.datasets import ImageFolder, image_transforms
+
+    images = ImageFolder(write_image_folder(tmp_path / "images", classes=8), cache_dir=tmp_path)
+    augmentation = {"augmentation": "random-resized-crop", "image_size": 8, "resize": 12}
+    # 4 training classes in 2 folds: a fold model trains on 12 images, one batch of 8 a pass.
+    budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=2, batch_size=8, num_folds=2)
+    results, trunks = [], []
+
+    def make_trunk():
+        trunks.append(FlatTrunk(dropout=0.5))
+        return trunks[-1]
+
+    for workers in (2, 0):
+        config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=workers)
+        transforms = image_transforms(augmentation, 3)
+        results.append(run_protocol(images, Recipe(make_loss=SmoothAPLoss), make_trunk, config, transforms=transforms))
+        assert not multiprocessing.active_children()
+    with_workers, in_process = results
+    assert [len(trunk.seen) for trunk in trunks] == [4] * 4
+    for a, b in zip(trunks[:2], trunks[2:]):
+        assert all(torch.equal(x, y) for x, y in zip(a.seen, b.seen, strict=True))
+        assert all(torch.equal(w, b.state_dict()[name]) for name, w in a.state_dict().items())
     assert with_workers.histories == in_process.histories
     assert (with_workers.concatenated, with_workers.separated) == (in_process.concatenated, in_process.separated)

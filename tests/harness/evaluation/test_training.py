@@ -22,8 +22,8 @@ def test_the_loaders_processes_live_through_every_pass_and_epoch():
     train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
     # They end with the training, not whenever the garbage collector frees the trainer.
     assert not multiprocessing.active_children()
-    # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, each of which started
-    # PML's loader processes anew.
+    # 10 batches of 16 over 64 samples: 2.5 passes over the sampler, for each of which PML's
+    # loader started processes anew; here read as one stream by the same 2.
     assert len(trunk.loader_pids["train"]) == 2 and os.getpid() not in trunk.loader_pids["train"]
 
 
@@ -83,3 +83,60 @@ def test_the_best_epochs_weights_come_back_and_a_latest_epochs_are_not_kept():
     hooks.load_latest_saved_models(trainer, "unused", best=True)
     for key, value in trunk.state_dict().items():
         torch.testing.assert_close(value, best[key], rtol=0, atol=0)
+
+
+def _augmented_training(folder, tmp_path, workers, seed):
+    from loader_probes import FlatTrunk
+
+    from pml_rank.harness.datasets import ImageFolder, Transformed, image_transforms
+    from pml_rank.harness.evaluation.splits import LabelledSubset
+
+    images = ImageFolder(folder, cache_dir=tmp_path / "cache")
+    augmentation = {"augmentation": "random-resized-crop", "image_size": 8, "resize": 12}
+    train_set = Transformed(LabelledSubset(images, range(len(images))), image_transforms(augmentation, 3)[0])
+    # 24 images, 3 batches of 8 a pass of the sampler: 6 iterations read 2 passes.
+    budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=3, batch_size=8)
+    config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=workers)
+    torch.manual_seed(seed)
+    trunk = FlatTrunk()
+    train_model(SmoothAPLoss(), train_set, config, trunk=trunk, seed=seed)
+    assert not multiprocessing.active_children()
+    return trunk
+
+
+@pytest.mark.slow  # starts loader processes
+def test_an_images_augmentation_depends_on_the_seed_and_its_place_in_training_not_on_the_loader_processes(
+    tmp_path,
+):
+    from loader_probes import write_image_folder
+
+    folder = write_image_folder(tmp_path / "images")
+    in_process, with_workers, other_seed = (
+        _augmented_training(folder, tmp_path, workers, seed) for workers, seed in ((0, 0), (2, 0), (0, 1))
+    )
+    assert len(in_process.seen) == len(with_workers.seen) == 6
+    for a, b in zip(in_process.seen, with_workers.seen):
+        assert torch.equal(a, b)
+    for name, weights in in_process.state_dict().items():
+        assert torch.equal(weights, with_workers.state_dict()[name])
+    # Another seed crops the same images elsewhere: no batch of its training is one of seed 0's.
+    assert not any(torch.equal(a, b) for a in in_process.seen for b in other_seed.seen)
+
+
+def test_a_keyed_item_draws_its_augmentation_from_its_seed_alone(tmp_path):
+    from loader_probes import write_image_folder
+
+    from pml_rank.harness.datasets import ImageFolder, Transformed, image_transforms
+
+    images = ImageFolder(write_image_folder(tmp_path / "images", classes=2, per_class=2), cache_dir=tmp_path)
+    augmentation = {"augmentation": "crop-flip", "image_size": 8, "resize": 12}
+    train_set = Transformed(images, image_transforms(augmentation, 3)[0])
+    torch.manual_seed(0)
+    first = train_set[(1, 5)][0]
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    torch.rand(100)  # the process's generator elsewhere
+    assert torch.equal(train_set[(1, 5)][0], first)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3), after)  # the process's generator left as it was
+    assert not any(torch.equal(train_set[(1, seed)][0], first) for seed in range(6, 10))
