@@ -5,11 +5,12 @@ PML's TripletMarginLoss, backward and the budget's optimizer step on a batch alr
 device, nothing else. The bench's rate is one fold model of `pml-rank bench` (PML's
 MetricLossOnly trainer with its hooks, the record-keeper, the sampler and data loader with
 the device's default loader processes, validation after every epoch and the best epoch's
-models kept) in iterations per second. With loader processes, the fold model starts one set
-that reads its training, its sampler's passes as one stream, and one that serves all its
-validations (in a bench job, the fold models share both, and the test passes the second).
-Both run in this one process, alternately, so that other
-load on the machine hits them alike; on a GPU, times are synchronised.
+models kept) in iterations per second. With loader processes, the timed fold models share one
+set that reads their training (each one's sampler passes as one stream) and one that serves
+their validations, as the fold models of a bench job do; the warm-up's fold model starts them,
+as a job's first fold model does (`--fresh-loaders`: each fold model starts its own). Both
+run in this one process, alternately, so that other load on the machine hits them alike; on
+a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
     python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
@@ -19,6 +20,7 @@ random weights (no weights file needed), on `--threads` threads on the CPU.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import statistics
@@ -31,7 +33,8 @@ from pml_rank.harness import runner
 from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
 from pml_rank.harness.budget import TRUNKS, dataset_argument, resolve
 from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
-from pml_rank.harness.evaluation.training import default_sampler, train_model
+from pml_rank.harness.evaluation.loaders import embedding_loaders, training_loaders
+from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, default_sampler, train_model
 from pml_rank.harness.workers import default_loader_workers
 
 
@@ -74,13 +77,24 @@ def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps
     return (time.perf_counter() - started) / steps
 
 
-def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder):
+def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, loaders=(None, None)):
+    """Seconds per iteration of one fold model; `loaders`: the `EmbeddingLoaders` and
+    `TrainingLoaders` it reads from (None: its own)."""
     # The networks are built before the clock starts, as for the raw step: building ResNet-50
     # (its initialisation on the CPU) is no part of training it.
     trunk, embedder = make_trunk(), make_embedder() if make_embedder else None
     synchronize(config.device)
     started = time.perf_counter()
-    train_model(losses.TripletMarginLoss(), train_set, config, trunk=trunk, embedder=embedder, val_set=val_set)
+    train_model(
+        losses.TripletMarginLoss(),
+        train_set,
+        config,
+        trunk=trunk,
+        embedder=embedder,
+        val_set=val_set,
+        loaders=loaders[0],
+        training_loaders=loaders[1],
+    )
     synchronize(config.device)
     return (time.perf_counter() - started) / (config.epochs * config.iterations_per_epoch)
 
@@ -100,6 +114,11 @@ def main(argv=None):
     parser.add_argument("--loader-workers", type=non_negative_int, help="default: the bench's default on --device")
     parser.add_argument("--threads", type=positive_int, default=2, help="CPU threads of an ImageNet trunk (default 2)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="rounds (default %(default)s)")
+    parser.add_argument(
+        "--fresh-loaders",
+        action="store_true",
+        help="each fold model starts its own loader processes (default: they share one set, as in a bench job)",
+    )
     args = parser.parse_args(argv)
     glyphs = resolve("glyphs")
     given = {"trunk": args.trunk, "image_size": args.image_size}
@@ -119,14 +138,21 @@ def main(argv=None):
     folds, _ = test_set_and_folds(data, budget["num_folds"], runner.transforms_of(budget, data))
     train_set, val_set = folds[0]
     make_trunk, make_embedder = runner.model_factories(budget, data.channels)
-    # Imports, first-call costs and (CUDA) kernel selection, once per process.
-    bench_iteration_seconds(
-        train_set, val_set, dataclasses.replace(config, epochs=1, iterations_per_epoch=2), make_trunk, make_embedder
-    )
     raw, bench = [], []
-    for _ in range(args.repeats):
-        raw.append(raw_step_seconds(train_set, budget, config, make_trunk, make_embedder))
-        bench.append(bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder))
+    with contextlib.ExitStack() as stack:
+        shared = (None, None)
+        if not args.fresh_loaders:
+            cuda = torch.device(args.device).type == "cuda"
+            shared = (
+                stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, loader_workers)),
+                stack.enter_context(training_loaders([train_set], loader_workers, cuda)),
+            )
+        # Imports, first-call costs, (CUDA) kernel selection and the shared loaders' start, once.
+        warm_up = dataclasses.replace(config, epochs=1, iterations_per_epoch=2)
+        bench_iteration_seconds(train_set, val_set, warm_up, make_trunk, make_embedder, shared)
+        for _ in range(args.repeats):
+            raw.append(raw_step_seconds(train_set, budget, config, make_trunk, make_embedder))
+            bench.append(bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, shared))
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
 
     def spread(values, scale=1.0):
