@@ -71,6 +71,15 @@ def true_rows(mask, count):
     return mask.nonzero(as_tuple=True)[0]
 
 
+def kept_and_pairs_per_query(keep, per_query):
+    """How many queries `keep` (a boolean per query) keeps, and, when it keeps all of them and
+    `per_query` counts as many pairs for each, that count (else None): one read-back, made
+    before the similarity product is queued, so that it does not wait for the product, and
+    the relaxed ranks need not ask the device again (`relaxed_ranks`' ``pairs_per_query``)."""
+    kept, fewest, most = torch.stack([keep.sum(), *torch.aminmax(per_query)]).tolist()
+    return kept, most if fewest == most and kept == len(keep) else None
+
+
 def true_entries(mask):
     """``mask.nonzero(as_tuple=True)`` of a boolean matrix: rows and columns of its True
     entries in row-major order. A sparse mask is scanned eight bytes at a time (as

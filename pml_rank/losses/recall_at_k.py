@@ -49,6 +49,7 @@ from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
+    kept_and_pairs_per_query,
     left_out_of,
     left_out_per_query,
     own_columns,
@@ -161,12 +162,9 @@ class RecallAtKSurrogateLoss(RankLossBase):
         # By labels, every ranked reference that is no positive is a negative.
         has_negative = ranked > positives if indices_tuple is None else any_per_row(negative)
         keep = (positives > 0) & has_negative
-        # Read back with the count, before the similarity product is queued (see
-        # `query_panels.relaxed_ranks`): the pairs of each query when every query has as many.
-        self.num_queries, fewest, most = torch.stack([keep.sum(), *torch.aminmax(positives)]).tolist()
+        self.num_queries, pairs_per_query = kept_and_pairs_per_query(keep, positives)
         if self.num_queries == 0:
             return self.zero_losses()
-        pairs_per_query = most if fewest == most and self.num_queries == len(keep) else None
         if scores is None:
             scores = self.similarity_matrix(embeddings, ref_emb)
         if self.query_in_ranking:

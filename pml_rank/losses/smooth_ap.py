@@ -29,7 +29,15 @@ from .base import (
     with_query_as_positive_pairs,
 )
 from .fused_ranks import FusedForm
-from .query_panels import any_per_row, left_out_of, own_columns, relaxed_ranks, true_entries, true_rows
+from .query_panels import (
+    any_per_row,
+    kept_and_pairs_per_query,
+    left_out_of,
+    own_columns,
+    relaxed_ranks,
+    true_entries,
+    true_rows,
+)
 
 
 class SmoothAPLoss(RankLossBase):
@@ -80,12 +88,9 @@ class SmoothAPLoss(RankLossBase):
             pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=own_column)
             per_query = torch.bincount(pair_query, minlength=len(labels))
             has_positive = per_query > int(own_column)
-            # Read back with the count, before the similarity product is queued: how many pairs
-            # each query has when they all have as many, which the relaxed ranks then need not
-            # ask the device (its answer would wait for the product).
-            self.num_queries, fewest, most = torch.stack([has_positive.sum(), *torch.aminmax(per_query)]).tolist()
-            if fewest == most and self.num_queries == len(labels):
-                pairs_per_query = most + int(self.include_query and not own_column)
+            self.num_queries, pairs = kept_and_pairs_per_query(has_positive, per_query)
+            if pairs is not None:  # each query's own pair, when it comes later, is one more
+                pairs_per_query = pairs + int(self.include_query and not own_column)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple)
             has_positive = any_per_row(positive)
