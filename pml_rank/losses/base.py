@@ -56,6 +56,10 @@ class RankLossBase(BaseMetricLossFunction):
             checked_constructor(cls)
 
     def set_reducer(self, reducer):
+        if reducer is None and isinstance(default := self.get_default_reducer(), MultipleReducers):
+            # A default made for the sub-losses themselves (ROADMAP's): PML would give each
+            # sub-loss a copy of it, nesting a MultipleReducers in another.
+            reducer = default
         super().set_reducer(reducer)
         built = self.reducer
         if type(built) is MultipleReducers and built is not reducer:

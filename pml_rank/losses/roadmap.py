@@ -203,11 +203,6 @@ class ROADMAPLoss(SupAPLoss):
         calibration = {name: AvgNonZeroReducer() for name in ("pos_loss", "neg_loss")}
         return SumOfReducers({"ap_loss": MeanReducer(), **calibration})
 
-    def set_reducer(self, reducer):
-        # PML would give each sub-loss a copy of the default, nesting a MultipleReducers in
-        # another: the sub-losses' reducers directly, once.
-        super().set_reducer(self.get_default_reducer() if reducer is None else reducer)
-
     def _sub_loss_names(self):
         return ["ap_loss", "pos_loss", "neg_loss"]
 
