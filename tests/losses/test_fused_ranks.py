@@ -11,9 +11,9 @@ import types
 
 import pytest
 import torch
-from aten_counts import OperationNames
 from pytorch_metric_learning.distances import DotProductSimilarity, LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank import _device_policy, fused_counts, ranking
 from pml_rank.losses import (
@@ -119,31 +119,42 @@ def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
     check_fused_equals_torch(name, inputs, "cpu")
 
 
+class ReadBacks(TorchDispatchMode):
+    """In order, the operations inside the context after which a GPU's host waits for the
+    device ("wait": a number read back, or nonzero's or bincount's size) and the matrix
+    products ("product"); a test may add marks of its own to `events`."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
+            self.events.append("wait")
+        elif func._schema.name == "aten::mm":
+            self.events.append("product")
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("inputs", ["labels", "classes-of-4"])
 def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inputs):
     """Every read-back of the fused path (the groups' sizes) comes before the sums kernel is
     queued, so that on a GPU the host queues the formula while the device sums."""
-    events = []
-
-    class Waits(OperationNames):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
-                events.append("wait")
-            return func(*args, **(kwargs or {}))
-
+    read_backs = ReadBacks()
     pair_sums = fused_ranks.pair_sums
-    fused_ranks.pair_sums = lambda *args: events.append("sums") or pair_sums(*args)
+    fused_ranks.pair_sums = lambda *args: read_backs.events.append("sums") or pair_sums(*args)
     try:
         scores = torch.randn(40, 40, generator=torch.Generator().manual_seed(0))
         labels = torch.arange(40) // 4
         if inputs == "labels":
             labels[:6] = 100
         pair_query, pair_positive = (labels[:, None] == labels[None, :]).nonzero(as_tuple=True)
-        with Waits():
+        with read_backs:
             query_panels.relaxed_ranks(scores, pair_query, pair_positive, Sigmoid, smooth_ap, 10.0)
     finally:
         fused_ranks.pair_sums = pair_sums
+    events = read_backs.events
     assert "wait" in events and "wait" not in events[events.index("sums") :], events
 
 
@@ -152,21 +163,11 @@ def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inpu
 def test_interpreted_losses_by_labels_read_nothing_back_after_the_similarity_product(name):
     """With as many pairs for every query, the counts are read back before the product is
     queued; after it, only the finiteness check of the loss itself waits for the device."""
-    events = []
-
-    class Waits(OperationNames):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
-                events.append("wait")
-            elif func._schema.name == "aten::mm":
-                events.append("product")
-            return func(*args, **(kwargs or {}))
-
     embeddings = torch.randn(40, 16, generator=torch.Generator().manual_seed(0))
-    with Waits():
+    with ReadBacks() as read_backs:
         LOSSES[name]()(embeddings, torch.arange(40) // 4)
-    after = events[events.index("product") + 1 :]
-    assert after == ["wait"], events
+    events = read_backs.events
+    assert events[events.index("product") + 1 :] == ["wait"], events
 
 
 def test_a_count_of_pairs_per_query_that_does_not_add_up_is_refused():
