@@ -46,6 +46,18 @@ class _CurrentPass:
         return len(self.batches)
 
 
+def _draw_as_a_new_iterator():
+    """Draws from torch's generator what a new DataLoader iterator draws (its processes'
+    base seed): where PML would start one and a persistent set of processes does not, the
+    generator is left where PML's loader leaves it, and the training draws the same numbers."""
+    torch.empty((), dtype=torch.int64).random_()
+
+
+def _index_of(datasets, dataset):
+    """The index of `dataset` (the same object) in `datasets`; None when it is not there."""
+    return next((k for k, held in enumerate(datasets) if held is dataset), None)
+
+
 class EmbeddingLoaders:
     """Loader processes (`workers` > 0 of them) that live until `close` and serve the passes
     over `datasets` in order, `batch_size` items a batch, collated by torch's default, as
@@ -63,18 +75,14 @@ class EmbeddingLoaders:
     def pass_over(self, dataset):
         """One pass over `dataset` (one of `datasets`, the same object): an iterable of its
         batches with the ``dataset`` attribute PML's tester reads; None for another data set."""
-        which = next((k for k, held in enumerate(self.datasets) if held is dataset), None)
+        which = _index_of(self.datasets, dataset)
         return None if which is None else _Pass(self, which)
 
     def _iterate(self, which):
         size, count = self.batch_size, len(self.datasets[which])
         self._current.batches = [[(which, i) for i in range(s, min(s + size, count))] for s in range(0, count, size)]
-        if self._passes:
-            # A new DataLoader iterator draws its processes' base seed from torch's generator;
-            # the persistent one draws it once. Drawing it for every later pass leaves the
-            # generator where PML's loader, one a pass, left it: the training that follows
-            # draws the same numbers.
-            torch.empty((), dtype=torch.int64).random_()
+        if self._passes:  # the persistent iterator drew it once, PML's loader once a pass
+            _draw_as_a_new_iterator()
         self._passes += 1
         return iter(self._loader)
 
@@ -134,15 +142,15 @@ class TrainingLoaders:
         """The first `count` batches of `batches` (a batch sampler over `dataset`, one of
         `datasets`, the same object), its passes one after another, as the trainer's loader
         would have read them; None for another data set."""
-        which = next((k for k, held in enumerate(self.datasets) if held is dataset), None)
+        which = _index_of(self.datasets, dataset)
         if which is None:
             return None
         stream = _Stream(batches)
         # The keys know nothing of the stream: the loader's iterator, which holds them, ends
         # its processes as soon as the stream and the loader let go of it, not in a garbage cycle.
         self._current.batches = _keys(which, batches, count, stream.pass_starts)
-        if self._streams:
-            torch.empty((), dtype=torch.int64).random_()  # as `EmbeddingLoaders._iterate` does
+        if self._streams:  # the first stream's iterator, a new one, draws it itself
+            _draw_as_a_new_iterator()
         self._streams += 1
         stream.read = iter(self._loader)
         return stream
@@ -188,10 +196,9 @@ class _Stream:
     def __next__(self):
         batch = next(self.read)
         if self._taken in self.pass_starts:
-            # PML's trainer starts a new loader iterator at each pass, which draws its processes'
-            # base seed from torch's generator: drawn here, before the same step, the steps
-            # after it draw the same numbers.
-            torch.empty((), dtype=torch.int64).random_()
+            # PML's trainer starts a new loader iterator at each pass: drawn here, before the
+            # same step.
+            _draw_as_a_new_iterator()
         self._taken += 1
         return batch
 
