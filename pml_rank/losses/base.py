@@ -2,6 +2,7 @@ import contextlib
 import functools
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 from pytorch_metric_learning.distances import BaseDistance
@@ -12,6 +13,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
+from .query_panels import kept_and_pairs_per_query
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -174,14 +176,6 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
     return positive, negative
 
 
-def negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
-    """`labels` when a ranking's negatives are exactly the batch's pairs of different labels
-    (by labels, no `indices_tuple`, the batch its own references), else None: the form
-    `query_panels.negative_weights` takes."""
-    batch = indices_tuple is None and ref_emb is embeddings and reference_is_batch(labels, ref_labels)
-    return labels if batch else None
-
-
 def label_pairs(labels, ref_labels, with_self=False):
     """The positive pairs by label as ``(queries, references)`` index tensors in row-major
     order: ``true_entries(pair_masks(labels, ref_labels)[0])``. (i, i) is left out when
@@ -211,6 +205,50 @@ def label_pairs(labels, ref_labels, with_self=False):
         different = queries != references
         queries, references = queries[different], references[different]
     return queries, references
+
+
+class LabelPairs(NamedTuple):
+    """A batch's positive pairs by label, as `pairs_by_label` gives them: `query` and
+    `positive` (row-major index tensors), whether each query `has_positive` other than
+    itself, how many do (`num_queries`), and c when every query has c pairs (else None)."""
+
+    query: torch.Tensor
+    positive: torch.Tensor
+    has_positive: torch.Tensor
+    num_queries: int
+    pairs_per_query: int | None
+
+
+def pairs_by_label(labels, ref_labels, with_self=False):
+    """`label_pairs` with what a ranking of them needs to know (`LabelPairs`), read back in
+    one transfer before the similarity product is queued: on a GPU it then waits for the
+    labels' few kernels, not for the product. A query whose only positive is itself has
+    none (its pair stays: `ranked_pairs` drops it)."""
+    pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=with_self)
+    per_query = torch.bincount(pair_query, minlength=len(labels))
+    has_positive = per_query > int(with_self)
+    num_queries, pairs_per_query = kept_and_pairs_per_query(has_positive, per_query)
+    return LabelPairs(pair_query, pair_positive, has_positive, num_queries, pairs_per_query)
+
+
+def ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
+    """For the losses that rank each query as one of its own positives (SupAP, ROADMAP,
+    PNP): its `LabelPairs` when the batch ranks itself by label (no `indices_tuple`, the
+    batch its own references), its self-pairs included; else None, and the ranking takes
+    [queries, references] masks. By label, a ranking's negatives are the references of
+    other labels (`query_panels.LabelWeights`), and no mask is needed."""
+    if indices_tuple is None and ref_emb is embeddings and reference_is_batch(labels, ref_labels):
+        return pairs_by_label(labels, ref_labels, with_self=True)
+    return None
+
+
+def ranked_pairs(pairs):
+    """The (query, reference) index tensors of `pairs` (a `LabelPairs`) of the queries that
+    have a positive, with their query numbers unchanged: all of them when every query has one."""
+    if pairs.num_queries == len(pairs.has_positive):
+        return pairs.query, pairs.positive
+    kept = pairs.has_positive[pairs.query]
+    return pairs.query[kept], pairs.positive[kept]
 
 
 def normalized_with_distance_stats(distance, embeddings, ref_emb):

@@ -19,9 +19,9 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from .base import RankLossBase, negatives_by_label, pair_masks, with_query_as_positive
+from .base import RankLossBase, pair_masks, ranked_pairs, ranking_by_label, with_query_as_positive
 from .fused_ranks import FusedForm
-from .query_panels import any_per_row, negative_weights, relaxed_ranks, true_entries, true_rows
+from .query_panels import LabelWeights, any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
 
 # Where the authors' sigmoid stops: σ(±50) and a zero gradient beyond.
 SIGMOID_CLAMP = 50.0
@@ -79,28 +79,45 @@ class PNPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
+        by_label = ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
+        if by_label is not None:
+            self.num_queries = by_label.num_queries
+            if self.num_queries == 0:
+                return self.zero_losses()
+            scores = self.scores(embeddings, ref_emb)
+            losses = self.penalties(
+                scores, *ranked_pairs(by_label), LabelWeights(labels, labels), by_label.pairs_per_query
+            )
+            queries = true_rows(by_label.has_positive, self.num_queries)
+            losses = losses if len(queries) == len(losses) else losses[queries]
+            return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
         has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
             return self.zero_losses()
-        matrix = self.similarity_matrix(embeddings, ref_emb)
-        scores = matrix if self.distance.is_inverted else -matrix
         scores, positive, negative = with_query_as_positive(
-            self.distance, embeddings, ref_emb, scores, positive, negative
+            self.distance, embeddings, ref_emb, self.scores(embeddings, ref_emb), positive, negative
         )
         queries = true_rows(has_positive, self.num_queries)
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
-        pair_query, pair_positive = true_entries(positive)
-        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
-        weights = negative_weights(negative, scores.dtype, by_label, queries)
+        losses = self.penalties(scores, *true_entries(positive), mask_weights(negative, scores.dtype))
+        return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
+
+    def scores(self, embeddings, ref_emb):
+        """The similarity matrix as scores: higher is closer."""
+        matrix = self.similarity_matrix(embeddings, ref_emb)
+        return matrix if self.distance.is_inverted else -matrix
+
+    def penalties(self, scores, pair_query, pair_positive, weights, pairs_per_query=None):
+        """Each query's loss over its pairs, its negatives weighed by `weights` (`relaxed_ranks`)."""
         kernel = ClampedSigmoid(self.anneal)
         formula = MeanPenalty(self.variant, self.alpha, self.b)
-        losses = relaxed_ranks(scores, pair_query, pair_positive, kernel, formula, weights=weights)
-        if self.variant == "Dq":
-            losses = 1 - losses
-        return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
+        losses = relaxed_ranks(
+            scores, pair_query, pair_positive, kernel, formula, weights=weights, pairs_per_query=pairs_per_query
+        )
+        return 1 - losses if self.variant == "Dq" else losses
 
 
 class MeanPenalty:

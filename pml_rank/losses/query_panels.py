@@ -82,11 +82,16 @@ def kept_and_pairs_per_query(keep, per_query):
 
 def true_entries(mask):
     """``mask.nonzero(as_tuple=True)`` of a boolean matrix: rows and columns of its True
-    entries in row-major order. A sparse mask is scanned eight bytes at a time (as
-    int64 words), then only the nonzero words byte by byte: about 6 times faster than
-    `nonzero` at batch 2048."""
+    entries in row-major order. On the CPU (`policy.sized_for`) a sparse mask is scanned
+    eight bytes at a time (as int64 words), then only the nonzero words byte by byte: about
+    6 times faster than `nonzero` at batch 2048; on an accelerator, one `nonzero`."""
     rows, columns = mask.shape
-    if mask.device.type != "cpu" or columns % 8 or mask.stride() != (columns, 1) or mask.storage_offset() % 8:
+    if (
+        policy.sized_for(mask.device) != "cache"
+        or columns % 8
+        or mask.stride() != (columns, 1)
+        or mask.storage_offset() % 8
+    ):
         return mask.nonzero(as_tuple=True)
     word_rows, word_columns = mask.view(torch.int64).nonzero(as_tuple=True)
     word, byte = mask.view(rows, columns // 8, 8)[word_rows, word_columns].nonzero(as_tuple=True)
@@ -153,15 +158,6 @@ class LabelWeights(NamedTuple):
     def rows(self, queries, dtype):
         """The weights of the rows of `queries` (a slice or indices), as a float matrix."""
         return mask_weights(self.labels[queries].unsqueeze(1) != self.ref_labels.unsqueeze(0), dtype)
-
-
-def negative_weights(negative, dtype, labels=None, queries=None):
-    """Weights 1 at the negatives of each ranking, else 0, for `RelaxedRanks`: from the
-    batch's `labels` (`base.negatives_by_label`) for the rows `queries` (None: all), else
-    the boolean mask `negative` as a float matrix."""
-    if labels is None:
-        return mask_weights(negative, dtype)
-    return LabelWeights(labels if queries is None or len(queries) == len(labels) else labels[queries], labels)
 
 
 class OwnColumns(tuple):

@@ -29,10 +29,17 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from . import fused_calibration, fused_ranks
-from .base import RankLossBase, SumOfReducers, negatives_by_label, pair_masks, with_query_as_positive
+from .base import (
+    RankLossBase,
+    SumOfReducers,
+    pair_masks,
+    ranked_pairs,
+    ranking_by_label,
+    with_query_as_positive,
+)
 from .fused_ranks import FusedForm
 from .pnp import SIGMOID_CLAMP
-from .query_panels import any_per_row, negative_weights, relaxed_ranks, true_entries, true_rows
+from .query_panels import LabelWeights, any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
 
 
 class SupAPBound:
@@ -119,18 +126,21 @@ class SupAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
+        by_label = ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
+        if by_label is not None:
+            matrix = self.similarity_matrix(embeddings, ref_emb) if by_label.num_queries else None
+            return {"loss": self.ap_losses_by_label(matrix, labels, by_label)}
         matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
-        return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb, by_label)}
+        return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb)}
 
     def pairs(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """The distance matrix and the positive and negative pair masks."""
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
         return self.similarity_matrix(embeddings, ref_emb), positive, negative
 
-    def ap_losses(self, matrix, positive, negative, embeddings, ref_emb, labels=None):
-        """PML loss info of 1 − AP per query with a positive (0 when there is none);
-        `labels`: `negatives_by_label`'s."""
+    def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
+        """PML loss info of 1 − AP per query with a positive (0 when there is none), each
+        query one of its own positives, from the pair masks."""
         has_positive = any_per_row(positive)
         self.num_queries = int(has_positive.sum())
         if self.num_queries == 0:
@@ -142,11 +152,30 @@ class SupAPLoss(RankLossBase):
         queries = true_rows(has_positive, self.num_queries)
         if len(queries) < len(scores):
             scores, positive, negative = scores[queries], positive[queries], negative[queries]
-        pair_query, pair_positive = true_entries(positive)
-        bound = SupAPBound(self.temperature, self.rho, self.offset, self.delta, self.start)
-        weights = negative_weights(negative, scores.dtype, labels, queries)
-        ap = relaxed_ranks(scores, pair_query, pair_positive, bound, supap, weights=weights)
+        ap = self.relaxed_ap(scores, *true_entries(positive), mask_weights(negative, scores.dtype))
         return {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}
+
+    def ap_losses_by_label(self, matrix, labels, pairs):
+        """`ap_losses` of a batch that ranks itself by label, from its `ranking_by_label`."""
+        self.num_queries = pairs.num_queries
+        if self.num_queries == 0:
+            return self.zero_loss()
+        scores = matrix if self.distance.is_inverted else -matrix
+        weights = LabelWeights(labels, labels)
+        ap = self.relaxed_ap(scores, *ranked_pairs(pairs), weights, pairs.pairs_per_query)
+        queries = true_rows(pairs.has_positive, self.num_queries)
+        return {
+            "losses": 1 - (ap if len(queries) == len(ap) else ap[queries]),
+            "indices": queries,
+            "reduction_type": "element",
+        }
+
+    def relaxed_ap(self, scores, pair_query, pair_positive, weights, pairs_per_query=None):
+        """Each query's AP over its pairs, its negatives weighed by `weights` (`relaxed_ranks`)."""
+        bound = SupAPBound(self.temperature, self.rho, self.offset, self.delta, self.start)
+        return relaxed_ranks(
+            scores, pair_query, pair_positive, bound, supap, weights=weights, pairs_per_query=pairs_per_query
+        )
 
 
 def supap(negatives_above, own, queries):
@@ -208,9 +237,13 @@ class ROADMAPLoss(SupAPLoss):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
+        # Counted before the similarity product is queued, so that their read-back does not wait for it.
+        by_label = ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
         matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        by_label = negatives_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
-        ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb, by_label)
+        if by_label is None:
+            ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
+        else:
+            ap_loss = self.ap_losses_by_label(matrix, labels, by_label)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
         if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_ranks.runs_on(matrix):

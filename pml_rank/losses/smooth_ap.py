@@ -22,8 +22,8 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from .._checks import check_numbers
 from .base import (
     RankLossBase,
-    label_pairs,
     pair_masks,
+    pairs_by_label,
     reference_is_batch,
     with_query_as_positive,
     with_query_as_positive_pairs,
@@ -31,7 +31,6 @@ from .base import (
 from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
-    kept_and_pairs_per_query,
     left_out_of,
     own_columns,
     relaxed_ranks,
@@ -85,10 +84,9 @@ class SmoothAPLoss(RankLossBase):
         own_column = own_column and reference_is_batch(labels, ref_labels)
         pairs_per_query = None
         if indices_tuple is None:  # no [queries, references] mask is needed
-            pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=own_column)
-            per_query = torch.bincount(pair_query, minlength=len(labels))
-            has_positive = per_query > int(own_column)
-            self.num_queries, pairs = kept_and_pairs_per_query(has_positive, per_query)
+            pair_query, pair_positive, has_positive, self.num_queries, pairs = pairs_by_label(
+                labels, ref_labels, with_self=own_column
+            )
             if pairs is not None:  # each query's own pair, when it comes later, is one more
                 pairs_per_query = pairs + int(self.include_query and not own_column)
         else:

@@ -46,8 +46,9 @@ LOSSES = {
     "ROADMAP-distance": lambda: ROADMAPLoss(distance=LpDistance(), pos_margin=0.6, neg_margin=1.3, temperature=0.05),
 }
 # "labels": classes of 6, 4 and 2, so queries with unequal numbers of pairs (a group each);
-# "classes-of-4": every query with as many pairs (one group, as views of the pairs).
-INPUTS = ("labels", "classes-of-4", "ref_emb", "miner")
+# "classes-of-4": every query with as many pairs (one group, as views of the pairs);
+# "singleton": "labels" and a class of one, whose query has no positive but itself.
+INPUTS = ("labels", "classes-of-4", "singleton", "ref_emb", "miner")
 
 
 def value_and_gradients(make_loss, inputs, device, fused, batch=40):
@@ -57,6 +58,8 @@ def value_and_gradients(make_loss, inputs, device, fused, batch=40):
     labels = torch.arange(batch) // 4
     if inputs != "classes-of-4":
         labels[:6] = 100  # classes of 6, 4 and 2: panels of several sizes
+    if inputs == "singleton":
+        labels[-1] = 101
     embeddings = torch.randn(batch, 16, generator=generator).to(device).requires_grad_()
     kwargs = {}
     if inputs == "ref_emb":
@@ -89,8 +92,8 @@ def check_fused_equals_torch(name, inputs, device, batch=40):
     # ROADMAP's calibration with its default reducer has its own fused pass; with queries of
     # equally many pairs, the fused path takes them as one group without cutting any.
     assert ran - {"groups"} == ({"ranks", "calibration"} if name.startswith("ROADMAP") else {"ranks"})
-    if inputs in ("labels", "classes-of-4"):
-        assert ("groups" in ran) == (inputs == "labels") and "groups" in ran_torch
+    if inputs in ("labels", "classes-of-4", "singleton"):
+        assert ("groups" in ran) == (inputs != "classes-of-4") and "groups" in ran_torch
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
     for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
         assert gradient.abs().max() > 0
@@ -159,7 +162,7 @@ def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inpu
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("name", ["SmoothAP", "SmoothAP-no-query", "Recall@k"])
+@pytest.mark.parametrize("name", ["SmoothAP", "SmoothAP-no-query", "Recall@k", "SupAP", "PNP", "ROADMAP"])
 def test_interpreted_losses_by_labels_read_nothing_back_after_the_similarity_product(name):
     """With as many pairs for every query, the counts are read back before the product is
     queued; after it, only the finiteness check of the loss itself waits for the device."""
@@ -285,5 +288,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 6
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
