@@ -129,7 +129,7 @@ class MeanPenalty:
         self.variant, self.alpha, self.b = variant, alpha, b
 
     def __call__(self, above, own, queries):
-        return self.penalty(above).sum(1) / above.shape[1]
+        return self.penalty(above).mean(1)
 
     def penalty(self, above):
         """f(N) of the variant (Dq: (1 + N)^−α, subtracted from 1 after the mean)."""
@@ -150,11 +150,14 @@ class MeanPenalty:
             return torch.ones_like(above)
         if self.variant == "Ds":
             return (1 + above).reciprocal_()
-        if self.variant == "Dq":
-            return (1 + above).pow_(-self.alpha - 1).mul_(-self.alpha)
         if self.variant == "Iu":
             return torch.log1p(above).add_(1)
         return above / (1 + self.b * above)  # Ib: (b − b / (1 + bN)) / b²
 
-    def gradients(self, above, own, queries):
-        return self(above, own, queries), self.slope(above).div_(above.shape[1]), None
+    def gradients(self, above, own, queries, scale=1.0):
+        factor = scale / above.shape[1]
+        if self.variant == "Dq":  # f' = −α (1 + N)^−α / (1 + N), from f's own powers
+            shifted = 1 + above
+            penalty = shifted.pow(-self.alpha)
+            return penalty.mean(1), torch.div(penalty, shifted).mul_(-self.alpha * factor), None
+        return self(above, own, queries), self.slope(above).mul_(factor), None

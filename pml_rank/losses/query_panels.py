@@ -298,20 +298,23 @@ def relaxed_ranks(
     return RelaxedRanks.apply(scores, pair_query, pair_positive, ranking)
 
 
-def formula_and_gradients(formula, sums, own, queries):
-    """A formula's values [r] and their gradients with respect to `sums` and `own` (each
-    [r, c], or None for no dependence; fresh tensors, scaled in place by the caller): its
-    own ``formula.gradients(sums, own, queries)`` when it has one (the same three), else
-    autograd on the [r, c] tensors. Autograd's graph costs about 250 µs a panel on the
-    CPU, a hand-written derivative a few elementwise operations on tensors this small."""
+def formula_and_gradients(formula, sums, own, queries, scale=1.0):
+    """A formula's values [r] and `scale` times their gradients with respect to `sums` and
+    `own` (each [r, c], or None for no dependence; fresh tensors): its own
+    ``formula.gradients(sums, own, queries, scale)`` when it has one (the same three, the
+    scale folded into its factors), else autograd on the [r, c] tensors. Autograd's graph
+    costs about 250 µs a panel on the CPU, a hand-written derivative a few elementwise
+    operations on tensors this small."""
     gradients = getattr(formula, "gradients", None)
     if gradients is not None:
-        return gradients(sums, own, queries)
+        return gradients(sums, own, queries, scale)
     with torch.enable_grad():
         sums.requires_grad_()
         own.requires_grad_()
         value = formula(sums, own, queries)
         grad_sums, grad_own = torch.autograd.grad(value, (sums, own), torch.ones_like(value), allow_unused=True)
+    if scale != 1:
+        grad_sums, grad_own = (None if g is None else g.mul_(scale) for g in (grad_sums, grad_own))
     return value.detach(), grad_sums, grad_own
 
 
@@ -389,12 +392,10 @@ def _formula_on_group(formula, queries, sums, own, slopes, scale, with_jacobian,
     [pairs] (the group's pairs by the index `pairs`, or all of them in [r, c] order when None)."""
     if not with_jacobian:
         return formula(sums, own, queries), None, None
-    values, grad_sums, grad_own = formula_and_gradients(formula, sums, own, queries)
-    grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
+    values, grad_sums, grad_own = formula_and_gradients(formula, sums, own, queries, scale)
     # dS_qi moves s_qi by minus the sum of its slopes: T_qi · scale.
-    own_column = (slopes.view_as(sums) if pairs is None else slopes[pairs]).mul(grad_sums).neg_()
-    if grad_own is not None:
-        own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+    slopes = slopes.view_as(sums) if pairs is None else slopes[pairs]
+    own_column = slopes.mul(grad_sums).neg_() if grad_own is None else grad_own.addcmul_(slopes, grad_sums, value=-1)
     return values, grad_sums, own_column
 
 
@@ -452,9 +453,8 @@ def _panel_by_panel(
         if jacobian is None:
             values[queries] = formula(sums, panel_own, queries)
             continue
-        value, grad_sums, grad_own = formula_and_gradients(formula, sums, panel_own, queries)
+        value, grad_sums, grad_own = formula_and_gradients(formula, sums, panel_own, queries, scale)
         values[queries] = value
-        grad_sums = grad_sums.mul_(scale) if scale != 1 else grad_sums
         positive_columns = pair_positive[pairs]
         # dS_qi moves s_qj by w_qj h'(x_qij) · scale and s_qi by minus the sum over j.
         active = None
@@ -490,7 +490,7 @@ def _panel_by_panel(
             target.index_add_(0, row, slopes)
             own_column = torch.zeros_like(grad_sums).index_put_((row, column), slopes.sum(1).neg_())
         if grad_own is not None:
-            own_column.add_(grad_own.mul_(scale) if scale != 1 else grad_own)
+            own_column.add_(grad_own)
         target.scatter_add_(1, positive_columns, own_column)
         if not isinstance(queries, slice):
             jacobian[queries] = target

@@ -280,7 +280,7 @@ def recall_formula(k, normalizer, recall_temperature):
         counts = in_top_k(sums, queries)[1].sum(1)
         return (torch.minimum(counts, k[queries]) / normalizer[queries]).mean(1)
 
-    def gradients(sums, own, queries):
+    def gradients(sums, own, queries, scale=1.0):
         margins, sigmoids = in_top_k(sums, queries)
         counts = sigmoids.sum(1)
         panel_k = k[queries]
@@ -291,7 +291,7 @@ def recall_formula(k, normalizer, recall_temperature):
         per_count = (counts < panel_k).to(counts.dtype).add_(counts <= panel_k).mul_(0.5)
         per_count.div_(normalizer[queries]).div_(k.shape[1])
         slopes = sigmoids.addcmul_(sigmoids, sigmoids, value=-1).mul_(margins.abs_() <= SIGMOID_LIMIT)
-        grad_sums = slopes.mul_(per_count.unsqueeze(1)).sum(2).div_(-recall_temperature)
+        grad_sums = slopes.mul_(per_count.unsqueeze(1)).sum(2).mul_(-scale / recall_temperature)
         return value, grad_sums, None
 
     recall.gradients = gradients

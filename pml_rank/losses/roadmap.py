@@ -182,23 +182,25 @@ def supap(negatives_above, own, queries):
     """AP of each query from Σ_{j ∈ N} H⁻(s_qj − s_qi) [queries, positives] and its
     positives' scores s_qi, with R⁺(i), how many positives (i included) score at least
     s_qi, exact and without gradient."""
-    return _supap_precisions(negatives_above, own)[1].sum(1) / own.shape[1]
+    return _supap_precisions(negatives_above, own)[1].mean(1)
 
 
 def _supap_precisions(negatives_above, own):
-    """R⁺(i) and the precision R⁺(i) / (R⁺(i) + N(i)) of each positive [queries, positives]."""
+    """R⁺(i) + N(i) and the precision R⁺(i) / (R⁺(i) + N(i)) of each positive [queries,
+    positives]."""
     detached = own.detach()
-    rank_among_positives = (detached.unsqueeze(1) >= detached.unsqueeze(2)).sum(2).to(own.dtype)
-    return rank_among_positives, rank_among_positives / (rank_among_positives + negatives_above)
+    rank_among_positives = (detached.unsqueeze(1) >= detached.unsqueeze(2)).sum(2, dtype=own.dtype)
+    rank = rank_among_positives + negatives_above
+    return rank, rank_among_positives / rank
 
 
-def supap_gradients(negatives_above, own, queries):
-    """`supap` and its gradient with respect to the sums (none through the exact R⁺), by
-    hand: autograd's graph would cost more than the formula (`formula_and_gradients`).
-    d/dN(i) of the mean of R⁺ / (R⁺ + N) is −R⁺ / (R⁺ + N)² / c = −precision² / (R⁺ c)."""
-    rank_among_positives, precision = _supap_precisions(negatives_above, own)
-    ap = precision.sum(1) / own.shape[1]
-    return ap, precision.square().div_(rank_among_positives).div_(-own.shape[1]), None
+def supap_gradients(negatives_above, own, queries, scale=1.0):
+    """`supap` and `scale` times its gradient with respect to the sums (none through the
+    exact R⁺), by hand: autograd's graph would cost more than the formula
+    (`formula_and_gradients`). d/dN(i) of the mean of R⁺ / (R⁺ + N) is
+    −R⁺ / (R⁺ + N)² / c = −precision / (R⁺ + N) / c."""
+    rank, precision = _supap_precisions(negatives_above, own)
+    return precision.mean(1), torch.div(precision, rank).mul_(-scale / own.shape[1]), None
 
 
 supap.gradients = supap_gradients

@@ -152,17 +152,19 @@ def _precisions(sums, own):
     return rank, over_positives, (over_positives.sum(2) + 0.5) / rank
 
 
-def smooth_ap_gradients(sums, own, queries):
-    """`smooth_ap` and its gradients with respect to `sums` and `own`, by hand: autograd's
-    graph would cost more than the rest of a panel's formula (`formula_and_gradients`)."""
+def smooth_ap_gradients(sums, own, queries, scale=1.0):
+    """`smooth_ap` and `scale` times its gradients with respect to `sums` and `own`, by
+    hand: autograd's graph would cost more than the rest of a panel's formula
+    (`formula_and_gradients`)."""
     rank, over_positives, precision = _precisions(sums, own)
     ap = precision.mean(1)
     # AP = mean over the c positives of R_P(i) / R(i): d/dR(i) = −precision_i / (c R(i)),
     # d/dR_P(i) = 1 / (c R(i)); σ(own_j − own_i) in R_P(i) moves own_j by σ', own_i by −σ'.
-    per_rank = rank.reciprocal_().div_(own.shape[1])
-    grad_sums = precision.mul_(per_rank).neg_()
-    slopes = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(per_rank.unsqueeze(2))
-    return ap, grad_sums, slopes.sum(1).sub_(slopes.sum(2))
+    # The minus sign and the scale go into the one factor.
+    minus_per_rank = rank.reciprocal_().mul_(-scale / own.shape[1])
+    grad_sums = precision.mul_(minus_per_rank)
+    slopes = over_positives.addcmul_(over_positives, over_positives, value=-1).mul_(minus_per_rank.unsqueeze(2))
+    return ap, grad_sums, slopes.sum(2).sub_(slopes.sum(1))
 
 
 smooth_ap.gradients = smooth_ap_gradients
