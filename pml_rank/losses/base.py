@@ -13,7 +13,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
-from .query_panels import kept_and_pairs_per_query
+from .query_panels import queries_in_range, true_rows
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -209,26 +209,36 @@ def label_pairs(labels, ref_labels, with_self=False):
 
 class LabelPairs(NamedTuple):
     """A batch's positive pairs by label, as `pairs_by_label` gives them: `query` and
-    `positive` (row-major index tensors), whether each query `has_positive` other than
-    itself, how many do (`num_queries`), and c when every query has c pairs (else None)."""
+    `positive` (row-major index tensors), which queries have a positive other than
+    themselves (`kept`: a boolean per query, None when all have), how many
+    (`num_queries`), and c when every query has c pairs (else None)."""
 
     query: torch.Tensor
     positive: torch.Tensor
-    has_positive: torch.Tensor
+    kept: torch.Tensor | None
     num_queries: int
     pairs_per_query: int | None
+
+    def ranked(self):
+        """`query` and `positive` of the kept queries, their query numbers unchanged."""
+        if self.kept is None:
+            return self.query, self.positive
+        kept = self.kept[self.query]
+        return self.query[kept], self.positive[kept]
+
+    def kept_queries(self):
+        """The indices of the kept queries."""
+        return true_rows(self.kept, self.num_queries, self.query.device)
 
 
 def pairs_by_label(labels, ref_labels, with_self=False):
     """`label_pairs` with what a ranking of them needs to know (`LabelPairs`), read back in
-    one transfer before the similarity product is queued: on a GPU it then waits for the
-    labels' few kernels, not for the product. A query whose only positive is itself has
-    none (its pair stays: `ranked_pairs` drops it)."""
+    one transfer before the similarity product is queued (`queries_in_range`): on a GPU
+    it then waits for the labels' few kernels, not for the product. A query whose only
+    positive is itself is not kept (its pair stays, `LabelPairs.ranked` drops it)."""
     pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=with_self)
     per_query = torch.bincount(pair_query, minlength=len(labels))
-    has_positive = per_query > int(with_self)
-    num_queries, pairs_per_query = kept_and_pairs_per_query(has_positive, per_query)
-    return LabelPairs(pair_query, pair_positive, has_positive, num_queries, pairs_per_query)
+    return LabelPairs(pair_query, pair_positive, *queries_in_range(per_query, int(with_self) + 1))
 
 
 def ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
@@ -240,15 +250,6 @@ def ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
     if indices_tuple is None and ref_emb is embeddings and reference_is_batch(labels, ref_labels):
         return pairs_by_label(labels, ref_labels, with_self=True)
     return None
-
-
-def ranked_pairs(pairs):
-    """The (query, reference) index tensors of `pairs` (a `LabelPairs`) of the queries that
-    have a positive, with their query numbers unchanged: all of them when every query has one."""
-    if pairs.num_queries == len(pairs.has_positive):
-        return pairs.query, pairs.positive
-    kept = pairs.has_positive[pairs.query]
-    return pairs.query[kept], pairs.positive[kept]
 
 
 def normalized_with_distance_stats(distance, embeddings, ref_emb):

@@ -19,7 +19,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks, ranked_pairs, ranking_by_label, with_query_as_positive
+from .base import RankLossBase, pair_masks, ranking_by_label, with_query_as_positive
 from .fused_ranks import FusedForm
 from .query_panels import LabelWeights, any_per_row, mask_weights, relaxed_ranks, true_entries, true_rows
 
@@ -85,10 +85,8 @@ class PNPLoss(RankLossBase):
             if self.num_queries == 0:
                 return self.zero_losses()
             scores = self.scores(embeddings, ref_emb)
-            losses = self.penalties(
-                scores, *ranked_pairs(by_label), LabelWeights(labels, labels), by_label.pairs_per_query
-            )
-            queries = true_rows(by_label.has_positive, self.num_queries)
+            losses = self.penalties(scores, *by_label.ranked(), LabelWeights(labels, labels), by_label.pairs_per_query)
+            queries = by_label.kept_queries()
             losses = losses if len(queries) == len(losses) else losses[queries]
             return {"loss": {"losses": losses, "indices": queries, "reduction_type": "element"}}
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)

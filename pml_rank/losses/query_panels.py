@@ -63,21 +63,31 @@ def is_all_true(mask):
     return mask.numel() == 0 or bool(mask.view(torch.uint8).amin())
 
 
-def true_rows(mask, count):
+def true_rows(mask, count, device=None):
     """The indices of the True entries of a boolean vector with `count` of them (known
-    already): an arange when all are, without the `nonzero` that makes a GPU's host wait."""
-    if count == len(mask):
-        return torch.arange(count, device=mask.device)
+    already): an arange (on `device` when `mask` is None, all True) when all are, without
+    the `nonzero` that makes a GPU's host wait."""
+    if mask is None or count == len(mask):
+        return torch.arange(count, device=device if mask is None else mask.device)
     return mask.nonzero(as_tuple=True)[0]
 
 
-def kept_and_pairs_per_query(keep, per_query):
-    """How many queries `keep` (a boolean per query) keeps, and, when it keeps all of them and
-    `per_query` counts as many pairs for each, that count (else None): one read-back, made
-    before the similarity product is queued, so that it does not wait for the product, and
-    the relaxed ranks need not ask the device again (`relaxed_ranks`' ``pairs_per_query``)."""
-    kept, fewest, most = torch.stack([keep.sum(), *torch.aminmax(per_query)]).tolist()
-    return kept, most if fewest == most and kept == len(keep) else None
+def queries_in_range(per_query, fewest, most=None):
+    """The queries with `fewest` to `most` (None: any number of) pairs, from their numbers
+    of pairs `per_query`: a boolean per query (None when all are in range), how many are,
+    and c when all are, with c pairs each (else None). One read-back of the extremes, made
+    before the similarity product is queued so that it does not wait for the product (and
+    the relaxed ranks need not ask the device again, `relaxed_ranks`' ``pairs_per_query``);
+    a second only when a query is out of range."""
+    if len(per_query) == 0:
+        return None, 0, None
+    low, high = torch.stack(torch.aminmax(per_query)).tolist()
+    if low >= fewest and (most is None or high <= most):
+        return None, len(per_query), high if low == high else None
+    kept = per_query >= fewest
+    if most is not None:
+        kept &= per_query <= most
+    return kept, int(kept.sum()), None
 
 
 def true_entries(mask):

@@ -49,10 +49,10 @@ from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
-    kept_and_pairs_per_query,
     left_out_of,
     left_out_per_query,
     own_columns,
+    queries_in_range,
     relaxed_ranks,
     true_entries,
 )
@@ -152,19 +152,25 @@ class RecallAtKSurrogateLoss(RankLossBase):
         if indices_tuple is None:  # no [queries, references] mask is needed
             pair_query, pair_positive = label_pairs(labels, ref_labels)
             left_out = own_columns(shape[0], labels.device) if batch_is_reference else None
+            positives = torch.bincount(pair_query, minlength=shape[0])
+            # Every query ranks the same references, and every one that is no positive is a negative.
+            ranked = shape[1] - int(batch_is_reference)
+            keep, self.num_queries, pairs_per_query = queries_in_range(positives, 1, ranked - 1)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=shape)
             pair_query, pair_positive = true_entries(positive)
             left_out = left_out_of(positive, negative)
-        positives = torch.bincount(pair_query, minlength=shape[0])
-        # Each query's number of ranked references, as `positives` counts its positives.
-        ranked = torch.full_like(positives, shape[1]) - left_out_per_query(left_out, shape[0])
-        # By labels, every ranked reference that is no positive is a negative.
-        has_negative = ranked > positives if indices_tuple is None else any_per_row(negative)
-        keep = (positives > 0) & has_negative
-        self.num_queries, pairs_per_query = kept_and_pairs_per_query(keep, positives)
+            positives = torch.bincount(pair_query, minlength=shape[0])
+            # Each query's number of ranked references, as `positives` counts its positives.
+            ranked = torch.full_like(positives, shape[1]) - left_out_per_query(left_out, shape[0])
+            keep = (positives > 0) & any_per_row(negative)
+            self.num_queries, pairs_per_query = int(keep.sum()), None
+            keep = None if self.num_queries == shape[0] else keep
         if self.num_queries == 0:
             return self.zero_losses()
+        # Before the similarity product is queued: on a GPU the upload of the k values waits
+        # for the device's queue.
+        k, normalizer = self.k_and_normalizer(ranked + int(self.query_in_ranking), positives, embeddings.dtype)
         if scores is None:
             scores = self.similarity_matrix(embeddings, ref_emb)
         if self.query_in_ranking:
@@ -174,17 +180,15 @@ class RecallAtKSurrogateLoss(RankLossBase):
                 normalized = self.distance.maybe_normalize(embeddings)
                 own = self.distance.pairwise_distance(normalized, normalized)
             scores = torch.cat([scores, own.unsqueeze(1)], dim=1)
-            ranked = ranked + 1
             if torch.is_tensor(left_out):
                 left_out = torch.cat([left_out, left_out.new_zeros(len(left_out), 1)], dim=1)
-        if self.num_queries < len(keep):
-            scores, ranked, positives = scores[keep], ranked[keep], positives[keep]
+        if keep is not None:
+            scores, k, normalizer = scores[keep], k[keep], normalizer[keep]
             pair_query, pair_positive = kept_pairs(keep, pair_query, pair_positive)
             if torch.is_tensor(left_out):
                 left_out = left_out[keep]
             elif left_out is not None:
                 left_out = kept_pairs(keep, *left_out)
-        k, normalizer = self.k_and_normalizer(ranked, positives, scores.dtype)
         recall = relaxed_recall(
             scores,
             left_out,
@@ -196,17 +200,19 @@ class RecallAtKSurrogateLoss(RankLossBase):
             self.recall_temperature,
             pairs_per_query,
         )
-        queries = query_index if self.num_queries == len(keep) else query_index[keep]
+        queries = query_index if keep is None else query_index[keep]
         return {"loss": {"losses": 1 - recall, "indices": queries, "reduction_type": "element"}}
 
     def k_and_normalizer(self, ranked, positives, dtype):
         """[queries, |K|] tensors of `dtype`: each k clipped at the query's list length
-        (`ranked`: each query's number of ranked references), and min(that k, the
-        query's number of `positives`)."""
-        k = torch.tensor(self.k_values, device=ranked.device)
-        k = torch.minimum(k, ranked.unsqueeze(1))
-        normalizer = torch.minimum(k, positives.unsqueeze(1))
-        return k.to(dtype), normalizer.to(dtype)
+        (`ranked`: each query's number of ranked references, or one number for all), and
+        min(that k, the query's number of `positives`)."""
+        if torch.is_tensor(ranked):
+            k = torch.minimum(torch.tensor(self.k_values, device=ranked.device), ranked.unsqueeze(1)).to(dtype)
+        else:
+            k = torch.tensor([min(k, ranked) for k in self.k_values], dtype=dtype, device=positives.device)
+            k = k.expand(len(positives), -1)
+        return k, torch.minimum(k, positives.unsqueeze(1))
 
 
 def kept_pairs(keep, pair_query, pair_reference):

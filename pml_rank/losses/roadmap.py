@@ -33,7 +33,6 @@ from .base import (
     RankLossBase,
     SumOfReducers,
     pair_masks,
-    ranked_pairs,
     ranking_by_label,
     with_query_as_positive,
 )
@@ -162,8 +161,8 @@ class SupAPLoss(RankLossBase):
             return self.zero_loss()
         scores = matrix if self.distance.is_inverted else -matrix
         weights = LabelWeights(labels, labels)
-        ap = self.relaxed_ap(scores, *ranked_pairs(pairs), weights, pairs.pairs_per_query)
-        queries = true_rows(pairs.has_positive, self.num_queries)
+        ap = self.relaxed_ap(scores, *pairs.ranked(), weights, pairs.pairs_per_query)
+        queries = pairs.kept_queries()
         return {
             "losses": 1 - (ap if len(queries) == len(ap) else ap[queries]),
             "indices": queries,

@@ -84,7 +84,7 @@ class SmoothAPLoss(RankLossBase):
         own_column = own_column and reference_is_batch(labels, ref_labels)
         pairs_per_query = None
         if indices_tuple is None:  # no [queries, references] mask is needed
-            pair_query, pair_positive, has_positive, self.num_queries, pairs = pairs_by_label(
+            pair_query, pair_positive, kept, self.num_queries, pairs = pairs_by_label(
                 labels, ref_labels, with_self=own_column
             )
             if pairs is not None:  # each query's own pair, when it comes later, is one more
@@ -93,6 +93,7 @@ class SmoothAPLoss(RankLossBase):
             positive, negative = pair_masks(labels, ref_labels, indices_tuple)
             has_positive = any_per_row(positive)
             self.num_queries = int(has_positive.sum())
+            kept = None if self.num_queries == len(has_positive) else has_positive
         if self.num_queries == 0:
             return self.zero_losses()
         matrix = self.similarity_matrix(embeddings, ref_emb)
@@ -112,13 +113,13 @@ class SmoothAPLoss(RankLossBase):
                 )
             left_out = left_out_of(positive, negative)
             pair_query, pair_positive = true_entries(positive)
-        if self.num_queries < len(has_positive):  # a query whose only positive is itself is left out
-            kept = has_positive[pair_query]
-            pair_query, pair_positive = pair_query[kept], pair_positive[kept]
+        if kept is not None:  # a query whose only positive is itself is left out
+            in_kept = kept[pair_query]
+            pair_query, pair_positive = pair_query[in_kept], pair_positive[in_kept]
         ap = relaxed_ranks(
             scores, pair_query, pair_positive, Sigmoid, smooth_ap, 1 / self.temperature, left_out, None, pairs_per_query
         )
-        queries = true_rows(has_positive, self.num_queries)
+        queries = true_rows(kept, self.num_queries, scores.device)
         ap = ap if self.num_queries == len(ap) else ap[queries]
         return {"loss": {"losses": 1 - ap, "indices": queries, "reduction_type": "element"}}
 

@@ -124,15 +124,16 @@ def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
 
 class ReadBacks(TorchDispatchMode):
     """In order, the operations inside the context after which a GPU's host waits for the
-    device ("wait": a number read back, or nonzero's or bincount's size) and the matrix
-    products ("product"); a test may add marks of its own to `events`."""
+    device ("wait": a number read back, nonzero's or bincount's size, or host data made a
+    tensor, whose upload waits for the device's queue) and the matrix products
+    ("product"); a test may add marks of its own to `events`."""
 
     def __init__(self):
         super().__init__()
         self.events = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount"):
+        if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::lift_fresh"):
             self.events.append("wait")
         elif func._schema.name == "aten::mm":
             self.events.append("product")
