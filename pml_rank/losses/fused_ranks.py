@@ -4,13 +4,14 @@ a few dozen elementwise kernels per panel (each a pass over a [queries, positive
 references] tensor through memory).
 
 1. `_sums_kernel`: for each pair p = (q, i), S_p = Σ_j w_qj h(x_qpj) and T_p = Σ_j w_qj h'(x_qpj),
-   x_qpj = scale · s_qj − scale · s_qi: a block of pairs (sorted by query, so that their
-   rows come from the cache) against every reference.
+   x_qpj = scale · s_qj − scale · s_qi (and scale · s_qi itself): a block of pairs (sorted by
+   query, so that their rows come from the cache) against every reference.
 2. The losses' formulas on the [r, c] sums, per group of queries with equally many pairs,
    as the panels do (`query_panels.formula_and_gradients`).
-3. `_jacobian_kernel`: each query's row of the Jacobian, J_qj = w_qj Σ_{p of q} G_p h'(x_qpj),
-   plus each pair's own column −G_p T_p + the formula's own-score gradient; a block of one
-   query's references per program, its pairs in a loop.
+3. `_jacobian_kernel`, in the backward pass: each query's row of the gradient, the incoming
+   gradient g_q times the Jacobian's row J_qj = w_qj Σ_{p of q} G_p h'(x_qpj) plus each
+   pair's own column −G_p T_p + the formula's own-score gradient; a block of one query's
+   references per program, its pairs in a loop.
 
 Each kernel h is one formula with parameters (`FusedForm`), which every kernel of the
 plain-torch path gives as its ``fused`` attribute:
@@ -44,7 +45,7 @@ PAIRS_PER_BLOCK = 16
 REFERENCES_PER_STEP = 256
 REFERENCES_PER_BLOCK = 1024
 
-__all__ = ["FusedForm", "applies", "interpreted", "jacobian", "on_device", "pair_sums", "runs_on"]
+__all__ = ["FusedForm", "applies", "interpreted", "on_device", "pair_sums", "runs_on", "scaled_jacobian"]
 
 
 class FusedForm(NamedTuple):
@@ -66,11 +67,12 @@ def applies(scores, kernel):
     return runs_on(scores) and hasattr(kernel, "fused")
 
 
-def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_own):
-    """S [pairs] and, when `with_slopes`, T [pairs] (else None) of `_sums_kernel`; with
-    `skip_own`, weight 0 at each query's own column (q, q)."""
+def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slopes, skip_own):
+    """S [pairs], T [pairs] when `with_slopes` (else None) and the pairs' own scaled scores
+    scale · s_qi [pairs] of `_sums_kernel`; with `skip_own`, weight 0 at each query's own
+    column (q, q)."""
     pairs = len(pair_query)
-    sums = scores.new_empty(pairs)
+    sums, own = scores.new_empty(pairs), scores.new_empty(pairs)
     slopes = scores.new_empty(pairs) if with_slopes else sums
     if pairs:
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
@@ -78,6 +80,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_o
             _sums_kernel[grid](
                 *_matrices(scores, weights),
                 pair_query,
+                pair_positive,
                 own,
                 sums,
                 slopes,
@@ -91,7 +94,7 @@ def pair_sums(scores, weights, pair_query, own, form, scale, with_slopes, skip_o
                 BLOCK_P=PAIRS_PER_BLOCK,
                 BLOCK_J=REFERENCES_PER_STEP,
             )
-    return sums, slopes if with_slopes else None
+    return sums, slopes if with_slopes else None, own
 
 
 # How the kernels weigh each (query q, reference j): by 1, by a float [queries, references]
@@ -115,22 +118,41 @@ def _matrices(scores, weights):
     return scores, scores.stride(0), matrix, matrix.stride(0) if form == WEIGHT_MATRIX else 0, labels, ref_labels
 
 
-def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, own_gradients, form, scale, skip_own):
-    """[queries, references] Jacobian of `_jacobian_kernel`: `pair_offsets` [queries + 1]
-    delimits each query's pairs; `pair_gradients` G_p (the formula's gradient by S_p, times
-    `scale`) and `own_gradients` (what each pair's own column gains besides); with
-    `skip_own`, weight 0 at each query's own column (q, q)."""
+def scaled_jacobian(
+    scores,
+    weights,
+    pairs_per_query,
+    pair_positive,
+    own,
+    pair_gradients,
+    slopes,
+    own_gradients,
+    row_scales,
+    form,
+    scale,
+    skip_own,
+):
+    """[queries, references] rows of `_jacobian_kernel`'s Jacobian, each scaled by its query's
+    `row_scales` (the incoming gradient). `pairs_per_query`: c when every query has c pairs,
+    else offsets [queries + 1] that delimit each query's pairs; `pair_gradients` G_p (the
+    formula's gradient by S_p, times `scale`), `slopes` T_p, and `own_gradients` (what each
+    pair's own column gains besides −G_p T_p; None: nothing); with `skip_own`, weight 0 at
+    each query's own column (q, q)."""
     out = torch.empty_like(scores)
+    uniform = not torch.is_tensor(pairs_per_query)
     if out.numel():
         grid = (scores.shape[0], triton.cdiv(scores.shape[1], REFERENCES_PER_BLOCK))
         with on_device(scores.device):
             _jacobian_kernel[grid](
                 *_matrices(scores, weights),
-                pair_offsets,
+                pair_positive if uniform else pairs_per_query,
+                pairs_per_query if uniform else 0,
                 pair_positive,
                 own,
                 pair_gradients,
-                own_gradients,
+                slopes,
+                pair_gradients if own_gradients is None else own_gradients,
+                row_scales.contiguous(),
                 out,
                 out.stride(0),
                 scores.shape[1],
@@ -138,6 +160,8 @@ def jacobian(scores, weights, pair_offsets, pair_positive, own, pair_gradients, 
                 *map(float, form),
                 WEIGHTS=_weights_form(weights),
                 SKIP_OWN=skip_own,
+                UNIFORM=uniform,
+                OWN_GRADIENTS=own_gradients is not None,
                 BLOCK_J=REFERENCES_PER_BLOCK,
             )
     return out
@@ -172,6 +196,7 @@ if triton is not None:
         labels,
         ref_labels,
         pair_query,
+        pair_positive,
         own,
         sums,
         slopes,
@@ -194,7 +219,9 @@ if triton is not None:
         p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         in_pairs = p < pairs
         query = tl.load(pair_query + p, mask=in_pairs, other=0).to(tl.int64)
-        own_score = tl.load(own + p, mask=in_pairs, other=0.0)
+        positive = tl.load(pair_positive + p, mask=in_pairs, other=0).to(tl.int64)
+        own_score = tl.load(scores + query * score_stride + positive, mask=in_pairs, other=0.0) * scale
+        tl.store(own + p, own_score, mask=in_pairs)
         if WEIGHTS == 2:
             query_label = tl.load(labels + query, mask=in_pairs, other=0)
         total = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -234,10 +261,13 @@ if triton is not None:
         labels,
         ref_labels,
         pair_offsets,
+        pairs_per_query,
         pair_positive,
         own,
         pair_gradients,
+        slopes,
         own_gradients,
+        row_scales,
         out,
         out_stride,
         references,
@@ -251,6 +281,8 @@ if triton is not None:
         slope_floor,
         WEIGHTS: tl.constexpr,
         SKIP_OWN: tl.constexpr,
+        UNIFORM: tl.constexpr,
+        OWN_GRADIENTS: tl.constexpr,
         BLOCK_J: tl.constexpr,
     ):
         query = tl.program_id(0).to(tl.int64)
@@ -259,13 +291,22 @@ if triton is not None:
         scaled = tl.load(scores + query * score_stride + j, mask=inside, other=0.0) * scale
         through_sums = tl.zeros([BLOCK_J], dtype=tl.float32)
         own_columns = tl.zeros([BLOCK_J], dtype=tl.float32)
-        first = tl.load(pair_offsets + query)
-        last = tl.load(pair_offsets + query + 1)
+        if UNIFORM:
+            first = query * pairs_per_query
+            last = first + pairs_per_query
+        else:
+            first = tl.load(pair_offsets + query)
+            last = tl.load(pair_offsets + query + 1)
         for p in range(first, last):
             x = scaled - tl.load(own + p)
             slope = _slope(x, _sigmoid(x, temperature, limit), temperature, delta, rho, slope_floor)
-            through_sums += tl.load(pair_gradients + p) * slope
-            own_columns += tl.where(j == tl.load(pair_positive + p), tl.load(own_gradients + p), 0.0)
+            gradient = tl.load(pair_gradients + p)
+            through_sums += gradient * slope
+            # dS_p moves s_qi by minus the sum of its slopes: T_p · scale (in G_p).
+            own_column = -gradient * tl.load(slopes + p)
+            if OWN_GRADIENTS:
+                own_column += tl.load(own_gradients + p)
+            own_columns += tl.where(j == tl.load(pair_positive + p), own_column, 0.0)
         if WEIGHTS == 1:
             through_sums = through_sums * tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
         if WEIGHTS == 2:
@@ -273,4 +314,5 @@ if triton is not None:
             through_sums = tl.where(ref_label != tl.load(labels + query), through_sums, 0.0)
         if SKIP_OWN:
             through_sums = tl.where(j == query, 0.0, through_sums)
-        tl.store(out + query * out_stride + j, through_sums + own_columns, mask=inside)
+        row = (through_sums + own_columns) * tl.load(row_scales + query)
+        tl.store(out + query * out_stride + j, row, mask=inside)

@@ -266,11 +266,13 @@ class RelaxedRanks(torch.autograd.Function):
     the row's gradient (its row of the Jacobian) panel by panel while the kernel's values
     are in cache (`query_panels`), the formula's part from its own derivative or by
     autograd on the small [r, c] tensors; the backward pass scales each row by the
-    incoming gradient, in place."""
+    incoming gradient, in place. The fused kernels (`fused_ranks`) instead keep the
+    formula's gradients by pair and compute the scaled rows in the backward pass, in one
+    kernel."""
 
     @staticmethod
     def forward(ctx, scores, pair_query, pair_positive, ranking):
-        values, ctx.jacobian = _values_and_jacobian(scores, pair_query, pair_positive, ranking, ctx.needs_input_grad[0])
+        values, ctx.gradient = _values_and_gradient(scores, pair_query, pair_positive, ranking, ctx.needs_input_grad[0])
         ctx.save_for_backward(scores, pair_query, pair_positive)
         ctx.ranking = ranking
         return values
@@ -278,10 +280,10 @@ class RelaxedRanks(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_values):
-        jacobian, ctx.jacobian = ctx.jacobian, None
-        if jacobian is None:  # a second backward pass through the graph (retain_graph=True)
-            _, jacobian = _values_and_jacobian(*ctx.saved_tensors, ctx.ranking, True)
-        return jacobian.mul_(grad_values.unsqueeze(1)), None, None, None
+        gradient, ctx.gradient = ctx.gradient, None
+        if gradient is None:  # a second backward pass through the graph (retain_graph=True)
+            _, gradient = _values_and_gradient(*ctx.saved_tensors, ctx.ranking, True)
+        return gradient(grad_values), None, None, None
 
 
 class Ranking(NamedTuple):
@@ -328,22 +330,28 @@ def formula_and_gradients(formula, sums, own, queries, scale=1.0):
     return value.detach(), grad_sums, grad_own
 
 
-def _values_and_jacobian(scores, pair_query, pair_positive, ranking, with_jacobian):
-    """`RelaxedRanks`'s value per query and, when asked, the [queries, references] Jacobian
-    of each query's value with respect to its row of `scores` (else None)."""
+def _values_and_gradient(scores, pair_query, pair_positive, ranking, with_gradient):
+    """`RelaxedRanks`'s value per query and, when asked, the function that takes the
+    incoming gradient of the values to that of `scores` (else None): rows of the
+    [queries, references] Jacobian, each query's with respect to its row of `scores`,
+    scaled by the query's gradient (once: it may scale the Jacobian in place)."""
     # The sums and the Jacobian in the input's precision: autocast would take the matrix
     # products to half precision.
     with torch.autocast(scores.device.type, enabled=False):
         if fused_ranks.applies(scores, ranking.kernel):
-            return _fused(scores, pair_query, pair_positive, *ranking, with_jacobian)
-        return _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_jacobian)
+            return _fused(scores, pair_query, pair_positive, *ranking, with_gradient)
+        values, jacobian = _panel_by_panel(scores, pair_query, pair_positive, *ranking, with_gradient)
+    if jacobian is None:
+        return values, None
+    return values, lambda grad_values: jacobian.mul_(grad_values.unsqueeze(1))
 
 
 def _fused(
-    scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, pairs_per_query, with_jacobian
+    scores, pair_query, pair_positive, kernel, formula, scale, left_out, weights, pairs_per_query, with_gradient
 ):
-    """`_panel_by_panel`'s values and Jacobian from `fused_ranks`' two kernels, with the
-    formula applied once per group of queries with equally many pairs."""
+    """`_values_and_gradient` from `fused_ranks`' two kernels, with the formula applied once
+    per group of queries with equally many pairs; the Jacobian kernel runs in the backward
+    pass, on the incoming gradient (no Jacobian is kept between the passes)."""
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     skip_own = isinstance(left_out, OwnColumns)
     weights = _weights_with(None if skip_own else left_out, weights, scores)
@@ -361,52 +369,55 @@ def _fused(
     if not uniform:
         # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
         groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
-    own = scores[pair_query, pair_positive]
-    if scale != 1:
-        own = own * scale
-    sums, slopes = fused_ranks.pair_sums(scores, weights, pair_query, own, kernel.fused, scale, with_jacobian, skip_own)
-    if uniform:
-        # Every query has c pairs, in order: the group is [queries, c] views, no gathers.
-        values, pair_gradients, own_gradients = _formula_on_group(
-            formula, slice(0, len(scores)), *(t.view(-1, most) for t in (sums, own)), slopes, scale, with_jacobian
-        )
-        if with_jacobian:
-            pair_gradients, own_gradients = pair_gradients.view(-1), own_gradients.view(-1)
-    else:
+    sums, slopes, own = fused_ranks.pair_sums(
+        scores, weights, pair_query, pair_positive, kernel.fused, scale, with_gradient, skip_own
+    )
+    if not with_gradient:
+        if uniform:
+            return formula(sums.view(-1, most), own.view(-1, most), slice(0, len(scores))), None
         values = scores.new_zeros(len(scores))
-        pair_gradients = torch.empty_like(sums) if with_jacobian else None
-        own_gradients = torch.empty_like(sums) if with_jacobian else None
         for queries, pairs in groups:
-            values[queries], grad_sums, own_column = _formula_on_group(
-                formula, queries, sums[pairs], own[pairs], slopes, scale, with_jacobian, pairs
-            )
-            if with_jacobian:
-                pair_gradients[pairs], own_gradients[pairs] = grad_sums, own_column
-    if not with_jacobian:
+            values[queries] = formula(sums[pairs], own[pairs], queries)
         return values, None
     if uniform:
-        offsets = torch.arange(0, len(pair_query) + 1, most, dtype=pair_query.dtype, device=scores.device)
+        # Every query has c pairs, in order: the group is [queries, c] views, no gathers.
+        values, pair_gradients, own_gradients = formula_and_gradients(
+            formula, sums.view(-1, most), own.view(-1, most), slice(0, len(scores)), scale
+        )
+        pair_gradients = pair_gradients.view(-1)
+        own_gradients = None if own_gradients is None else own_gradients.view(-1)
+        pairs_per_query = most
     else:
-        offsets = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
-        torch.cumsum(per_query, 0, out=offsets[1:])
-    jacobian = fused_ranks.jacobian(
-        scores, weights, offsets, pair_positive, own, pair_gradients, own_gradients, kernel.fused, scale, skip_own
-    )
-    return values, jacobian
+        values = scores.new_zeros(len(scores))
+        pair_gradients, own_gradients = torch.empty_like(sums), None
+        for queries, pairs in groups:
+            values[queries], grad_sums, grad_own = formula_and_gradients(
+                formula, sums[pairs], own[pairs], queries, scale
+            )
+            pair_gradients[pairs] = grad_sums
+            if grad_own is not None:
+                own_gradients = torch.zeros_like(sums) if own_gradients is None else own_gradients
+                own_gradients[pairs] = grad_own
+        pairs_per_query = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
+        torch.cumsum(per_query, 0, out=pairs_per_query[1:])
 
+    def gradient(grad_values):
+        return fused_ranks.scaled_jacobian(
+            scores,
+            weights,
+            pairs_per_query,
+            pair_positive,
+            own,
+            pair_gradients,
+            slopes,
+            own_gradients,
+            grad_values,
+            kernel.fused,
+            scale,
+            skip_own,
+        )
 
-def _formula_on_group(formula, queries, sums, own, slopes, scale, with_jacobian, pairs=None):
-    """The formula's values [r] on a group's [r, c] `sums` and `own` and, when
-    `with_jacobian`, the pairs' gradients G (by S, times `scale`) and their own columns'
-    gradients (−G · T plus the formula's own-score gradient), [r, c] each; `slopes` T
-    [pairs] (the group's pairs by the index `pairs`, or all of them in [r, c] order when None)."""
-    if not with_jacobian:
-        return formula(sums, own, queries), None, None
-    values, grad_sums, grad_own = formula_and_gradients(formula, sums, own, queries, scale)
-    # dS_qi moves s_qi by minus the sum of its slopes: T_qi · scale.
-    slopes = slopes.view_as(sums) if pairs is None else slopes[pairs]
-    own_column = slopes.mul(grad_sums).neg_() if grad_own is None else grad_own.addcmul_(slopes, grad_sums, value=-1)
-    return values, grad_sums, own_column
+    return values, gradient
 
 
 def _weights_with(left_out, weights, scores):
