@@ -9,7 +9,9 @@ pairs that have one (PML's AvgNonZeroReducer over λ · relu(shortfall)):
 
 sign = 1 for a similarity, −1 for a distance (PML's `margin`). Forward: each program sums its
 block's shortfalls and counts them (float32 sums, int32 counts: float32 counts stop being
-exact past 2^24 pairs), the blocks' partial results are added by torch. Backward: each pair
+exact past 2^24 pairs), the blocks' partial results are added by torch. The pairs come as two
+boolean masks, or as the batch's labels when it is its own references (positive: the same
+label, (i, i) aside; negative: another label), read instead of two [B, B] masks. Backward: each pair
 with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
 torch terms (`ROADMAPLoss.calibration`) stay the reference and the path wherever this one
 cannot run (`fused_ranks.runs_on`); the tests hold the two equal.
@@ -24,27 +26,37 @@ from .fused_ranks import triton
 ENTRIES_PER_BLOCK = 4096
 
 
-def calibration_terms(matrix, positive, negative, pos_margin, neg_margin, lambda_, sign):
+def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
     """(positive term, negative term): two float32 scalars, each λ · mean of the non-zero
-    shortfalls of its pairs (0 without one), differentiable with respect to `matrix`."""
-    return CalibrationTerms.apply(matrix, positive, negative, (pos_margin, neg_margin, lambda_, sign))
+    shortfalls of its pairs (0 without one), differentiable with respect to `matrix`.
+    `pairs`: the (positive, negative) boolean masks, or the labels of a batch that is its
+    own references."""
+    if torch.is_tensor(pairs):  # labels: the kernels compare them, in place of the masks
+        pairs = (pairs, pairs)
+        by_label = True
+    else:
+        pairs = tuple(mask.contiguous().view(torch.uint8) for mask in pairs)
+        by_label = False
+    return CalibrationTerms.apply(matrix, *pairs, (pos_margin, neg_margin, lambda_, sign, by_label))
 
 
 class CalibrationTerms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, matrix, positive, negative, parameters):
         matrix = matrix.contiguous()
-        positive, negative = positive.contiguous().view(torch.uint8), negative.contiguous().view(torch.uint8)
         entries = matrix.numel()
-        blocks = triton.cdiv(entries, ENTRIES_PER_BLOCK) if entries else 0
-        sums = matrix.new_zeros(max(blocks, 1), 2)
-        counts = torch.zeros(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
-        pos_margin, neg_margin, lambda_, sign = map(float, parameters)
+        blocks = triton.cdiv(entries, ENTRIES_PER_BLOCK)
+        # Each block writes its row of partial sums and counts: nothing to fill.
+        make = torch.empty if blocks else torch.zeros
+        sums = make(max(blocks, 1), 2, dtype=matrix.dtype, device=matrix.device)
+        counts = make(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
+        pos_margin, neg_margin, lambda_, sign = map(float, parameters[:4])
+        by_label = parameters[4]
         if blocks:
             with fused_ranks.on_device(matrix.device):
                 _terms_kernel[(blocks,)](
-                    matrix, positive, negative, sums, counts, entries, pos_margin, neg_margin, sign,
-                    BLOCK=ENTRIES_PER_BLOCK,
+                    matrix, positive, negative, sums, counts, entries, matrix.shape[1],
+                    pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
                 )  # fmt: skip
         counts = counts.sum(0, dtype=torch.int64)
         # Per pair of a term with a shortfall: d term / d shortfall = λ / count.
@@ -57,15 +69,16 @@ class CalibrationTerms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_positive_term, grad_negative_term):
         matrix, positive, negative, scales = ctx.saved_tensors
-        pos_margin, neg_margin, _, sign = map(float, ctx.parameters)
+        pos_margin, neg_margin, _, sign = map(float, ctx.parameters[:4])
+        by_label = ctx.parameters[4]
         coefficients = torch.stack([grad_positive_term, grad_negative_term]).to(matrix.dtype).mul_(scales)
         grad = torch.empty_like(matrix)
         entries = matrix.numel()
         if entries:
             with fused_ranks.on_device(matrix.device):
                 _gradient_kernel[(triton.cdiv(entries, ENTRIES_PER_BLOCK),)](
-                    matrix, positive, negative, coefficients, grad, entries, pos_margin, neg_margin, sign,
-                    BLOCK=ENTRIES_PER_BLOCK,
+                    matrix, positive, negative, coefficients, grad, entries, matrix.shape[1],
+                    pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
                 )  # fmt: skip
         return grad, None, None, None
 
@@ -74,22 +87,42 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _shortfalls(matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr):
+    def _shortfalls(
+        matrix, positive, negative, entries, columns, pos_margin, neg_margin, sign, BY_LABEL: tl.constexpr, BLOCK
+    ):
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = at < entries
         s = tl.load(matrix + at, mask=inside, other=0.0)
-        is_positive = tl.load(positive + at, mask=inside, other=0) != 0
-        is_negative = tl.load(negative + at, mask=inside, other=0) != 0
+        if BY_LABEL:  # `positive` and `negative` are both the labels
+            row = at // columns
+            column = at - row * columns
+            same = tl.load(positive + row, mask=inside, other=0) == tl.load(negative + column, mask=inside, other=0)
+            is_positive = same & (row != column) & inside
+            is_negative = (same == 0) & inside
+        else:
+            is_positive = tl.load(positive + at, mask=inside, other=0) != 0
+            is_negative = tl.load(negative + at, mask=inside, other=0) != 0
         pos_short = tl.where(is_positive, sign * (pos_margin - s), 0.0)
         neg_short = tl.where(is_negative, sign * (s - neg_margin), 0.0)
         return at, inside, pos_short, neg_short
 
     @triton.jit
     def _terms_kernel(
-        matrix, positive, negative, sums, counts, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr
+        matrix,
+        positive,
+        negative,
+        sums,
+        counts,
+        entries,
+        columns,
+        pos_margin,
+        neg_margin,
+        sign,
+        BY_LABEL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         _, _, pos_short, neg_short = _shortfalls(
-            matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK
+            matrix, positive, negative, entries, columns, pos_margin, neg_margin, sign, BY_LABEL, BLOCK
         )
         block = tl.program_id(0)
         tl.store(sums + 2 * block, tl.sum(tl.maximum(pos_short, 0.0), axis=0))
@@ -99,10 +132,21 @@ if triton is not None:
 
     @triton.jit
     def _gradient_kernel(
-        matrix, positive, negative, coefficients, grad, entries, pos_margin, neg_margin, sign, BLOCK: tl.constexpr
+        matrix,
+        positive,
+        negative,
+        coefficients,
+        grad,
+        entries,
+        columns,
+        pos_margin,
+        neg_margin,
+        sign,
+        BY_LABEL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         at, inside, pos_short, neg_short = _shortfalls(
-            matrix, positive, negative, entries, pos_margin, neg_margin, sign, BLOCK
+            matrix, positive, negative, entries, columns, pos_margin, neg_margin, sign, BY_LABEL, BLOCK
         )
         # d shortfall / d s: −sign for the positive term, +sign for the negative one.
         pos_coefficient = tl.load(coefficients)

@@ -240,22 +240,26 @@ class ROADMAPLoss(SupAPLoss):
         c_f.labels_required(labels)
         # Counted before the similarity product is queued, so that their read-back does not wait for it.
         by_label = ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
-        matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
         if by_label is None:
+            matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
             ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
-        else:
+        else:  # the masks only where the calibration takes them
+            matrix, positive, negative = self.similarity_matrix(embeddings, ref_emb), None, None
             ap_loss = self.ap_losses_by_label(matrix, labels, by_label)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
         if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_ranks.runs_on(matrix):
             sign = 1.0 if self.distance.is_inverted else -1.0
+            pairs = labels if by_label is not None else (positive, negative)
             terms = fused_calibration.calibration_terms(
-                matrix, positive, negative, self.pos_margin, self.neg_margin, self.lambda_, sign
+                matrix, pairs, self.pos_margin, self.neg_margin, self.lambda_, sign
             )
             pos_loss, neg_loss = (
                 {"losses": term, "indices": None, "reduction_type": "already_reduced"} for term in terms
             )
             return {"ap_loss": ap_loss, "pos_loss": pos_loss, "neg_loss": neg_loss}
+        if positive is None:
+            positive, negative = pair_masks(labels, ref_labels)
         # PML's margin(x, y) is y − x for a similarity, x − y for a distance.
         return {
             "ap_loss": ap_loss,
