@@ -7,7 +7,9 @@ references] tensor through memory).
    x_qpj = scale · s_qj − scale · s_qi (and scale · s_qi itself): a block of pairs (sorted by
    query, so that their rows come from the cache) against every reference.
 2. The losses' formulas on the [r, c] sums, per group of queries with equally many pairs,
-   as the panels do (`query_panels.formula_and_gradients`).
+   as the panels do (`query_panels.formula_and_gradients`); when every query has c pairs, a
+   formula may compute its values and gradients in one kernel of its own instead
+   (``formula.fused_gradients``, launched by `formula_by_blocks`).
 3. `_jacobian_kernel`, in the backward pass: each query's row of the gradient, the incoming
    gradient g_q times the Jacobian's row J_qj = w_qj Σ_{p of q} G_p h'(x_qpj) plus each
    pair's own column −G_p T_p + the formula's own-score gradient; a block of one query's
@@ -45,7 +47,22 @@ PAIRS_PER_BLOCK = 16
 REFERENCES_PER_STEP = 256
 REFERENCES_PER_BLOCK = 1024
 
-__all__ = ["FusedForm", "applies", "interpreted", "on_device", "pair_sums", "runs_on", "scaled_jacobian"]
+__all__ = [
+    "FusedForm",
+    "applies",
+    "formula_by_blocks",
+    "interpreted",
+    "on_device",
+    "pair_sums",
+    "runs_on",
+    "scaled_jacobian",
+]
+
+# A formula kernel's block holds at most this many [queries, c, c] entries (Smooth-AP
+# compares each query's positives pairwise), and c at most FORMULA_MOST_PAIRS (rounded up
+# to a power of 2): beyond, the formula's torch operations run instead.
+FORMULA_BLOCK_ENTRIES = 4096
+FORMULA_MOST_PAIRS = 64
 
 
 class FusedForm(NamedTuple):
@@ -95,6 +112,29 @@ def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slop
                 BLOCK_J=REFERENCES_PER_STEP,
             )
     return sums, slopes if with_slopes else None, own
+
+
+def formula_by_blocks(kernel, sums, pairs_per_query, arguments, own_gradients, width=None, **constants):
+    """A formula's values [queries] and `scale` times its gradients by the sums and by the own
+    scores ([pairs] each; the latter None unless `own_gradients`) from its Triton `kernel`,
+    for queries of c = `pairs_per_query` pairs each: programs of BLOCK_Q queries, their
+    pairs padded to BLOCK_C, called as ``kernel[grid](values, grad_sums, grad_own, queries,
+    c, *arguments, BLOCK_Q, BLOCK_C, **constants)``; a query's tile is BLOCK_C × `width`
+    entries (default BLOCK_C). None when c is beyond `FORMULA_MOST_PAIRS`."""
+    block_c = triton.next_power_of_2(pairs_per_query)
+    if block_c > FORMULA_MOST_PAIRS:
+        return None
+    queries = len(sums) // pairs_per_query
+    block_q = max(1, FORMULA_BLOCK_ENTRIES // (block_c * (width or block_c)))
+    values, grad_sums = sums.new_empty(queries), torch.empty_like(sums)
+    grad_own = torch.empty_like(sums) if own_gradients else grad_sums
+    if queries:
+        with on_device(sums.device):
+            kernel[(triton.cdiv(queries, block_q),)](
+                values, grad_sums, grad_own, queries, pairs_per_query, *arguments,
+                BLOCK_Q=block_q, BLOCK_C=block_c, **constants,
+            )  # fmt: skip
+    return values, grad_sums, grad_own if own_gradients else None
 
 
 # How the kernels weigh each (query q, reference j): by 1, by a float [queries, references]

@@ -380,10 +380,16 @@ def _fused(
             values[queries] = formula(sums[pairs], own[pairs], queries)
         return values, None
     if uniform:
-        # Every query has c pairs, in order: the group is [queries, c] views, no gathers.
-        values, pair_gradients, own_gradients = formula_and_gradients(
-            formula, sums.view(-1, most), own.view(-1, most), slice(0, len(scores)), scale
-        )
+        # Every query has c pairs, in order: the group is [queries, c] views, no gathers; a
+        # formula with a kernel of its own computes it in one launch.
+        fused_gradients = getattr(formula, "fused_gradients", None)
+        computed = fused_gradients and fused_gradients(sums, own, most, scale)
+        if computed:
+            values, pair_gradients, own_gradients = computed
+        else:
+            values, pair_gradients, own_gradients = formula_and_gradients(
+                formula, sums.view(-1, most), own.view(-1, most), slice(0, len(scores)), scale
+            )
         pair_gradients = pair_gradients.view(-1)
         own_gradients = None if own_gradients is None else own_gradients.view(-1)
         pairs_per_query = most

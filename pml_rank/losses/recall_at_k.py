@@ -36,6 +36,7 @@ gradient row computed alongside), and R̃@k a formula over it: a few queries x r
 matrices, never B x B x B.
 """
 
+import functools
 import math
 import numbers
 
@@ -45,6 +46,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
+from . import fused_ranks
 from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
 from .fused_ranks import FusedForm
 from .query_panels import (
@@ -301,4 +303,69 @@ def recall_formula(k, normalizer, recall_temperature):
         return value, grad_sums, None
 
     recall.gradients = gradients
+    if fused_ranks.triton is not None:
+        recall.fused_gradients = functools.partial(fused_recall_gradients, k, normalizer, recall_temperature)
     return recall
+
+
+def fused_recall_gradients(k, normalizer, recall_temperature, sums, own, pairs_per_query, scale):
+    """``recall.gradients`` of `recall_formula` for queries with c pairs each ([pairs] `sums`,
+    query by query) in one Triton kernel (`_recall_kernel`), for the fused relaxed ranks; None
+    where `fused_ranks.formula_by_blocks` takes no such c."""
+    count = k.shape[1]
+    arguments = (sums, k, k.stride(0), normalizer, normalizer.stride(0), count, recall_temperature, SIGMOID_LIMIT)
+    arguments += (-scale / (recall_temperature * count),)
+    block_k = triton.next_power_of_2(count)
+    return fused_ranks.formula_by_blocks(
+        _recall_kernel, sums, pairs_per_query, arguments, own_gradients=False, width=block_k, BLOCK_K=block_k
+    )
+
+
+if fused_ranks.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _recall_kernel(
+        values,
+        grad_sums,
+        grad_own,
+        queries,
+        c,
+        sums,
+        k,
+        k_stride,
+        normalizer,
+        normalizer_stride,
+        k_count,
+        recall_temperature,
+        limit,
+        gradient_factor,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # As ``recall.gradients``, on [BLOCK_Q, BLOCK_C (pairs), BLOCK_K (k values)] tiles.
+        q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        i = tl.arange(0, BLOCK_C)
+        kk = tl.arange(0, BLOCK_K)
+        valid = (q < queries)[:, None] & (i < c)[None, :]
+        valid_k = (q < queries)[:, None] & (kk < k_count)[None, :]
+        at = q[:, None].to(tl.int64) * c + i[None, :]
+        ranks = tl.load(sums + at, mask=valid, other=0.0) + 0.5
+        query_k = tl.load(k + q[:, None].to(tl.int64) * k_stride + kk[None, :], mask=valid_k, other=0.0)
+        query_normalizer = tl.load(
+            normalizer + q[:, None].to(tl.int64) * normalizer_stride + kk[None, :], mask=valid_k, other=1.0
+        )
+        margins = (query_k[:, None, :] - ranks[:, :, None]) / recall_temperature
+        sigmoids = tl.sigmoid(tl.minimum(tl.maximum(margins, -limit), limit))
+        sigmoids = tl.where(valid[:, :, None] & valid_k[:, None, :], sigmoids, 0.0)
+        counts = tl.sum(sigmoids, axis=1)
+        recalls = tl.where(valid_k, tl.minimum(counts, query_k) / query_normalizer, 0.0)
+        tl.store(values + q, tl.sum(recalls, axis=1) / k_count, mask=q < queries)
+        # d value / d count: 1 below k, 0 above, half at a tie (as autograd's minimum), over
+        # |K| normalizer (in `gradient_factor` with −scale / τ2).
+        per_count = tl.where(counts < query_k, 1.0, tl.where(counts == query_k, 0.5, 0.0)) / query_normalizer
+        slopes = tl.where(tl.abs(margins) <= limit, sigmoids - sigmoids * sigmoids, 0.0)
+        gradient = tl.sum(slopes * per_count[:, None, :], axis=2) * gradient_factor
+        tl.store(grad_sums + at, gradient, mask=valid)

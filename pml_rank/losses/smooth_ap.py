@@ -20,6 +20,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
+from . import fused_ranks
 from .base import (
     RankLossBase,
     pair_masks,
@@ -169,3 +170,49 @@ def smooth_ap_gradients(sums, own, queries, scale=1.0):
 
 
 smooth_ap.gradients = smooth_ap_gradients
+
+
+def fused_smooth_ap_gradients(sums, own, pairs_per_query, scale):
+    """`smooth_ap_gradients` of queries with c pairs each ([pairs] `sums` and `own`, query by
+    query) in one Triton kernel (`_smooth_ap_kernel`), for the fused relaxed ranks; None
+    where `fused_ranks.formula_by_blocks` takes no such c."""
+    arguments = (sums, own, -scale / pairs_per_query)
+    return fused_ranks.formula_by_blocks(_smooth_ap_kernel, sums, pairs_per_query, arguments, own_gradients=True)
+
+
+if fused_ranks.triton is not None:
+    import triton
+    import triton.language as tl
+
+    smooth_ap.fused_gradients = fused_smooth_ap_gradients
+
+    @triton.jit
+    def _smooth_ap_kernel(
+        values,
+        grad_sums,
+        grad_own,
+        queries,
+        c,
+        sums,
+        own,
+        minus_scale_per_pair,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # As `smooth_ap_gradients`, on [BLOCK_Q, BLOCK_C] tiles of queries and their pairs,
+        # and [BLOCK_Q, BLOCK_C (i), BLOCK_C (j)] for σ(own_j − own_i).
+        q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        i = tl.arange(0, BLOCK_C)
+        valid = (q < queries)[:, None] & (i < c)[None, :]
+        at = q[:, None].to(tl.int64) * c + i[None, :]
+        rank = tl.load(sums + at, mask=valid, other=0.0) + 0.5
+        scores = tl.load(own + at, mask=valid, other=0.0)
+        over_positives = tl.sigmoid(scores[:, None, :] - scores[:, :, None])
+        over_positives = tl.where(valid[:, None, :], over_positives, 0.0)
+        precision = (tl.sum(over_positives, axis=2) + 0.5) / rank
+        tl.store(values + q, tl.sum(tl.where(valid, precision, 0.0), axis=1) / c, mask=q < queries)
+        minus_per_rank = minus_scale_per_pair / rank
+        tl.store(grad_sums + at, precision * minus_per_rank, mask=valid)
+        slopes = (over_positives - over_positives * over_positives) * minus_per_rank[:, :, None]
+        slopes = tl.where(valid[:, :, None], slopes, 0.0)
+        tl.store(grad_own + at, tl.sum(slopes, axis=2) - tl.sum(slopes, axis=1), mask=valid)

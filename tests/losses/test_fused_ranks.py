@@ -27,6 +27,7 @@ from pml_rank.losses import (
     fused_ranks,
     query_panels,
 )
+from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
 
 LOSSES = {
@@ -257,6 +258,53 @@ def test_interpreted_counts_of_a_formula():
     assert torch.equal(fused_counts.changes(scores, before, after), passed.sum(1))
 
 
+def formula_of(name, queries, c, generator):
+    """A relaxed-rank formula with a kernel of its own, for `queries` of `c` pairs each."""
+    if name == "SmoothAP":
+        return smooth_ap
+    k_values = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0])
+    if name == "Recall@k-shared-k":  # one row of k values for every query, as a view
+        k = k_values.expand(queries, -1)
+    else:  # each query's k clipped at its own list length
+        k = torch.minimum(k_values, torch.randint(2, 20, (queries, 1), generator=generator).float())
+    normalizer = torch.minimum(k, torch.randint(1, c + 1, (queries, 1), generator=generator).float())
+    return recall_formula(k, normalizer, recall_temperature=0.01 if name == "Recall@k-ties" else 0.5)
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("c", [1, 3, 4, 17, 64])
+@pytest.mark.parametrize("name", ["SmoothAP", "Recall@k", "Recall@k-shared-k", "Recall@k-ties"])
+def test_interpreted_formula_kernels_equal_their_torch_formulas(name, c):
+    """A formula's own kernel gives what its torch operations give, values and gradients, for
+    numbers of pairs that fill their block or not; Recall@k's margins beyond the sigmoid's
+    clamp included (ranks up to 3c, k up to 16, τ2 = 0.5), and its counts equal to k (ranks
+    a half above integers, τ2 = 0.01: every sigmoid clamped to 0 or 1)."""
+    generator = torch.Generator().manual_seed(c)
+    queries = 37
+    if name == "Recall@k-ties":
+        sums = torch.randint(0, 3 * c, (queries * c,), generator=generator).float()
+    else:
+        sums = torch.rand(queries * c, generator=generator) * 3 * c
+    own = torch.randn(queries * c, generator=generator) * 5
+    formula = formula_of(name, queries, c, generator)
+    values, grad_sums, grad_own = formula.fused_gradients(sums, own, c, 3.0)
+    expected = query_panels.formula_and_gradients(
+        formula, sums.view(-1, c).clone(), own.view(-1, c).clone(), slice(0, queries), 3.0
+    )
+    torch.testing.assert_close(values, expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_sums, expected[1].view(-1), rtol=1e-5, atol=1e-6)
+    if expected[2] is None:
+        assert grad_own is None
+    else:
+        torch.testing.assert_close(grad_own, expected[2].view(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+def test_interpreted_formula_kernels_leave_more_pairs_to_torch():
+    c = fused_ranks.FORMULA_MOST_PAIRS + 1
+    assert smooth_ap.fused_gradients(torch.zeros(2 * c), torch.zeros(2 * c), c, 1.0) is None
+
+
 def test_plain_torch_path_where_the_kernels_cannot_run():
     """float64 scores, a kernel without a fused form, and the CPU outside Triton's
     interpreter take the plain-torch panels."""
@@ -289,5 +337,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + 4 * 5 + 1
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
