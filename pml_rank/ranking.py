@@ -295,15 +295,14 @@ def _comparison_dtype(scores):
     return _count_dtype(scores) if _device_policy.sized_for(scores.device) == "cache" else torch.float16
 
 
-def _counts(scores, values, slots):
+def _counts(scores, values):
     """[sequences, slots] int32 counts of the elements of each sequence greater than each
-    slot's value, and of the elements equal to it (the positive itself included;
-    padding slots count 0)."""
+    slot's value [sequences, slots], and of those at least as large (the positive itself
+    included; padding slots count 0)."""
     # x > the float just below a value <=> x >= the value: both counts in one pass.
     thresholds = torch.cat([values, torch.nextafter(values, _MINUS_INFINITY)], dim=1)
     counts = _summed_per_threshold(scores, thresholds)
-    greater, at_least = counts[:, : slots.shape[1]], counts[:, slots.shape[1] :]
-    return greater, at_least - greater
+    return counts[:, : values.shape[1]], counts[:, values.shape[1] :]
 
 
 def _summed_per_threshold(scores, thresholds):
@@ -337,31 +336,32 @@ class _CountedRanks(torch.autograd.Function):
         slots = _Slots(positives) if slots is None else slots
         at_positives = scores[slots.sequence, slots.element]
         values = slots.spread(at_positives, float("nan"))
-        above, equal = _counts(scores, values, slots)
-        # The sequences with ties (a positive equals more elements than itself; padding
-        # equals none), read back once (a nonzero waits as any() would) and kept for the
+        greater, rank = _counts(scores, values)
+        # A positive's rank is the count of elements at least as large, itself included,
+        # unless another element equals it. The sequences with such ties (padding counts
+        # 0 and 0), read back once (a nonzero waits as any() would) and kept for the
         # backward pass.
-        tied = (equal > 1).any(-1).nonzero().squeeze(1)
-        # The rank among positives compares the slots with each other (padding: NaN);
-        # without ties, the positives above one are the larger ones.
-        higher = values[:, None, :] > values[:, :, None]
-        among = torch.count_nonzero(higher, -1)
+        tied = (rank - greater > 1).any(-1).nonzero().squeeze(1)
+        # The rank among positives compares the slots with each other (padding: NaN,
+        # none); without ties, the positives at least as large are the larger ones and itself.
+        at_least = values[:, None, :] >= values[:, :, None]
+        among = torch.count_nonzero(at_least, -1)
         if len(tied):
-            above[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1, dtype=torch.int32)
+            rank[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1, dtype=torch.int32) + 1
             # Slots hold their sequence's positives in the order of their positions.
             in_order = torch.arange(slots.shape[1], device=scores.device).expand(len(tied), -1)
-            among[tied] = _above(values[tied], values[tied], in_order).sum(-1)
+            among[tied] = _above(values[tied], values[tied], in_order).sum(-1) + 1
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
-        ctx.save_for_backward(scores, values, at_positives, higher, above, tied)
-        ranks = (slots.gather(above) + 1).to(scores.dtype) / scores.shape[-1]
-        among = slots.gather(among) + 1
+        ctx.save_for_backward(scores, values, at_positives, at_least, rank, tied)
+        ranks = slots.gather(rank).to(scores.dtype) / scores.shape[-1]
+        among = slots.gather(among)
         ctx.mark_non_differentiable(among, slots.sequence, slots.element)
         ctx.set_materialize_grads(False)  # the other outputs take no gradient: no zeros for them
         return ranks, among, slots.sequence, slots.element
 
     @staticmethod
     def backward(ctx, grad_ranks, *_):
-        scores, values, at_positives, higher, above, tied = ctx.saved_tensors
+        scores, values, at_positives, at_least, rank, tied = ctx.saved_tensors
         slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
@@ -371,10 +371,10 @@ class _CountedRanks(torch.autograd.Function):
         # leaves behind; every other element moves by the positives that cross it.
         step = grad_ranks * (ctx.lambda_val / k)
         new_values = values.index_put((slots.sequence, slots.slot), at_positives + step)
-        change, own = _crossings_without_ties(scores, values, new_values, higher, above)
+        change, own = _crossings_without_ties(scores, values, new_values, at_least, rank)
         if len(tied):
             change[tied], own[tied] = _crossings(
-                scores[tied], values[tied], new_values[tied], above[tied], slots.elements[tied], slots.valid[tied]
+                scores[tied], values[tied], new_values[tied], slots.elements[tied], slots.valid[tied]
             )
         change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
         if ctx.loss_scale is not None:
@@ -382,12 +382,12 @@ class _CountedRanks(torch.autograd.Function):
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
 
 
-def _crossings_without_ties(scores, values, new_values, higher, above):
+def _crossings_without_ties(scores, values, new_values, at_least, rank):
     """rk(perturbed) − rk(scores) per element that is no positive, and per positive
     slot (`own`), exact in every sequence where no other element equals a positive's
     value before the perturbation. The comparisons use the unperturbed scores; the
-    positives' own columns, where that is wrong, are corrected slot by slot. `higher`:
-    [sequences, s, t] whether slot t's value exceeds slot s's."""
+    positives' own columns, where that is wrong, are corrected slot by slot. `at_least`:
+    [sequences, s, t] whether slot t's value is at least slot s's; `rank`: the slots' ranks."""
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
     # float just below it, the step toward the old value); one equal to a positive that
@@ -407,17 +407,18 @@ def _crossings_without_ties(scores, values, new_values, higher, above):
             torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
         greater = greater.to(torch.int32)
     # In the positives' columns the perturbed sequence holds new_values, not values:
-    # take out what the pass counted there and count the perturbed positives above each
-    # other (equal ones in forward order: no two positives are equal before).
+    # take out what the pass counted there and count the perturbed positives at or above
+    # each other, itself included (equal ones in forward order: no two positives are
+    # equal before): the perturbed rank.
     new_t, new_s = new_values[:, None, :], new_values[:, :, None]
-    moved_above = torch.where(new_t == new_s, higher, new_t > new_s)
+    moved_at_or_above = torch.where(new_t == new_s, at_least, new_t > new_s)
     counted_there = values[:, None, :] > thresholds[:, :, None]
     # Booleans as bytes: their difference summed in one pass.
-    greater += (moved_above.view(torch.int8) - counted_there.view(torch.int8)).sum(-1, dtype=torch.int32)
-    return change, greater - above
+    greater += (moved_at_or_above.view(torch.int8) - counted_there.view(torch.int8)).sum(-1, dtype=torch.int32)
+    return change, greater - rank
 
 
-def _crossings(scores, values, new_values, above, elements, valid):
+def _crossings(scores, values, new_values, elements, valid):
     """rk(perturbed) − rk(scores) per element and per slot (`own`) for the sequences
     given, ties ranked as a stable sort ranks them (ties among perturbed scores keep
     their forward order)."""
@@ -426,10 +427,9 @@ def _crossings(scores, values, new_values, above, elements, valid):
     before = _above(scores, values, elements)
     rows, new = perturbed[:, None, :], new_values[:, :, None]
     after = (rows > new) | ((rows == new) & before)
-    own = after.sum(-1, dtype=torch.int32) - above
+    passed = before.view(torch.int8) - after.view(torch.int8)
     # At most log2(n) slots: the per-element sums fit in a byte.
-    change = (before.view(torch.int8) - after.view(torch.int8)).sum(1, dtype=torch.int8)
-    return change.to(scores.dtype), own
+    return passed.sum(1, dtype=torch.int8).to(scores.dtype), passed.sum(-1, dtype=torch.int32).neg_()
 
 
 def shift_by_margin(scores, positives, margin):

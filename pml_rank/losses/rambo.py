@@ -191,13 +191,14 @@ class _RaMBOLoss(RankLossBase):
         only what the loss reads from them (`mean_over_rows`), not the rows."""
         scores, positives, _ = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
         rows, width = scores.shape
-        stored_values, stored_rows = scores.new_zeros(0), 0
-        if len(self.memory):
-            # The shapes are CPU tensors: read without a kernel (or, moved to a GPU, a wait each).
-            shapes = [shape.tolist() for _, shape in self.memory.batches]
+        # The shapes are CPU tensors: read without a kernel (or, moved to a GPU, a wait each).
+        shapes = [shape.tolist() for _, shape in self.memory.batches]
+        if shapes:
             self.memory.check_width("score row length", width, shapes[0][1])
             stored_values = torch.cat([values for values, _ in self.memory.batches]).to(scores)
-            stored_rows = sum(stored for stored, _ in shapes)
+        else:
+            stored_values = scores.new_zeros(0)
+        stored_rows = sum(stored for stored, _ in shapes)
         shape = torch.tensor([rows, width])
         positive_indices, self.num_pos_pairs = positions_and_count(positives)
         if self.num_pos_pairs == 0:
