@@ -32,6 +32,7 @@ this is exactly Algorithm 1. `blackbox_rank` without a `loss_scale` is plain Alg
 """
 
 import math
+from functools import cached_property
 
 import torch
 
@@ -137,6 +138,7 @@ class _BlackboxRank(torch.autograd.Function):
         ctx.lambda_val, ctx.loss_scale = lambda_val, loss_scale
         ctx.save_for_backward(values, order)
         ctx.mark_non_differentiable(order)
+        ctx.set_materialize_grads(False)  # the order takes no gradient: no zeros for it
         return ranks, order
 
     @staticmethod
@@ -192,15 +194,9 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, 
     everything (`blackbox_rank`, `ranks_among_positives`)."""
     check_numbers("blackbox_ranks_of_positives", "> 0", lambda_val=lambda_val)
     sequences, n = scores.shape
-    # The positives' indices give their number per sequence: counting the mask itself
-    # (a sum, which first copies the bool matrix) costs twice as much.
-    if indices is None:
-        indices = positives.nonzero(as_tuple=True)
-    per_sequence = _per_sequence(indices[0], sequences)
-    most = int(per_sequence.max()) if sequences else 0
+    slots = _Slots(positives, indices)
     # Measured break-even (2048 sequences, CPU): about 12 positives at n = 2047, 22 at n = 8191.
-    if sequences and most <= math.log2(max(n, 2)):
-        slots = _Slots(positives, indices, per_sequence, most)
+    if sequences and slots.shape[1] <= math.log2(max(n, 2)):
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
@@ -217,32 +213,29 @@ def _above(scores, values, elements):
     return (scores > values) | ((scores == values) & (positions < elements[:, :, None]))
 
 
-def _per_sequence(sequence, sequences):
-    """How many of the `sequence` indices fall on each of `sequences` sequences: a
-    bincount, but by index_add_, which on a GPU waits for nothing (CUDA's bincount reads
-    the indices' minimum and maximum back)."""
-    return torch.zeros(sequences, dtype=torch.long, device=sequence.device).index_add_(
-        0, sequence, torch.ones_like(sequence)
-    )
-
-
 class _Slots:
     """The positives of each sequence side by side: [sequences, slots] tensors padded with
-    NaN values, so that every comparison broadcasts over the sequence's n elements."""
+    NaN values, so that every comparison broadcasts over the sequence's n elements. A
+    sequence's slots hold its positives in the order of their positions."""
 
-    def __init__(self, positives, indices=None, per_sequence=None, most=None):
-        """`indices` (``positives.nonzero(as_tuple=True)``), `per_sequence` (the number of
-        positives per sequence) and `most` (its maximum, a number) when already at hand."""
+    def __init__(self, positives, indices=None):
+        """`indices`: ``positives.nonzero(as_tuple=True)`` when already at hand."""
         self.sequence, self.element = positives.nonzero(as_tuple=True) if indices is None else indices
-        if per_sequence is None:  # by sequence, then position: counted from the indices
-            per_sequence = _per_sequence(self.sequence, len(positives))
-        if most is None:
-            most = int(per_sequence.max()) if len(positives) else 0
-        first = per_sequence.cumsum(0) - per_sequence
-        self.slot = torch.arange(len(self.sequence), device=positives.device) - first[self.sequence]
-        self.shape = (len(positives), most)
-        self.elements = self.spread(self.element, 0)
-        self.valid = self.spread(torch.ones_like(self.element, dtype=torch.bool), False)
+        # Listed by sequence, then position: a positive's slot is its distance from its
+        # sequence's first one, found by a binary search of the sorted sequence indices.
+        first = torch.searchsorted(self.sequence, self.sequence)
+        self.slot = torch.arange(len(self.sequence), device=positives.device) - first
+        self.shape = (len(positives), int(self.slot.max()) + 1 if len(self.slot) else 0)
+
+    @cached_property
+    def elements(self):
+        """[sequences, slots]: each positive's position in its sequence (padding: 0)."""
+        return self.spread(self.element, 0)
+
+    @cached_property
+    def valid(self):
+        """[sequences, slots]: which slots hold a positive."""
+        return self.spread(torch.ones_like(self.element, dtype=torch.bool), False)
 
     def spread(self, per_positive, pad):
         out = per_positive.new_full(self.shape, pad)
@@ -302,15 +295,14 @@ def _comparison_dtype(scores):
     return _count_dtype(scores) if _device_policy.sized_for(scores.device) == "cache" else torch.float16
 
 
-def _counts(scores, values, slots):
+def _counts(scores, values):
     """[sequences, slots] int32 counts of the elements of each sequence greater than each
-    slot's value, and of the elements equal to it (the positive itself included;
-    padding slots count 0)."""
+    slot's value [sequences, slots], and of those at least as large (the positive itself
+    included; padding slots count 0)."""
     # x > the float just below a value <=> x >= the value: both counts in one pass.
-    thresholds = torch.cat([values, torch.nextafter(values, _minus_infinity(values))], dim=1)
+    thresholds = torch.cat([values, torch.nextafter(values, _MINUS_INFINITY)], dim=1)
     counts = _summed_per_threshold(scores, thresholds)
-    greater, at_least = counts[:, : slots.shape[1]], counts[:, slots.shape[1] :]
-    return greater, at_least - greater
+    return counts[:, : values.shape[1]], counts[:, values.shape[1] :]
 
 
 def _summed_per_threshold(scores, thresholds):
@@ -325,15 +317,9 @@ def _summed_per_threshold(scores, thresholds):
     return counts.to(torch.int32)
 
 
-def _minus_infinity(like):
-    """−inf as a tensor of `like`'s type on its device: made there, where one copied from
-    the host (``new_tensor``) waits."""
-    return like.new_full((), -math.inf)
-
-
-def _slot_counts(first, second, compare):
-    """Per slot s: the number of slots t of the same sequence with compare(first_t, second_s)."""
-    return compare(first[:, None, :], second[:, :, None]).sum(-1, dtype=torch.int32)
+# −inf as a CPU scalar, made once: a GPU kernel takes it as an argument, where one made
+# on the device is a launch per call and one copied there (``new_tensor``) a wait.
+_MINUS_INFINITY = torch.tensor(-math.inf)
 
 
 class _CountedRanks(torch.autograd.Function):
@@ -348,29 +334,34 @@ class _CountedRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, positives, lambda_val, loss_scale, slots=None):
         slots = _Slots(positives) if slots is None else slots
-        values = slots.spread(scores[slots.sequence, slots.element], float("nan"))
-        greater, equal = _counts(scores, values, slots)
-        above = greater.long()
-        # The sequences with ties, read back once (a nonzero waits as any() would) and
-        # kept for the backward pass.
-        tied = ((equal != 1) & slots.valid).any(-1).nonzero().squeeze(1)
+        at_positives = scores[slots.sequence, slots.element]
+        values = slots.spread(at_positives, float("nan"))
+        greater, rank = _counts(scores, values)
+        # A positive's rank is the count of elements at least as large, itself included,
+        # unless another element equals it. The sequences with such ties (padding counts
+        # 0 and 0), read back once (a nonzero waits as any() would) and kept for the
+        # backward pass.
+        tied = (rank - greater > 1).any(-1).nonzero().squeeze(1)
+        # The rank among positives compares the slots with each other (padding: NaN,
+        # none); without ties, the positives at least as large are the larger ones and itself.
+        at_least = values[:, None, :] >= values[:, :, None]
+        among = torch.count_nonzero(at_least, -1)
         if len(tied):
-            above[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1)
-        # The rank among positives compares the slots with each other (padding: NaN).
-        pairs = (values[:, :, None] < values[:, None, :]) | (
-            (values[:, :, None] == values[:, None, :]) & (slots.elements[:, :, None] > slots.elements[:, None, :])
-        )
-        among = torch.count_nonzero(pairs, -1)
+            rank[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1, dtype=torch.int32) + 1
+            # Slots hold their sequence's positives in the order of their positions.
+            in_order = torch.arange(slots.shape[1], device=scores.device).expand(len(tied), -1)
+            among[tied] = _above(values[tied], values[tied], in_order).sum(-1) + 1
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
-        ctx.save_for_backward(scores, values, above, tied)
-        ranks = (slots.gather(above) + 1).to(scores.dtype) / scores.shape[-1]
-        among = slots.gather(among) + 1
+        ctx.save_for_backward(scores, values, at_positives, at_least, rank, tied)
+        ranks = slots.gather(rank).to(scores.dtype) / scores.shape[-1]
+        among = slots.gather(among)
         ctx.mark_non_differentiable(among, slots.sequence, slots.element)
+        ctx.set_materialize_grads(False)  # the other outputs take no gradient: no zeros for them
         return ranks, among, slots.sequence, slots.element
 
     @staticmethod
     def backward(ctx, grad_ranks, *_):
-        scores, values, above, tied = ctx.saved_tensors
+        scores, values, at_positives, at_least, rank, tied = ctx.saved_tensors
         slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
@@ -378,12 +369,12 @@ class _CountedRanks(torch.autograd.Function):
         # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: a
         # positive moves down by the elements that pass above it and up by those it
         # leaves behind; every other element moves by the positives that cross it.
-        step = slots.spread(grad_ranks * (ctx.lambda_val / k), 0)
-        new_values = values + step
-        change, own = _crossings_without_ties(scores, values, new_values, above, slots)
+        step = grad_ranks * (ctx.lambda_val / k)
+        new_values = values.index_put((slots.sequence, slots.slot), at_positives + step)
+        change, own = _crossings_without_ties(scores, values, new_values, at_least, rank)
         if len(tied):
             change[tied], own[tied] = _crossings(
-                scores[tied], values[tied], new_values[tied], above[tied], slots.elements[tied], slots.valid[tied]
+                scores[tied], values[tied], new_values[tied], slots.elements[tied], slots.valid[tied]
             )
         change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
         if ctx.loss_scale is not None:
@@ -391,38 +382,43 @@ class _CountedRanks(torch.autograd.Function):
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
 
 
-def _crossings_without_ties(scores, values, new_values, above, slots):
+def _crossings_without_ties(scores, values, new_values, at_least, rank):
     """rk(perturbed) − rk(scores) per element that is no positive, and per positive
     slot (`own`), exact in every sequence where no other element equals a positive's
     value before the perturbation. The comparisons use the unperturbed scores; the
-    positives' own columns, where that is wrong, are corrected slot by slot."""
+    positives' own columns, where that is wrong, are corrected slot by slot. `at_least`:
+    [sequences, s, t] whether slot t's value is at least slot s's; `rank`: the slots' ranks."""
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
-    # float just below it); one equal to a positive that moved down stays below (x > new).
-    below = torch.nextafter(new_values, _minus_infinity(new_values))
-    thresholds = torch.where(new_values > values, below, new_values)
+    # float just below it, the step toward the old value); one equal to a positive that
+    # moved down or stayed stays below (x > new value; the step toward the old value
+    # would go up, and the minimum takes the new value).
+    thresholds = torch.minimum(new_values, torch.nextafter(new_values, values))
+    slots = values.shape[1]
     if fused_counts.applies(scores, thresholds):
         greater = fused_counts.counts_above(scores, thresholds)
         change = fused_counts.changes(scores, values, thresholds)
     else:
         change = torch.empty_like(scores)
-        greater = torch.empty(slots.shape, dtype=_count_dtype(scores), device=scores.device)
+        greater = torch.empty(values.shape, dtype=_count_dtype(scores), device=scores.device)
         for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
-            above_before, above_after = larger[:, : slots.shape[1]], larger[:, slots.shape[1] :]
+            above_before, above_after = larger[:, :slots], larger[:, slots:]
             torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
             torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
         greater = greater.to(torch.int32)
     # In the positives' columns the perturbed sequence holds new_values, not values:
-    # take out what the pass counted there and count the perturbed positives above each
-    # other (equal ones in forward order: no two positives are equal before).
-    moved_above = (new_values[:, None, :] > new_values[:, :, None]) | (
-        (new_values[:, None, :] == new_values[:, :, None]) & (values[:, None, :] > values[:, :, None])
-    )
-    greater += moved_above.sum(-1, dtype=torch.int32) - _slot_counts(values, thresholds, torch.gt)
-    return change, greater - above
+    # take out what the pass counted there and count the perturbed positives at or above
+    # each other, itself included (equal ones in forward order: no two positives are
+    # equal before): the perturbed rank.
+    new_t, new_s = new_values[:, None, :], new_values[:, :, None]
+    moved_at_or_above = torch.where(new_t == new_s, at_least, new_t > new_s)
+    counted_there = values[:, None, :] > thresholds[:, :, None]
+    # Booleans as bytes: their difference summed in one pass.
+    greater += (moved_at_or_above.view(torch.int8) - counted_there.view(torch.int8)).sum(-1, dtype=torch.int32)
+    return change, greater - rank
 
 
-def _crossings(scores, values, new_values, above, elements, valid):
+def _crossings(scores, values, new_values, elements, valid):
     """rk(perturbed) − rk(scores) per element and per slot (`own`) for the sequences
     given, ties ranked as a stable sort ranks them (ties among perturbed scores keep
     their forward order)."""
@@ -431,10 +427,9 @@ def _crossings(scores, values, new_values, above, elements, valid):
     before = _above(scores, values, elements)
     rows, new = perturbed[:, None, :], new_values[:, :, None]
     after = (rows > new) | ((rows == new) & before)
-    own = after.sum(-1) - above
+    passed = before.view(torch.int8) - after.view(torch.int8)
     # At most log2(n) slots: the per-element sums fit in a byte.
-    change = (before.view(torch.int8) - after.view(torch.int8)).sum(1, dtype=torch.int8)
-    return change.to(scores.dtype), own
+    return passed.sum(1, dtype=torch.int8).to(scores.dtype), passed.sum(-1, dtype=torch.int32).neg_()
 
 
 def shift_by_margin(scores, positives, margin):

@@ -131,9 +131,10 @@ class _RaMBOLoss(RankLossBase):
 
     def watch_gradient(self, scores, something_to_learn):
         """Have the backward pass count the calls whose batch has `something_to_learn` (a
-        bool tensor: a negative ranks above a positive) but in which Algorithm 1, ranking
-        `scores`, moves no rank (an exactly zero gradient), and warn after ZERO_GRADIENT_CALLS
-        of them in a row: once per loss object, and once per process for its settings."""
+        function returning a bool tensor: a negative ranks above a positive; called only
+        when no rank moved, rarely) but in which Algorithm 1, ranking `scores`, moves no
+        rank (an exactly zero gradient), and warn after ZERO_GRADIENT_CALLS of them in a
+        row: once per loss object, and once per process for its settings."""
         if scores.requires_grad and not self._warned_zero_gradient:
             self._watched = (scores, something_to_learn)
 
@@ -142,7 +143,7 @@ class _RaMBOLoss(RankLossBase):
         def check(_grad):
             if loss_scale.ranks_moved is None or self._warned_zero_gradient:
                 return
-            stuck = not loss_scale.ranks_moved and bool(something_to_learn)
+            stuck = not loss_scale.ranks_moved and bool(something_to_learn())
             self._zero_gradient_calls = self._zero_gradient_calls + 1 if stuck else 0
             if self._zero_gradient_calls >= ZERO_GRADIENT_CALLS:
                 self._warned_zero_gradient = True
@@ -190,11 +191,14 @@ class _RaMBOLoss(RankLossBase):
         only what the loss reads from them (`mean_over_rows`), not the rows."""
         scores, positives, _ = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
         rows, width = scores.shape
-        stored_values, stored_rows = scores.new_zeros(0), 0
-        if len(self.memory):
-            self.memory.check_width("score row length", width, int(self.memory.batches[0][1][1]))
-            stored_values, shapes = self.memory.stored()
-            stored_values, stored_rows = stored_values.to(scores), int(shapes.view(-1, 2)[:, 0].sum())
+        # The shapes are CPU tensors: read without a kernel (or, moved to a GPU, a wait each).
+        shapes = [shape.tolist() for _, shape in self.memory.batches]
+        if shapes:
+            self.memory.check_width("score row length", width, shapes[0][1])
+            stored_values = torch.cat([values for values, _ in self.memory.batches]).to(scores)
+        else:
+            stored_values = scores.new_zeros(0)
+        stored_rows = sum(stored for stored, _ in shapes)
         shape = torch.tensor([rows, width])
         positive_indices, self.num_pos_pairs = positions_and_count(positives)
         if self.num_pos_pairs == 0:
@@ -219,7 +223,8 @@ class _RaMBOLoss(RankLossBase):
         `without_self`); with them, see `similarities_of_pairs`."""
         if pairs is not None:
             return self.similarities_of_pairs(embeddings, labels, ref_emb, ref_labels, *pairs)
-        positives, _ = pair_masks(labels, ref_labels)
+        # Every pair by label: a query's pair with itself is dropped by `without_self`.
+        positives = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
         if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
             queries, _ = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
             return _SimilaritiesWithoutSelf.apply(queries), without_self(positives), None
@@ -368,7 +373,8 @@ class RaMBORecallLoss(_RaMBOLoss):
         )
         # r = rank among all − rank among positives, as counts.
         negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
-        self.watch_gradient(scores, (negatives_above.detach() > 0.5).any())
+        counts = negatives_above.detach()
+        self.watch_gradient(scores, lambda: (counts > 0.5).any())
         return negatives_above, rows, columns
 
     def weighted(self, negatives_above):
@@ -443,5 +449,7 @@ class RaMBOAPLoss(_RaMBOLoss):
             scores, positives, self.lambda_val, self.margin, self._loss_scale, positive_indices
         )
         # Precisions are ratios of counts up to n: below 1, they are at most 1 - 1/n.
-        self.watch_gradient(scores, (precision.detach()[has_positive] < 1 - 0.5 / scores.shape[-1]).any())
+        below_one = 1 - 0.5 / scores.shape[-1]
+        detached = precision.detach()
+        self.watch_gradient(scores, lambda: (detached[has_positive] < below_one).any())
         return precision, has_positive

@@ -368,7 +368,7 @@ def test_float16_comparisons_count_past_2048_exactly(either_policy):
     generator = torch.Generator().manual_seed(5)
     scores = torch.randperm(3 * 5000, generator=generator).view(3, 5000).float()
     values = scores[:, [7, 2500, 4999]]
-    greater = ranking._counts(scores, values, ranking._Slots(torch.ones_like(values, dtype=torch.bool)))[0]
+    greater = ranking._counts(scores, values)[0]
     assert ranking._comparison_dtype(scores) == (torch.float16 if either_policy == "memory" else torch.float32)
     assert torch.equal(greater, (scores[:, None, :] > values[:, :, None]).sum(-1, dtype=torch.int32))
     assert greater.max() > 2048
