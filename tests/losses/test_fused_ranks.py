@@ -258,7 +258,7 @@ def test_interpreted_counts_of_a_formula():
     assert torch.equal(fused_counts.changes(scores, before, after), passed.sum(1))
 
 
-def formula_of(name, queries, c, generator):
+def formula_of(name, queries, c, generator, device):
     """A relaxed-rank formula with a kernel of its own, for `queries` of `c` pairs each."""
     if name == "SmoothAP":
         return smooth_ap
@@ -268,13 +268,11 @@ def formula_of(name, queries, c, generator):
     else:  # each query's k clipped at its own list length
         k = torch.minimum(k_values, torch.randint(2, 20, (queries, 1), generator=generator).float())
     normalizer = torch.minimum(k, torch.randint(1, c + 1, (queries, 1), generator=generator).float())
+    k, normalizer = k.to(device), normalizer.to(device)
     return recall_formula(k, normalizer, recall_temperature=0.01 if name == "Recall@k-ties" else 0.5)
 
 
-@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("c", [1, 3, 4, 17, 64])
-@pytest.mark.parametrize("name", ["SmoothAP", "Recall@k", "Recall@k-shared-k", "Recall@k-ties"])
-def test_interpreted_formula_kernels_equal_their_torch_formulas(name, c):
+def check_formula_kernel_equals_its_torch_formula(name, c, device):
     """A formula's own kernel gives what its torch operations give, values and gradients, for
     numbers of pairs that fill their block or not; Recall@k's margins beyond the sigmoid's
     clamp included (ranks up to 3c, k up to 16, τ2 = 0.5), and its counts equal to k (ranks
@@ -286,7 +284,8 @@ def test_interpreted_formula_kernels_equal_their_torch_formulas(name, c):
     else:
         sums = torch.rand(queries * c, generator=generator) * 3 * c
     own = torch.randn(queries * c, generator=generator) * 5
-    formula = formula_of(name, queries, c, generator)
+    formula = formula_of(name, queries, c, generator, device)
+    sums, own = sums.to(device), own.to(device)
     values, grad_sums, grad_own = formula.fused_gradients(sums, own, c, 3.0)
     expected = query_panels.formula_and_gradients(
         formula, sums.view(-1, c).clone(), own.view(-1, c).clone(), slice(0, queries), 3.0
@@ -297,6 +296,23 @@ def test_interpreted_formula_kernels_equal_their_torch_formulas(name, c):
         assert grad_own is None
     else:
         torch.testing.assert_close(grad_own, expected[2].view(-1), rtol=1e-5, atol=1e-6)
+
+
+FORMULA_CASES = ["SmoothAP", "Recall@k", "Recall@k-shared-k", "Recall@k-ties"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("c", [1, 3, 4, 17, 64])
+@pytest.mark.parametrize("name", FORMULA_CASES)
+def test_formula_kernels_on_cuda_equal_their_torch_formulas(name, c):
+    check_formula_kernel_equals_its_torch_formula(name, c, "cuda")
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("c", [1, 3, 4, 17, 64])
+@pytest.mark.parametrize("name", FORMULA_CASES)
+def test_interpreted_formula_kernels_equal_their_torch_formulas(name, c):
+    check_formula_kernel_equals_its_torch_formula(name, c, "cpu")
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
@@ -337,5 +353,5 @@ def test_in_tritons_interpreter():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + 4 * 5 + 1
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
