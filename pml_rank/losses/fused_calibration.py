@@ -9,7 +9,8 @@ pairs that have one (PML's AvgNonZeroReducer over λ · relu(shortfall)):
 
 sign = 1 for a similarity, −1 for a distance (PML's `margin`). Forward: each program sums its
 block's shortfalls and counts them (float32 sums, int32 counts: float32 counts stop being
-exact past 2^24 pairs), the blocks' partial results are added by torch. The pairs come as two
+exact past 2^24 pairs), and one more program adds the blocks' partial results (int64
+counts) into the two terms. The pairs come as two
 boolean masks, or as the batch's labels when it is its own references (positive: the same
 label, (i, i) aside; negative: another label), read instead of two [B, B] masks. Backward: each pair
 with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
@@ -47,38 +48,35 @@ class CalibrationTerms(torch.autograd.Function):
         entries = matrix.numel()
         blocks = triton.cdiv(entries, ENTRIES_PER_BLOCK)
         # Each block writes its row of partial sums and counts: nothing to fill.
-        make = torch.empty if blocks else torch.zeros
-        sums = make(max(blocks, 1), 2, dtype=matrix.dtype, device=matrix.device)
-        counts = make(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
+        sums = matrix.new_empty(max(blocks, 1), 2)
+        counts = torch.empty(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
+        # The two terms, and per pair of a term with a shortfall d term / d shortfall = λ / count.
+        pos_term, neg_term, scales = matrix.new_empty(()), matrix.new_empty(()), matrix.new_empty(2)
         pos_margin, neg_margin, lambda_, sign = map(float, parameters[:4])
         by_label = parameters[4]
-        if blocks:
-            with fused_ranks.on_device(matrix.device):
+        with fused_ranks.on_device(matrix.device):
+            if blocks:
                 _terms_kernel[(blocks,)](
                     matrix, positive, negative, sums, counts, entries, matrix.shape[1],
                     pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
                 )  # fmt: skip
-        counts = counts.sum(0, dtype=torch.int64)
-        # Per pair of a term with a shortfall: d term / d shortfall = λ / count.
-        scales = counts.clamp(min=1).to(matrix.dtype).reciprocal_().mul_(lambda_)
+            _finish_kernel[(1,)](sums, counts, blocks, lambda_, pos_term, neg_term, scales, BLOCK=1024)
         ctx.save_for_backward(matrix, positive, negative, scales)
         ctx.parameters = parameters
-        terms = sums.sum(0).mul_(scales)
-        return terms[0].clone(), terms[1].clone()
+        return pos_term, neg_term
 
     @staticmethod
     def backward(ctx, grad_positive_term, grad_negative_term):
         matrix, positive, negative, scales = ctx.saved_tensors
         pos_margin, neg_margin, _, sign = map(float, ctx.parameters[:4])
         by_label = ctx.parameters[4]
-        coefficients = torch.stack([grad_positive_term, grad_negative_term]).to(matrix.dtype).mul_(scales)
         grad = torch.empty_like(matrix)
         entries = matrix.numel()
         if entries:
             with fused_ranks.on_device(matrix.device):
                 _gradient_kernel[(triton.cdiv(entries, ENTRIES_PER_BLOCK),)](
-                    matrix, positive, negative, coefficients, grad, entries, matrix.shape[1],
-                    pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
+                    matrix, positive, negative, grad_positive_term, grad_negative_term, scales, grad, entries,
+                    matrix.shape[1], pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
                 )  # fmt: skip
         return grad, None, None, None
 
@@ -131,11 +129,33 @@ if triton is not None:
         tl.store(counts + 2 * block + 1, tl.sum((neg_short > 0.0).to(tl.int32), axis=0))
 
     @triton.jit
+    def _finish_kernel(sums, counts, blocks, lambda_, pos_term, neg_term, scales, BLOCK: tl.constexpr):
+        pos_sums = tl.zeros([BLOCK], dtype=tl.float32)
+        neg_sums = tl.zeros([BLOCK], dtype=tl.float32)
+        pos_counts = tl.zeros([BLOCK], dtype=tl.int64)
+        neg_counts = tl.zeros([BLOCK], dtype=tl.int64)
+        for first in range(0, blocks, BLOCK):
+            block = first + tl.arange(0, BLOCK)
+            inside = block < blocks
+            pos_sums += tl.load(sums + 2 * block, mask=inside, other=0.0)
+            neg_sums += tl.load(sums + 2 * block + 1, mask=inside, other=0.0)
+            pos_counts += tl.load(counts + 2 * block, mask=inside, other=0).to(tl.int64)
+            neg_counts += tl.load(counts + 2 * block + 1, mask=inside, other=0).to(tl.int64)
+        pos_scale = 1.0 / tl.maximum(tl.sum(pos_counts, axis=0), 1).to(tl.float32) * lambda_
+        neg_scale = 1.0 / tl.maximum(tl.sum(neg_counts, axis=0), 1).to(tl.float32) * lambda_
+        tl.store(pos_term, tl.sum(pos_sums, axis=0) * pos_scale)
+        tl.store(neg_term, tl.sum(neg_sums, axis=0) * neg_scale)
+        tl.store(scales, pos_scale)
+        tl.store(scales + 1, neg_scale)
+
+    @triton.jit
     def _gradient_kernel(
         matrix,
         positive,
         negative,
-        coefficients,
+        grad_pos_term,
+        grad_neg_term,
+        scales,
         grad,
         entries,
         columns,
@@ -149,8 +169,8 @@ if triton is not None:
             matrix, positive, negative, entries, columns, pos_margin, neg_margin, sign, BY_LABEL, BLOCK
         )
         # d shortfall / d s: −sign for the positive term, +sign for the negative one.
-        pos_coefficient = tl.load(coefficients)
-        neg_coefficient = tl.load(coefficients + 1)
+        pos_coefficient = tl.load(grad_pos_term).to(tl.float32) * tl.load(scales)
+        neg_coefficient = tl.load(grad_neg_term).to(tl.float32) * tl.load(scales + 1)
         value = tl.where(pos_short > 0.0, -sign * pos_coefficient, 0.0)
         value += tl.where(neg_short > 0.0, sign * neg_coefficient, 0.0)
         tl.store(grad + at, value, mask=inside)
