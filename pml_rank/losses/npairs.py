@@ -99,18 +99,31 @@ class NPairsMCLoss(RankLossBase):
 
 
 class SquaredNorms(LpRegularizer):
-    """PML's ``LpRegularizer(p=2, power=2)``, each embedding's squared norm, summed from
-    its squared entries: 5 operations forward and backward where the norm and its power
-    take 9 (the same numbers to float rounding)."""
+    """PML's ``LpRegularizer(p=2, power=2)``, each embedding's squared norm, with its
+    gradient 2x computed in one pass (4 operations forward and backward where PML's
+    autograd takes 9; the same values, the gradient to float rounding)."""
 
     def __init__(self):
         super().__init__(p=2, power=2)
 
     def compute_loss(self, embeddings):
-        losses = embeddings.square().sum(dim=1)
+        losses = _SquaredNorms.apply(embeddings)
         return {
             "loss": {"losses": losses, "indices": c_f.torch_arange_from_size(embeddings), "reduction_type": "element"}
         }
+
+
+class _SquaredNorms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, embeddings):
+        ctx.save_for_backward(embeddings)
+        return torch.linalg.vector_norm(embeddings, dim=1) ** 2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_norms):
+        (embeddings,) = ctx.saved_tensors
+        return embeddings * (2 * grad_norms).unsqueeze(1)
 
 
 class NPairsOVOLoss(NPairsMCLoss):
@@ -124,7 +137,7 @@ class NPairsOVOLoss(NPairsMCLoss):
         return _OneVsOneSoftplus.apply(similarities)
 
 
-# Exponent arguments below this are left out or raised to it: exp(-60) ≈ 8.8e-27 is a
+# Exponent arguments are kept at or above this: exp(-60) ≈ 8.8e-27 is a
 # normal float in float32 and float64. Beyond about ±87 float32's exp (and sigmoid, softplus) under- or
 # overflows, produces denormals or takes a slow path on some CPUs (measured here: 5 to
 # 70 times slower per element), and with the paper's unnormalised inner product most
@@ -137,17 +150,17 @@ EXP_FLOOR = -60.0
 
 class _SoftmaxCrossEntropy(torch.autograd.Function):
     """Per row i of a square matrix s: logsumexp_j s_ij − s_ii, with the softmax as
-    gradient. Entries at or more than |EXP_FLOOR| below their row's maximum are left
-    out of the sum (next to the maximum's 1, they would not change it) and get gradient 0
-    (their exact gradient is below exp(EXP_FLOOR) times the largest one)."""
+    gradient. Entries more than |EXP_FLOOR| below their row's maximum count as
+    exp(EXP_FLOOR) in the sum and its gradient: invisible next to the maximum's 1, as is
+    their exact gradient next to the largest one."""
 
     @staticmethod
     def forward(ctx, similarities):
         row_max = similarities.max(dim=1, keepdim=True).values
         shifted = torch.sub(similarities, row_max)
-        probabilities = F.threshold(shifted, EXP_FLOOR, -math.inf).exp_()
+        probabilities = shifted.clamp(min=EXP_FLOOR).exp_()
         total = probabilities.sum(dim=1, keepdim=True)
-        # s_ii − max from the shifted matrix, which the exponentials did not overwrite.
+        # s_ii − max from the shifted matrix, unclamped.
         losses = total.log().squeeze(1) - shifted.diagonal()
         ctx.save_for_backward(probabilities.div_(total))
         return losses
