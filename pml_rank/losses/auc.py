@@ -20,7 +20,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks, reference_is_batch
+from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch
 from .query_panels import true_rows
 
 SLOPE_TABLE = Path(__file__).with_name("auc_slopes.json")
@@ -161,7 +161,11 @@ class AUCLoss(RankLossBase):
         )
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        positives, negatives, kept = self.hardest_of_each_anchor(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        # Normalised once: the hardest pairs are chosen from the rows' product, and their
+        # similarities (with gradients) taken from the same rows.
+        queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
+        similarity = self.product_of_normalized(queries, references)
+        positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
         # The one number read back (as FastAP's): a batch in which every anchor has both
         # (the usual one) needs no selection of the anchors (a nonzero, a wait).
         self.num_anchors = int(torch.count_nonzero(kept))
@@ -175,14 +179,12 @@ class AUCLoss(RankLossBase):
         # negative), one pairwise similarity of 2 x anchors rows. index_select, not
         # indexing: its gradient's index_add_ is faster on the CPU than an accumulating
         # index_put_.
-        if ref_emb is embeddings:
-            rows = self.distance.maybe_normalize(embeddings).index_select(
-                0, torch.cat([anchors, anchors, positives, negatives])
-            )
+        if references is queries:
+            rows = queries.index_select(0, torch.cat([anchors, anchors, positives, negatives]))
             anchor_rows, pair_rows = rows.view(2, 2 * len(anchors), -1).unbind(0)
         else:
-            anchor_rows = self.distance.maybe_normalize(embeddings[torch.cat([anchors, anchors])])
-            pair_rows = self.distance.maybe_normalize(ref_emb).index_select(0, torch.cat([positives, negatives]))
+            anchor_rows = queries.index_select(0, torch.cat([anchors, anchors]))
+            pair_rows = references.index_select(0, torch.cat([positives, negatives]))
         similarities = self.distance.pairwise_distance(anchor_rows, pair_rows).view(2, -1)  # hps, hns
         if self.collect_stats:
             self.mean_hardest_pos_sim, self.mean_hardest_neg_sim = similarities.detach().float().mean(1).tolist()
@@ -195,17 +197,31 @@ class AUCLoss(RankLossBase):
         """Indices ``(anchors, positives, negatives)`` of each anchor's lowest-similarity
         positive and highest-similarity negative, for anchors that have both. Candidates
         are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
-        positives, negatives, kept = self.hardest_of_each_anchor(embeddings, labels, indices_tuple, ref_emb, ref_labels)
+        with torch.no_grad():
+            similarity = self.similarity_matrix(embeddings, ref_emb)
+        positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
         anchors = kept.nonzero().squeeze(1)
         return anchors, positives[anchors], negatives[anchors]
 
     @torch.no_grad()
-    def hardest_of_each_anchor(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        """`hardest_triplets` of every anchor: the indices of its hardest positive and
-        negative (meaningless where it has none), and whether it has both."""
+    def product_of_normalized(self, queries, references):
+        """`similarity_matrix` of rows the distance has normalised already."""
+        autocast_dtype = getattr(self, "autocast_dtype", None)  # set by RankLossBase.forward
+        if autocast_dtype is None:
+            matrix = self.distance.compute_mat(queries, references)
+        else:
+            with torch.autocast(queries.device.type, dtype=autocast_dtype):
+                matrix = self.distance.compute_mat(queries, references).float()
+        return matrix if self.distance.power == 1 else matrix**self.distance.power
+
+    @staticmethod
+    @torch.no_grad()
+    def hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels):
+        """`hardest_triplets` of every anchor from the similarity matrix (which it
+        overwrites): the indices of its hardest positive and negative (meaningless where it
+        has none), and whether it has both."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-        similarity = self.similarity_matrix(embeddings, ref_emb)
         if indices_tuple is None:
             # One comparison gives both masks; (i, i) is no positive of its own.
             not_positive = labels.unsqueeze(1) != ref_labels.unsqueeze(0)
