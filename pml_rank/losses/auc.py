@@ -79,8 +79,8 @@ class _RocArea(torch.autograd.Function):
     """`relaxed_roc_area` of the positive and the negative scores, or of both stacked
     ``(2, ..., n)`` (one pass for both). The rates at each threshold are
     ``sigmoid(slope · (scores[..., :, None] − thresholds)).mean(-2)``, the arguments
-    clamped to ±SIGMOID_CLAMP; the sigmoid matrices are kept for the backward pass, where
-    the gradient is a matrix-vector product: slope / n · σ(1 − σ) @ d area / d rates."""
+    clamped to ±SIGMOID_CLAMP; the sigmoids' derivatives are kept for the backward pass,
+    where the gradient is a matrix-vector product: slope / n · σ(1 − σ) @ d area / d rates."""
 
     @staticmethod
     def forward(ctx, thresholds, slope, *scores):
@@ -93,23 +93,24 @@ class _RocArea(torch.autograd.Function):
         # the FPR it gives up.
         tpr_sums = tpr[..., :-1] + tpr[..., 1:]
         fpr_drops = fpr[..., :-1] - fpr[..., 1:]
-        ctx.save_for_backward(tpr_sums, fpr_drops, *sigmas)
+        # The sigmoids' derivatives σ(1 − σ), in place of the sigmoids, for the backward pass.
+        derivatives = [sigma.addcmul_(sigma, sigma, value=-1) for sigma in sigmas]
+        ctx.save_for_backward(tpr_sums, fpr_drops, *derivatives)
         ctx.slope = slope
         return (tpr_sums * fpr_drops).sum(-1).div_(2)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_area):
-        tpr_sums, fpr_drops, *sigmas = ctx.saved_tensors
+        tpr_sums, fpr_drops, *derivatives = ctx.saved_tensors
         # Each rate is in the intervals on its two sides (none beyond the ends).
         drops, sums = F.pad(fpr_drops, (1, 1)), F.pad(tpr_sums, (1, 1))
         grad_rates = torch.stack([drops[..., :-1] + drops[..., 1:], sums[..., 1:] - sums[..., :-1]])
         grad_rates.mul_(grad_area.unsqueeze(-1))
         grads = []
-        for sigma, grad in zip(sigmas, grad_rates if len(sigmas) == 2 else [grad_rates]):
-            derivative = torch.addcmul(sigma, sigma, sigma, value=-1)  # σ(1 − σ)
+        for derivative, grad in zip(derivatives, grad_rates if len(derivatives) == 2 else [grad_rates]):
             grad = (derivative @ grad.unsqueeze(-1)).squeeze(-1)
-            grads.append(grad.mul_(ctx.slope / (2 * sigma.shape[-2])))  # and the area's 1/2
+            grads.append(grad.mul_(ctx.slope / (2 * derivative.shape[-2])))  # and the area's 1/2
         return None, None, *grads
 
 
@@ -166,6 +167,7 @@ class AUCLoss(RankLossBase):
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         similarity = self.product_of_normalized(queries, references)
         positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
+        del similarity  # not held through the rest
         # The one number read back (as FastAP's): a batch in which every anchor has both
         # (the usual one) needs no selection of the anchors (a nonzero, a wait).
         self.num_anchors = int(torch.count_nonzero(kept))

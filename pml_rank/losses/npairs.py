@@ -158,10 +158,9 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     def forward(ctx, similarities):
         row_max = similarities.max(dim=1, keepdim=True).values
         shifted = torch.sub(similarities, row_max)
-        probabilities = shifted.clamp(min=EXP_FLOOR).exp_()
+        probabilities = shifted.clamp_(min=EXP_FLOOR).exp_()
         total = probabilities.sum(dim=1, keepdim=True)
-        # s_ii − max from the shifted matrix, unclamped.
-        losses = total.log().squeeze(1) - shifted.diagonal()
+        losses = (total.log() + row_max).squeeze(1) - similarities.diagonal()
         ctx.save_for_backward(probabilities.div_(total))
         return losses
 
