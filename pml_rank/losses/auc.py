@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from pytorch_metric_learning.distances import CosineSimilarity
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
-from .base import RankLossBase, pair_masks
+from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch
+from .query_panels import true_rows
 
 SLOPE_TABLE = Path(__file__).with_name("auc_slopes.json")
 
@@ -63,11 +65,7 @@ def relaxed_roc_area(positive_scores, negative_scores, thresholds, slope):
     """Trapezoid area under the ROC curve with sigmoid-relaxed rates at `thresholds`
     (ascending). Scores are ``(..., n)``, usually one per anchor; leading dimensions
     are independent batches."""
-    tpr = _SigmoidRates.apply(positive_scores, thresholds, slope)
-    fpr = _SigmoidRates.apply(negative_scores, thresholds, slope)
-    # Both rates fall as the threshold rises: each interval adds its mean TPR times
-    # the FPR it gives up.
-    return ((tpr[..., :-1] + tpr[..., 1:]) * (fpr[..., :-1] - fpr[..., 1:])).sum(-1) / 2
+    return _RocArea.apply(thresholds, slope, positive_scores, negative_scores)
 
 
 # sigmoid(±60) is 1 and 8.8e-27 (exactly 1 and 0 to float32 and float64 precision next
@@ -77,27 +75,43 @@ def relaxed_roc_area(positive_scores, negative_scores, thresholds, slope):
 SIGMOID_CLAMP = 60.0
 
 
-class _SigmoidRates(torch.autograd.Function):
-    """``sigmoid(slope · (scores[..., :, None] − thresholds)).mean(-2)``: the relaxed rate
-    at each threshold, over the last dimension of `scores`, with the arguments clamped
-    to ±SIGMOID_CLAMP. Keeps the sigmoid matrix for the backward pass, where the
-    gradient is one matrix-vector product: slope / n · σ(1 − σ) @ grad."""
+class _RocArea(torch.autograd.Function):
+    """`relaxed_roc_area` of the positive and the negative scores, or of both stacked
+    ``(2, ..., n)`` (one pass for both). The rates at each threshold are
+    ``sigmoid(slope · (scores[..., :, None] − thresholds)).mean(-2)``, the arguments
+    clamped to ±SIGMOID_CLAMP; the sigmoids' derivatives are kept for the backward pass,
+    where the gradient is a matrix-vector product: slope / n · σ(1 − σ) @ d area / d rates."""
 
     @staticmethod
-    def forward(ctx, scores, thresholds, slope):
-        sigma = torch.sub(scores.unsqueeze(-1), thresholds).mul_(slope)
-        sigma.clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
-        ctx.save_for_backward(sigma)
+    def forward(ctx, thresholds, slope, *scores):
+        sigmas = [
+            torch.sub(x.unsqueeze(-1), thresholds).mul_(slope).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP) for x in scores
+        ]
+        rates = [sigma.sigmoid_().mean(-2) for sigma in sigmas]
+        tpr, fpr = rates if len(rates) == 2 else rates[0]
+        # Both rates fall as the threshold rises: each interval adds its mean TPR times
+        # the FPR it gives up.
+        tpr_sums = tpr[..., :-1] + tpr[..., 1:]
+        fpr_drops = fpr[..., :-1] - fpr[..., 1:]
+        # The sigmoids' derivatives σ(1 − σ), in place of the sigmoids, for the backward pass.
+        derivatives = [sigma.addcmul_(sigma, sigma, value=-1) for sigma in sigmas]
+        ctx.save_for_backward(tpr_sums, fpr_drops, *derivatives)
         ctx.slope = slope
-        return sigma.mean(-2)
+        return (tpr_sums * fpr_drops).sum(-1).div_(2)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_rates):
-        (sigma,) = ctx.saved_tensors
-        derivative = torch.addcmul(sigma, sigma, sigma, value=-1)  # σ(1 − σ)
-        grad = (derivative @ grad_rates.unsqueeze(-1)).squeeze(-1)
-        return grad.mul_(ctx.slope / sigma.shape[-2]), None, None
+    def backward(ctx, grad_area):
+        tpr_sums, fpr_drops, *derivatives = ctx.saved_tensors
+        # Each rate is in the intervals on its two sides (none beyond the ends).
+        drops, sums = F.pad(fpr_drops, (1, 1)), F.pad(tpr_sums, (1, 1))
+        grad_rates = torch.stack([drops[..., :-1] + drops[..., 1:], sums[..., 1:] - sums[..., :-1]])
+        grad_rates.mul_(grad_area.unsqueeze(-1))
+        grads = []
+        for derivative, grad in zip(derivatives, grad_rates if len(derivatives) == 2 else [grad_rates]):
+            grad = (derivative @ grad.unsqueeze(-1)).squeeze(-1)
+            grads.append(grad.mul_(ctx.slope / (2 * derivative.shape[-2])))  # and the area's 1/2
+        return None, None, *grads
 
 
 def exact_roc_area(positive_scores, negative_scores):
@@ -148,44 +162,82 @@ class AUCLoss(RankLossBase):
         )
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        anchors, positives, negatives = self.hardest_triplets(embeddings, labels, indices_tuple, ref_emb, ref_labels)
-        self.num_anchors = len(anchors)
-        if len(anchors) == 0:
+        # Normalised once: the hardest pairs are chosen from the rows' product, and their
+        # similarities (with gradients) taken from the same rows.
+        queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
+        similarity = self.product_of_normalized(queries, references)
+        positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
+        del similarity  # not held through the rest
+        # The one number read back (as FastAP's): a batch in which every anchor has both
+        # (the usual one) needs no selection of the anchors (a nonzero, a wait).
+        self.num_anchors = int(torch.count_nonzero(kept))
+        if self.num_anchors == 0:
             return self.zero_losses()
-        # Only the chosen pairs need gradients: N x D work instead of a second N x N,
-        # with the rows normalised once and gathered once.
-        if ref_emb is embeddings:
-            rows = self.distance.maybe_normalize(embeddings)[torch.cat([anchors, positives, negatives])]
-            anchor_emb, positive_emb, negative_emb = rows.view(3, len(anchors), -1).unbind(0)
+        anchors = true_rows(kept, self.num_anchors)
+        if self.num_anchors < len(kept):
+            positives, negatives = positives[anchors], negatives[anchors]
+        # Only the chosen pairs need gradients: N x D work instead of a second N x N, with
+        # the rows normalised once and gathered once: (anchor, anchor) against (positive,
+        # negative), one pairwise similarity of 2 x anchors rows. index_select, not
+        # indexing: its gradient's index_add_ is faster on the CPU than an accumulating
+        # index_put_.
+        if references is queries:
+            rows = queries.index_select(0, torch.cat([anchors, anchors, positives, negatives]))
+            anchor_rows, pair_rows = rows.view(2, 2 * len(anchors), -1).unbind(0)
         else:
-            anchor_emb = self.distance.maybe_normalize(embeddings[anchors])
-            pairs = self.distance.maybe_normalize(ref_emb)[torch.cat([positives, negatives])]
-            positive_emb, negative_emb = pairs.view(2, len(anchors), -1).unbind(0)
-        hps = self.distance.pairwise_distance(anchor_emb, positive_emb)
-        hns = self.distance.pairwise_distance(anchor_emb, negative_emb)
+            anchor_rows = queries.index_select(0, torch.cat([anchors, anchors]))
+            pair_rows = references.index_select(0, torch.cat([positives, negatives]))
+        similarities = self.distance.pairwise_distance(anchor_rows, pair_rows).view(2, -1)  # hps, hns
         if self.collect_stats:
-            self.mean_hardest_pos_sim = hps.detach().float().mean().item()
-            self.mean_hardest_neg_sim = hns.detach().float().mean().item()
+            self.mean_hardest_pos_sim, self.mean_hardest_neg_sim = similarities.detach().float().mean(1).tolist()
         # Half precision arrives here as float32 (RankLossBase).
-        grid = thresholds(self.step, self.t_min, self.t_max, dtype=hps.dtype, device=hps.device)
-        loss = 1 - relaxed_roc_area(hps, hns, grid, self.slope)
+        grid = thresholds(self.step, self.t_min, self.t_max, dtype=similarities.dtype, device=similarities.device)
+        loss = 1 - _RocArea.apply(grid, self.slope, similarities)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
-    @torch.no_grad()
     def hardest_triplets(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """Indices ``(anchors, positives, negatives)`` of each anchor's lowest-similarity
         positive and highest-similarity negative, for anchors that have both. Candidates
         are the pairs in `indices_tuple` when given, otherwise every labelled pair."""
+        with torch.no_grad():
+            similarity = self.similarity_matrix(embeddings, ref_emb)
+        positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
+        anchors = kept.nonzero().squeeze(1)
+        return anchors, positives[anchors], negatives[anchors]
+
+    @torch.no_grad()
+    def product_of_normalized(self, queries, references):
+        """`similarity_matrix` of rows the distance has normalised already."""
+        autocast_dtype = getattr(self, "autocast_dtype", None)  # set by RankLossBase.forward
+        if autocast_dtype is None:
+            matrix = self.distance.compute_mat(queries, references)
+        else:
+            with torch.autocast(queries.device.type, dtype=autocast_dtype):
+                matrix = self.distance.compute_mat(queries, references).float()
+        return matrix if self.distance.power == 1 else matrix**self.distance.power
+
+    @staticmethod
+    @torch.no_grad()
+    def hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels):
+        """`hardest_triplets` of every anchor from the similarity matrix (which it
+        overwrites): the indices of its hardest positive and negative (meaningless where it
+        has none), and whether it has both."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-        similarity = self.similarity_matrix(embeddings, ref_emb)
-        positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=similarity.shape)
-        hardest_pos, positives = similarity.masked_fill(~positive, torch.inf).min(dim=1)
+        if indices_tuple is None:
+            # One comparison gives both masks; (i, i) is no positive of its own.
+            not_positive = labels.unsqueeze(1) != ref_labels.unsqueeze(0)
+            lowest = similarity.masked_fill(not_positive, torch.inf)
+            if reference_is_batch(labels, ref_labels):
+                lowest.fill_diagonal_(torch.inf)
+            not_negative = ~not_positive
+        else:
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=similarity.shape)
+            lowest, not_negative = similarity.masked_fill(~positive, torch.inf), ~negative
+        hardest_pos, positives = lowest.min(dim=1)
         # The matrix is not needed afterwards: mask it in place instead of copying it.
-        hardest_neg, negatives = similarity.masked_fill_(~negative, -torch.inf).max(dim=1)
-        keep = (hardest_pos < torch.inf) & (hardest_neg > -torch.inf)
-        anchors = keep.nonzero().squeeze(1)
-        return anchors, positives[anchors], negatives[anchors]
+        hardest_neg, negatives = similarity.masked_fill_(not_negative, -torch.inf).max(dim=1)
+        return positives, negatives, (hardest_pos < torch.inf) & (hardest_neg > -torch.inf)
 
     def get_default_distance(self):
         return CosineSimilarity()

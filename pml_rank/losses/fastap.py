@@ -51,38 +51,31 @@ class FastAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        # The pairs that are neither: the diagonal when the batch is its own reference set.
+        if indices_tuple is None:
+            # The diagonal's pairs, when the batch is its own reference set, are left out.
+            positive, excluded = labels.unsqueeze(1) == ref_labels.unsqueeze(0), None
+        else:
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+            excluded = ~(positive | negative)
         exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
-        excluded = None if indices_tuple is None else ~(positive | negative)
-        # Summed as bytes: a bool sum converts every element first (3 times slower).
-        num_positives = positive.view(torch.uint8).sum(1, dtype=torch.int32)
-        has_positive = num_positives > 0
-        # The one number read back from the device: with it, a batch in which every query
-        # has a positive (the usual one) needs no selection of the queries (a nonzero and a
-        # boolean index, each a wait for the device, and a scatter in the backward pass).
-        self.num_queries = int(torch.count_nonzero(has_positive))
-        if self.num_queries == 0:
-            return self.zero_losses()
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
-        ap = FastAPFunction.apply(queries, references, positive, excluded, exclude_self, num_positives, self.num_bins)
-        indices = true_rows(has_positive, self.num_queries)
-        ap = ap if self.num_queries == len(ap) else ap[indices]
-        return {"loss": {"losses": 1 - ap, "indices": indices, "reduction_type": "element"}}
+        losses, num_positives = FastAPFunction.apply(
+            queries, references, positive, excluded, exclude_self, self.num_bins
+        )
+        # The one number read back from the device: with it, a batch in which every query
+        # has a positive (the usual one) needs no selection of the queries (a nonzero and a
+        # boolean index, each a wait for the device, and a scatter in the backward pass).
+        self.num_queries = int(torch.count_nonzero(num_positives))
+        if self.num_queries == 0:
+            return self.zero_losses()
+        indices = true_rows(num_positives, self.num_queries)
+        losses = losses if self.num_queries == len(losses) else losses[indices]
+        return {"loss": {"losses": losses, "indices": indices, "reduction_type": "element"}}
 
     def get_default_distance(self):
         return LpDistance(power=2)
-
-
-def _leave_out(pairs, excluded, exclude_self, first_row=0):
-    """Zero, in place, the entries of rows `first_row`... of a queries x references
-    matrix that are no pair (`excluded`: those rows' mask)."""
-    if exclude_self:
-        pairs.diagonal(first_row).zero_()
-    if excluded is not None:
-        pairs.masked_fill_(excluded, 0)
 
 
 # Entries of one chunk of rows on the CPU. Their temporaries (int64 indices: 8 bytes an
@@ -102,19 +95,15 @@ def _row_chunks(n, m, device):
     return [slice(start, start + step) for start in range(0, n, step)]
 
 
-def _tail_sum(x):
-    """Σ_{k ≥ l} x_k along the last dimension."""
-    return x.flip(-1).cumsum(-1).flip(-1)
-
-
 class FastAPFunction(torch.autograd.Function):
-    """FastAP of every query (0 for a query without positives) with the paper's analytic
-    gradient. `queries` (N x D) and `references` (M x D) are L2-normalised float32;
-    `positive` (N x M, bool) marks positive pairs, `excluded` (N x M, bool or None) and
-    `exclude_self` (the diagonal) the pairs that are neither positive nor negative."""
+    """1 - FastAP of every query (1 for a query without positives) and its number of
+    positives, with the paper's analytic gradient. `queries` (N x D) and `references`
+    (M x D) are L2-normalised float32; `positive` (N x M, bool) marks positive pairs,
+    `excluded` (N x M, bool or None) and `exclude_self` (the diagonal) the pairs that are
+    neither positive nor negative."""
 
     @staticmethod
-    def forward(ctx, queries, references, positive, excluded, exclude_self, num_positives, num_bins):
+    def forward(ctx, queries, references, positive, excluded, exclude_self, num_bins):
         n, m = len(queries), len(references)
         num_centres = num_bins + 1
         delta = MAX_DISTANCE / num_bins
@@ -125,84 +114,88 @@ class FastAPFunction(torch.autograd.Function):
         position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
         position.clamp_(0, num_bins)
         # Per query, the soft histograms of its negative pairs (centres 0 ... C - 1) and of
-        # its positive pairs (C ... 2C - 1) side by side. Triangular kernels: a pair adds
-        # 1 - w to its lower centre and w to the next. Scattered along the rows (threads
-        # share them), a chunk of rows at a time, into INTERLEAVE copies of each centre,
-        # pair j adding to copy j % INTERLEAVE: consecutive pairs in one centre (most of
-        # a row is) then add to different addresses and do not wait on each other.
-        num_slots = 2 * num_centres * INTERLEAVE
-        hist = position.new_zeros(n, num_slots)
-        pair_copy = torch.arange(m, device=position.device).remainder_(INTERLEAVE).to(position.dtype)
-        # Each pair's slot in the flattened (N, num_slots) histogram, for the backward pass.
-        # In float32 they take the place of the positions a chunk has used up: a fresh
-        # N x M buffer costs more (page faults) than the pass that fills it.
-        if position.dtype == torch.float32:
-            flat_slots = position.view(torch.int32)
-        else:
-            flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
-        row_start = torch.arange(0, n * num_slots, num_slots, device=position.device)[:, None]
-        for rows in _row_chunks(n, m, position.device):
+        # its positive pairs (C ... 2C - 1) side by side, then two centres where the pairs
+        # that are neither add (their gradient is 0). Triangular kernels: a pair adds 1 - w
+        # to its lower centre and w to the next. Scattered along the rows (threads share
+        # them), a chunk of rows at a time, into INTERLEAVE copies of each centre, pair j
+        # adding to copy j % INTERLEAVE: consecutive pairs in one centre (most of a row
+        # is) then add to different addresses and do not wait on each other.
+        hist = position.new_zeros(n, (2 * num_centres + 2) * INTERLEAVE)
+        nowhere = 2 * num_centres * INTERLEAVE
+        pair_copy = torch.arange(m, dtype=position.dtype, device=position.device).remainder_(INTERLEAVE)
+        # Each pair's slot in its row of the histogram, kept for the backward pass: in int64
+        # (scatter_add_ wants it), made from the chunk's slots; of one chunk (an
+        # accelerator's), those.
+        chunks = _row_chunks(n, m, position.device)
+        slots = None if len(chunks) == 1 else torch.empty((n, m), dtype=torch.int64, device=position.device)
+        for rows in chunks:
             # Slots are small integers, computed exactly in floating point (float ops are
-            # the fast ones; scatter_add_ then wants int64). At distance exactly 4 the
-            # whole weight goes to the last centre, as the upper weight of the one before.
+            # the fast ones, and an int64 copy of the mask would take more memory). At
+            # distance exactly 4 the whole weight goes to the last centre, as the upper
+            # weight of the one before.
             lower = position[rows].floor().clamp_(max=num_bins - 1)
             upper_weight = position[rows].sub_(lower)
-            # The slot, in place of `lower`: each temporary here is an N x M matrix at once
-            # on an accelerator (one chunk).
             slot = lower.mul_(INTERLEAVE).add_(pair_copy)
             slot.add_(positive[rows].view(torch.uint8), alpha=num_centres * INTERLEAVE)
-            index = slot.to(torch.int64)
+            if exclude_self:
+                slot.diagonal(rows.start).fill_(nowhere)
+            if excluded is not None:
+                slot.masked_fill_(excluded[rows], nowhere)
+            index = slot.to(torch.int64) if slots is None else slots[rows].copy_(slot)
             del lower, slot
-            excluded_rows = None if excluded is None else excluded[rows]
-            _leave_out(upper_weight, excluded_rows, exclude_self, rows.start)
             hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
-            lower_weight = upper_weight.neg_().add_(1)
-            _leave_out(lower_weight, excluded_rows, exclude_self, rows.start)
-            hist[rows].scatter_add_(1, index, lower_weight)
-            flat_slots[rows].copy_(index.add_(row_start[rows]))
+            hist[rows].scatter_add_(1, index, torch.rsub(upper_weight, 1))
         del position
-        hist = hist.view(n, 2, num_centres, INTERLEAVE).sum(-1)
-        pos_hist = hist[:, 1]
-        all_hist = hist[:, 0] + pos_hist
+        slots = index if slots is None else slots
+        hist = hist.view(n, -1, INTERLEAVE).sum(-1)[:, : 2 * num_centres].view(n, 2, num_centres)
+        # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
+        cumulative = hist.cumsum(2)
+        inv_cum = (cumulative[:, 0] + cumulative[:, 1]).reciprocal().nan_to_num_(posinf=0.0)  # empty prefix: 0
+        # Each pair adds 1 in all, so the positives' total is their number (to rounding).
+        num_positives = cumulative[:, 1, -1]
+        scale = num_positives.clamp(min=1).reciprocal_()
+        # h⁺ H⁻ and h⁺ H⁺.
+        pos_products = hist[:, 1].unsqueeze(1) * cumulative
+        losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
 
-        pos_cum = pos_hist.cumsum(1)
-        inv_cum = all_hist.cumsum(1)
-        inv_cum = torch.where(inv_cum > 0, inv_cum.reciprocal(), 0.0)  # empty prefix: term is 0
-        scale = 1.0 / num_positives.clamp(min=1).to(queries.dtype)
-        ap = (pos_hist * pos_cum * inv_cum).sum(1) * scale
-
-        ctx.save_for_backward(queries, references, flat_slots, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale)
-        ctx.exclude_self = exclude_self
+        ctx.save_for_backward(queries, references, slots, pos_products, cumulative, inv_cum, scale)
+        ctx.mark_non_differentiable(num_positives)
+        ctx.set_materialize_grads(False)
         ctx.delta = delta
         ctx.same = references is queries
-        return ap
+        return losses, num_positives
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_ap):
-        queries, references, flat_slots, excluded, pos_hist, pos_cum, inv_cum, all_hist, scale = ctx.saved_tensors
+    def backward(ctx, grad_losses, _):
+        queries, references, slots, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
         # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
         #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
         #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
-        inv_sq = inv_cum * inv_cum
-        d_pos = pos_cum * inv_cum + _tail_sum(pos_hist * (all_hist.cumsum(1) - pos_cum) * inv_sq)
-        d_neg = -_tail_sum(pos_hist * pos_cum * inv_sq)
-        # A pair in bin l moves weight from centre l to l + 1 as its distance grows:
-        # dAP/dd = (dAP/dh_{l+1} - dAP/dh_l) / Δ. Also fold in d(distance)/d(cos) = -2.
-        weight = (grad_ap * scale * (-2.0 / ctx.delta)).view(-1, 1, 1)
-        table = torch.stack([d_neg, d_pos], dim=1) * weight  # (N, 2, C), as the histograms
-        table = torch.nn.functional.pad(table.diff(dim=2), (0, 1))
-        table = table.unsqueeze(-1).expand(-1, -1, -1, INTERLEAVE).reshape(-1)
-        # d loss / d cos(query, reference); index_select takes int32 indices as they are.
-        grad_cos = table.index_select(0, flat_slots.view(-1)).view(flat_slots.shape)
-        _leave_out(grad_cos, excluded, ctx.exclude_self)
+        # A pair in bin l moves weight from centre l to l + 1 as its distance grows, so
+        # its gradient is the difference of these at l + 1 and l, in which the sums cancel
+        # but for their term k = l: H⁺_{l+1} / H_{l+1} - H⁺_l / H_l - h⁺_l H⁻_l / H_l² for
+        # a positive, h⁺_l H⁺_l / H_l² for a negative (times 1 / N⁺).
+        n, num_centres = inv_cum.shape
+        terms = pos_products * (inv_cum * inv_cum).unsqueeze(1)  # h⁺ H⁻ / H², h⁺ H⁺ / H²
+        table = inv_cum.new_zeros(n, 2 * num_centres + 2)  # as the histograms; the last bins stay 0
+        table[:, :num_centres] = terms[:, 1]
+        ratio = cumulative[:, 1] * inv_cum
+        torch.sub(ratio.diff(dim=1), terms[:, 0, :-1], out=table[:, num_centres : 2 * num_centres - 1])
+        # Scaled by d loss / dAP = -1 and 1 / N⁺, in each of the INTERLEAVE copies.
+        weight = (grad_losses * scale).view(-1, 1, 1).expand(-1, 1, INTERLEAVE)
+        table = (table.unsqueeze(-1) * weight).view(n, -1)
+        # d loss / d cos(query, reference), up to the factor dd/dcos · d(position)/dd =
+        # -2 / delta (times -1 from d loss / dAP) that the products below apply.
+        grad_cos = table.gather(1, slots)
+        factor = 2.0 / ctx.delta
 
         grad_queries = grad_references = None
         if ctx.same:
-            grad_queries = symmetrize_(grad_cos) @ queries
+            grad_queries = torch.addmm(queries, symmetrize_(grad_cos), queries, beta=0, alpha=factor)
         else:
             if ctx.needs_input_grad[0]:
-                grad_queries = grad_cos @ references
+                grad_queries = torch.addmm(queries, grad_cos, references, beta=0, alpha=factor)
             if ctx.needs_input_grad[1]:
-                grad_references = grad_cos.T @ queries
-        return grad_queries, grad_references, None, None, None, None, None
+                grad_references = torch.addmm(references, grad_cos.T, queries, beta=0, alpha=factor)
+        return grad_queries, grad_references, None, None, None, None
