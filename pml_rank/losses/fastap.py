@@ -123,12 +123,15 @@ class FastAPFunction(torch.autograd.Function):
         hist = position.new_zeros(n, (2 * num_centres + 2) * INTERLEAVE)
         nowhere = 2 * num_centres * INTERLEAVE
         pair_copy = torch.arange(m, dtype=position.dtype, device=position.device).remainder_(INTERLEAVE)
-        # Each pair's slot in its row of the histogram, kept for the backward pass: in int64
-        # (scatter_add_ wants it), made from the chunk's slots; of one chunk (an
-        # accelerator's), those.
-        chunks = _row_chunks(n, m, position.device)
-        slots = None if len(chunks) == 1 else torch.empty((n, m), dtype=torch.int64, device=position.device)
-        for rows in chunks:
+        # Each pair's slot in the flattened (N, slots) histogram, for the backward pass, as
+        # int32: in float32, in place of the positions a chunk has used up (a fresh N x M
+        # buffer, let alone an int64 one, costs more in page faults than the pass that fills it).
+        if position.dtype == torch.float32:
+            flat_slots = position.view(torch.int32)
+        else:
+            flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
+        row_start = torch.arange(0, hist.numel(), hist.shape[1], device=position.device)[:, None]
+        for rows in _row_chunks(n, m, position.device):
             # Slots are small integers, computed exactly in floating point (float ops are
             # the fast ones, and an int64 copy of the mask would take more memory). At
             # distance exactly 4 the whole weight goes to the last centre, as the upper
@@ -141,12 +144,12 @@ class FastAPFunction(torch.autograd.Function):
                 slot.diagonal(rows.start).fill_(nowhere)
             if excluded is not None:
                 slot.masked_fill_(excluded[rows], nowhere)
-            index = slot.to(torch.int64) if slots is None else slots[rows].copy_(slot)
+            index = slot.to(torch.int64)  # scatter_add_ wants int64
             del lower, slot
             hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
             hist[rows].scatter_add_(1, index, torch.rsub(upper_weight, 1))
+            flat_slots[rows].copy_(index.add_(row_start[rows]))
         del position
-        slots = index if slots is None else slots
         hist = hist.view(n, -1, INTERLEAVE).sum(-1)[:, : 2 * num_centres].view(n, 2, num_centres)
         # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
         cumulative = hist.cumsum(2)
@@ -158,7 +161,7 @@ class FastAPFunction(torch.autograd.Function):
         pos_products = hist[:, 1].unsqueeze(1) * cumulative
         losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
 
-        ctx.save_for_backward(queries, references, slots, pos_products, cumulative, inv_cum, scale)
+        ctx.save_for_backward(queries, references, flat_slots, pos_products, cumulative, inv_cum, scale)
         ctx.mark_non_differentiable(num_positives)
         ctx.set_materialize_grads(False)
         ctx.delta = delta
@@ -168,7 +171,7 @@ class FastAPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_losses, _):
-        queries, references, slots, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
+        queries, references, flat_slots, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
         # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
         #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
         #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
@@ -187,7 +190,8 @@ class FastAPFunction(torch.autograd.Function):
         table = (table.unsqueeze(-1) * weight).view(n, -1)
         # d loss / d cos(query, reference), up to the factor dd/dcos · d(position)/dd =
         # -2 / delta (times -1 from d loss / dAP) that the products below apply.
-        grad_cos = table.gather(1, slots)
+        # index_select takes int32 indices as they are.
+        grad_cos = table.view(-1).index_select(0, flat_slots.view(-1)).view(flat_slots.shape)
         factor = 2.0 / ctx.delta
 
         grad_queries = grad_references = None
