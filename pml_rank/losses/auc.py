@@ -165,7 +165,8 @@ class AUCLoss(RankLossBase):
         # Normalised once: the hardest pairs are chosen from the rows' product, and their
         # similarities (with gradients) taken from the same rows.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
-        similarity = self.product_of_normalized(queries, references)
+        with torch.no_grad():
+            similarity = self.matrix_of_normalized(queries, references)
         positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
         del similarity  # not held through the rest
         # The one number read back (as FastAP's): a batch in which every anchor has both
@@ -204,17 +205,6 @@ class AUCLoss(RankLossBase):
         positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
         anchors = kept.nonzero().squeeze(1)
         return anchors, positives[anchors], negatives[anchors]
-
-    @torch.no_grad()
-    def product_of_normalized(self, queries, references):
-        """`similarity_matrix` of rows the distance has normalised already."""
-        autocast_dtype = getattr(self, "autocast_dtype", None)  # set by RankLossBase.forward
-        if autocast_dtype is None:
-            matrix = self.distance.compute_mat(queries, references)
-        else:
-            with torch.autocast(queries.device.type, dtype=autocast_dtype):
-                matrix = self.distance.compute_mat(queries, references).float()
-        return matrix if self.distance.power == 1 else matrix**self.distance.power
 
     @staticmethod
     @torch.no_grad()

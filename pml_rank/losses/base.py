@@ -10,6 +10,7 @@ from pytorch_metric_learning.losses import BaseMetricLossFunction
 from pytorch_metric_learning.reducers import BaseReducer, MultipleReducers
 from pytorch_metric_learning.regularizers import BaseRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
+from torch.autograd.function import once_differentiable
 
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
@@ -100,13 +101,29 @@ class RankLossBase(BaseMetricLossFunction):
         the rounding of a float16 (bfloat16) product, relative 2^-11 (2^-8), moves each
         rank loss by under 3e-4 (4e-3) of its float32 value on clustered embeddings at batch
         1024 (tests/losses/test_autocast.py), at a tenth of a float32 product's time on a GPU.
-        Without a separate `ref_emb`, PML's distance normalises the embeddings once (given
-        twice, it normalises them twice, forward and backward)."""
-        ref_emb = None if ref_emb is embeddings else ref_emb
-        if getattr(self, "autocast_dtype", None) is None:
-            return self.distance(embeddings, ref_emb)
-        with torch.autocast(embeddings.device.type, dtype=self.autocast_dtype):
-            return self.distance(embeddings, ref_emb).float()
+        The embeddings are normalised as the distance's forward normalises them
+        (`normalized_with_distance_stats`: once when `ref_emb` is `embeddings`, with a
+        hand-written gradient where the distance's normalisation is F.normalize's); a
+        distance with a forward of its own computes the whole matrix itself."""
+        if type(self.distance).forward is not BaseDistance.forward:
+            with self.caller_autocast(embeddings.device):
+                matrix = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
+            return matrix.float() if matrix.dtype in HALF_PRECISION else matrix
+        return self.matrix_of_normalized(*normalized_with_distance_stats(self.distance, embeddings, ref_emb))
+
+    def matrix_of_normalized(self, queries, references):
+        """`similarity_matrix` of rows that the distance has normalised already."""
+        with self.caller_autocast(queries.device):
+            matrix = self.distance.compute_mat(queries, references)
+            if self.distance.power != 1:
+                matrix = matrix**self.distance.power
+        return matrix.float() if matrix.dtype in HALF_PRECISION else matrix
+
+    def caller_autocast(self, device):
+        """The caller's autocast, switched off inside the loss (`forward`), for a matrix
+        product; a no-op where the caller had none."""
+        dtype = getattr(self, "autocast_dtype", None)
+        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 class SumOfReducers(MultipleReducers):
@@ -255,12 +272,45 @@ def ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):
 def normalized_with_distance_stats(distance, embeddings, ref_emb):
     """`embeddings` and `ref_emb` normalised as `distance` normalises them (one tensor
     when `ref_emb is embeddings`), recording the distance's statistics as its own forward
-    does: for kernels that compute the matrix themselves."""
+    does."""
     distance.reset_stats()
-    queries = distance.maybe_normalize(embeddings, dim=1)
-    references = queries if ref_emb is embeddings else distance.maybe_normalize(ref_emb, dim=1)
+    queries = normalized(distance, embeddings)
+    references = queries if ref_emb is embeddings else normalized(distance, ref_emb)
     distance.set_default_stats(embeddings, ref_emb, queries, references)
     return queries, references
+
+
+def normalized(distance, embeddings):
+    """``distance.maybe_normalize(embeddings, dim=1)``; where that is F.normalize's L2
+    normalisation, with its gradient by hand (`_UnitRows`)."""
+    if distance.normalize_embeddings and distance.p == 2 and type(distance).normalize is BaseDistance.normalize:
+        return _UnitRows.apply(embeddings, _NORMALIZE_EPS)
+    return distance.maybe_normalize(embeddings, dim=1)
+
+
+# F.normalize's default: norms are clamped at it.
+_NORMALIZE_EPS = 1e-12
+
+
+class _UnitRows(torch.autograd.Function):
+    """F.normalize(x, dim=1): each row over its L2 norm clamped at `eps`, with the gradient
+    in one pass, (g − y (y · g)) / ‖x‖, or g / eps for a row whose norm was clamped:
+    autograd's graph for F.normalize is about 15 kernels in the backward pass, this 5."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        clamped = norms.clamp_min(eps)
+        rows = x / clamped
+        ctx.save_for_backward(rows, clamped, norms > eps)
+        return rows
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_rows):
+        rows, clamped, unclamped = ctx.saved_tensors
+        along = (rows * grad_rows).sum(1, keepdim=True).mul_(unclamped)
+        return torch.addcmul(grad_rows, rows, along, value=-1).div_(clamped), None
 
 
 def symmetrize_(matrix, block=128):

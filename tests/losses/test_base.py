@@ -99,3 +99,26 @@ def test_several_sub_losses_are_summed_without_pmls_buffer():
             counts.append(sum(operations.names.values()))
         assert_same_loss_and_gradients(ours(embeddings, labels), pmls(embeddings, labels), (embeddings,))
         assert counts[0] < counts[1] - 5, counts
+
+
+def test_unit_rows_are_f_normalize_with_its_gradient():
+    """`base.normalized`: F.normalize's rows and, by hand, its gradient (gradcheck in
+    float64; equal to autograd's through F.normalize, rows whose norm is clamped, a zero
+    row and one below eps, included); a distance that normalises otherwise keeps its own
+    normalisation."""
+    from pytorch_metric_learning.distances import CosineSimilarity, LpDistance
+
+    from pml_rank.losses.base import _UnitRows, normalized
+
+    x = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.autograd.gradcheck(lambda t: _UnitRows.apply(t, 1e-12), (x.clone().requires_grad_(),))
+    x[1] = 0
+    x[2] *= 1e-13
+    x.requires_grad_()
+    torch.testing.assert_close(normalized(CosineSimilarity(), x), torch.nn.functional.normalize(x, dim=1))
+    grad = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (ours,) = torch.autograd.grad(normalized(CosineSimilarity(), x), x, grad)
+    (theirs,) = torch.autograd.grad(torch.nn.functional.normalize(x, dim=1), x, grad)
+    torch.testing.assert_close(ours, theirs)
+    l1 = LpDistance(p=1)
+    assert torch.equal(normalized(l1, x), torch.nn.functional.normalize(x, p=1, dim=1))
