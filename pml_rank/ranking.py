@@ -440,13 +440,7 @@ def shift_by_margin(scores, positives, margin):
     if margin == 0:
         return scores
     half = margin / 2
-    # The shift is a constant: the gradient is the add's, the identity; the positives'
-    # values are written over under no_grad. (Two numbers as where's arguments would
-    # each be a tensor made on the device.)
-    shifted = scores + half
-    with torch.no_grad():
-        torch.where(positives, scores - half, shifted, out=shifted)
-    return shifted
+    return torch.where(positives, -half, half).to(scores.dtype).add_(scores)  # no second N x M buffer
 
 
 def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None, indices=None):
