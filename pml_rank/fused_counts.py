@@ -8,7 +8,8 @@ The slots' own small [slots, slots] comparisons happen in the same kernel.
    its value and the slots at least as large, and whether another element equals a
    slot's value (a tie).
 2. `_crossings_kernel` (backward): per element x of a sequence, Σ_s ([x > v_s] − [x > t_s])
-   over its slots s, how many positives passed x on their way from v_s to t_s, and per
+   over its slots s (t_s: the perturbed value's threshold, see
+   `ranking._crossings_without_ties`), how many positives passed x on their way, and per
    slot its perturbed rank minus its rank.
 
 NaN values (the slots' padding) count nothing and are counted by nothing. The
@@ -57,10 +58,10 @@ def ranks(scores, values):
     return rank, among, tied
 
 
-def crossings(scores, values, new_values, thresholds, rank):
-    """`ranking._crossings_without_ties` for `scores` [sequences, n], the slots' `values`,
-    `new_values` and `thresholds` [sequences, S] and their `rank`."""
-    scores, values, new_values, thresholds = (t.contiguous() for t in (scores, values, new_values, thresholds))
+def crossings(scores, values, new_values, rank):
+    """`ranking._crossings_without_ties` for `scores` [sequences, n], the slots' `values`
+    and `new_values` [sequences, S] and their `rank`."""
+    scores, values, new_values = scores.contiguous(), values.contiguous(), new_values.contiguous()
     change, own = torch.empty_like(scores), torch.empty_like(values)
     if len(scores):
         with _triton.on_device(scores.device):
@@ -68,7 +69,6 @@ def crossings(scores, values, new_values, thresholds, rank):
                 scores,
                 values,
                 new_values,
-                thresholds,
                 rank.contiguous(),
                 change,
                 own,
@@ -110,7 +110,6 @@ if triton is not None:
         scores,
         values,
         new_values,
-        thresholds,
         rank,
         change,
         own,
@@ -122,21 +121,23 @@ if triton is not None:
         sequence = tl.program_id(0).to(tl.int64)
         slot = tl.arange(0, BLOCK_S)
         value = tl.load(values + sequence * s + slot, mask=slot < s, other=float("nan"))
-        threshold = tl.load(thresholds + sequence * s + slot, mask=slot < s, other=float("nan"))
+        new = tl.load(new_values + sequence * s + slot, mask=slot < s, other=float("nan"))
+        # ranking._crossings_without_ties's threshold t, without nextafter: x > t is
+        # x >= the new value for a positive that moved up, x > it otherwise.
+        up = (new > value)[:, None]
         greater = tl.zeros([BLOCK_S], dtype=tl.int32)
         for first in range(0, n, BLOCK_N):
             j = first + tl.arange(0, BLOCK_N)
             x = tl.load(scores + sequence * n + j, mask=j < n, other=float("nan"))
-            above_after = (x[None, :] > threshold[:, None]).to(tl.int32)
+            above_after = tl.where(up, x[None, :] >= new[:, None], x[None, :] > new[:, None]).to(tl.int32)
             passed = (x[None, :] > value[:, None]).to(tl.int32) - above_after
             tl.store(change + sequence * n + j, tl.sum(passed, axis=0).to(change.dtype.element_ty), mask=j < n)
             greater += tl.sum(above_after, axis=1)
         # The positives' columns, as ranking._crossings_without_ties corrects them; [s, t]:
         # slot t against slot s.
-        new = tl.load(new_values + sequence * s + slot, mask=slot < s, other=float("nan"))
         at_least = value[None, :] >= value[:, None]
         moved_at_or_above = tl.where(new[None, :] == new[:, None], at_least, new[None, :] > new[:, None])
-        counted_there = value[None, :] > threshold[:, None]
+        counted_there = tl.where(up, value[None, :] >= new[:, None], value[None, :] > new[:, None])
         greater += tl.sum(moved_at_or_above.to(tl.int32) - counted_there.to(tl.int32), axis=1)
         before = tl.load(rank + sequence * s + slot, mask=slot < s, other=0)
         tl.store(own + sequence * s + slot, (greater - before).to(own.dtype.element_ty), mask=slot < s)

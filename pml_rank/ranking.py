@@ -393,14 +393,14 @@ def _crossings_without_ties(scores, values, new_values, rank):
     equals a positive's value before the perturbation. The comparisons use the
     unperturbed scores; the positives' own columns, where that is wrong, are corrected
     slot by slot. `rank`: the slots' ranks. On a GPU in one kernel (`fused_counts.crossings`)."""
+    if fused_counts.applies(scores, values):
+        return fused_counts.crossings(scores, values, new_values, rank)
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
     # float just below it, the step toward the old value); one equal to a positive that
     # moved down or stayed stays below (x > new value; the step toward the old value
     # would go up, and the minimum takes the new value).
     thresholds = torch.minimum(new_values, torch.nextafter(new_values, values))
-    if fused_counts.applies(scores, thresholds):
-        return fused_counts.crossings(scores, values, new_values, thresholds, rank)
     slots = values.shape[1]
     change = torch.empty_like(scores)
     greater = torch.empty(values.shape, dtype=_count_dtype(scores), device=scores.device)

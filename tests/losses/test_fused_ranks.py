@@ -258,8 +258,11 @@ def test_interpreted_counts_of_a_formula():
     assert torch.equal(among, (values[:, None, :] >= slots).sum(-1))
     assert torch.equal(tied, ((rows == slots).sum(-1) > 1).any(-1)) and tied.tolist() == [True, False, True]
     new_values = values + torch.randn(3, 3, generator=generator).round(decimals=1)
-    thresholds = torch.randn(3, 3, generator=generator).round(decimals=1)
-    change, own = fused_counts.crossings(scores, values, new_values, thresholds, rank)
+    new_values[0, 1] = values[0, 1]  # a positive that stays
+    # Positives that move up and down onto a score: x >= and x > the new value.
+    new_values[1, 0], new_values[2, 0] = scores[1].max(), scores[2].min()
+    thresholds = torch.minimum(new_values, torch.nextafter(new_values, values))
+    change, own = fused_counts.crossings(scores, values, new_values, rank)
     assert torch.equal(change, ((rows > slots).float() - (rows > thresholds[:, :, None]).float()).sum(1))
     at_least = values[:, None, :] >= slots
     moved = torch.where(
