@@ -308,13 +308,24 @@ def _counts(scores, values):
 def _summed_per_threshold(scores, thresholds):
     """[sequences, thresholds] int32: how many elements of each sequence exceed each of
     its thresholds. Summed chunk by chunk straight into one float tensor (exact, see
-    `_count_dtype`), converted once; on a GPU by `fused_counts`."""
-    if fused_counts.applies(scores, thresholds):
-        return fused_counts.counts_above(scores, thresholds)
+    `_count_dtype`), converted once."""
     counts = torch.empty(thresholds.shape, dtype=_count_dtype(scores), device=scores.device)
     for part, larger in _compared(scores, thresholds):
         torch.sum(larger, -1, dtype=counts.dtype, out=counts[part])
     return counts.to(torch.int32)
+
+
+def _ranks_and_ties(scores, values):
+    """For each slot of `values` [sequences, slots]: the count of elements at least as
+    large as its value (its rank, the positive itself included, where no other element
+    equals it) and the count of slots at least as large (its rank among them, where no
+    two are equal), int32 and int64 (padding: 0 and 0); and [sequences] whether another
+    element equals some slot's value (a tie). On a GPU in one kernel (`fused_counts.ranks`)."""
+    if fused_counts.applies(scores, values):
+        return fused_counts.ranks(scores, values)
+    greater, rank = _counts(scores, values)
+    among = torch.count_nonzero(values[:, None, :] >= values[:, :, None], -1)
+    return rank, among, (rank - greater > 1).any(-1)
 
 
 # −inf as a CPU scalar, made once: a GPU kernel takes it as an argument, where one made
@@ -336,23 +347,17 @@ class _CountedRanks(torch.autograd.Function):
         slots = _Slots(positives) if slots is None else slots
         at_positives = scores[slots.sequence, slots.element]
         values = slots.spread(at_positives, float("nan"))
-        greater, rank = _counts(scores, values)
-        # A positive's rank is the count of elements at least as large, itself included,
-        # unless another element equals it. The sequences with such ties (padding counts
-        # 0 and 0), read back once (a nonzero waits as any() would) and kept for the
-        # backward pass.
-        tied = (rank - greater > 1).any(-1).nonzero().squeeze(1)
-        # The rank among positives compares the slots with each other (padding: NaN,
-        # none); without ties, the positives at least as large are the larger ones and itself.
-        at_least = values[:, None, :] >= values[:, :, None]
-        among = torch.count_nonzero(at_least, -1)
+        rank, among, tied = _ranks_and_ties(scores, values)
+        # The sequences with ties, read back once (a nonzero waits as any() would) and
+        # kept for the backward pass, are counted again by the stable order's rules.
+        tied = tied.nonzero().squeeze(1)
         if len(tied):
             rank[tied] = _above(scores[tied], values[tied], slots.elements[tied]).sum(-1, dtype=torch.int32) + 1
             # Slots hold their sequence's positives in the order of their positions.
             in_order = torch.arange(slots.shape[1], device=scores.device).expand(len(tied), -1)
             among[tied] = _above(values[tied], values[tied], in_order).sum(-1) + 1
         ctx.lambda_val, ctx.loss_scale, ctx.slots = lambda_val, loss_scale, slots
-        ctx.save_for_backward(scores, values, at_positives, at_least, rank, tied)
+        ctx.save_for_backward(scores, values, at_positives, rank, tied)
         ranks = slots.gather(rank).to(scores.dtype) / scores.shape[-1]
         among = slots.gather(among)
         ctx.mark_non_differentiable(among, slots.sequence, slots.element)
@@ -361,7 +366,7 @@ class _CountedRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ranks, *_):
-        scores, values, at_positives, at_least, rank, tied = ctx.saved_tensors
+        scores, values, at_positives, rank, tied = ctx.saved_tensors
         slots = ctx.slots
         k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
         if k == 0:
@@ -371,23 +376,25 @@ class _CountedRanks(torch.autograd.Function):
         # leaves behind; every other element moves by the positives that cross it.
         step = grad_ranks * (ctx.lambda_val / k)
         new_values = values.index_put((slots.sequence, slots.slot), at_positives + step)
-        change, own = _crossings_without_ties(scores, values, new_values, at_least, rank)
+        change, own = _crossings_without_ties(scores, values, new_values, rank)
         if len(tied):
             change[tied], own[tied] = _crossings(
                 scores[tied], values[tied], new_values[tied], slots.elements[tied], slots.valid[tied]
             )
-        change[slots.sequence, slots.element] = slots.gather(own).to(change.dtype)
+        change[slots.sequence, slots.element] = slots.gather(own)
         if ctx.loss_scale is not None:
             ctx.loss_scale.ranks_moved = bool(own.any())
         return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
 
 
-def _crossings_without_ties(scores, values, new_values, at_least, rank):
+def _crossings_without_ties(scores, values, new_values, rank):
     """rk(perturbed) − rk(scores) per element that is no positive, and per positive
-    slot (`own`), exact in every sequence where no other element equals a positive's
-    value before the perturbation. The comparisons use the unperturbed scores; the
-    positives' own columns, where that is wrong, are corrected slot by slot. `at_least`:
-    [sequences, s, t] whether slot t's value is at least slot s's; `rank`: the slots' ranks."""
+    slot (`own`), in the scores' dtype, exact in every sequence where no other element
+    equals a positive's value before the perturbation. The comparisons use the
+    unperturbed scores; the positives' own columns, where that is wrong, are corrected
+    slot by slot. `rank`: the slots' ranks. On a GPU in one kernel (`fused_counts.crossings`)."""
+    if fused_counts.applies(scores, values):
+        return fused_counts.crossings(scores, values, new_values, rank)
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
     # float just below it, the step toward the old value); one equal to a positive that
@@ -395,27 +402,23 @@ def _crossings_without_ties(scores, values, new_values, at_least, rank):
     # would go up, and the minimum takes the new value).
     thresholds = torch.minimum(new_values, torch.nextafter(new_values, values))
     slots = values.shape[1]
-    if fused_counts.applies(scores, thresholds):
-        greater = fused_counts.counts_above(scores, thresholds)
-        change = fused_counts.changes(scores, values, thresholds)
-    else:
-        change = torch.empty_like(scores)
-        greater = torch.empty(values.shape, dtype=_count_dtype(scores), device=scores.device)
-        for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
-            above_before, above_after = larger[:, :slots], larger[:, slots:]
-            torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
-            torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
-        greater = greater.to(torch.int32)
+    change = torch.empty_like(scores)
+    greater = torch.empty(values.shape, dtype=_count_dtype(scores), device=scores.device)
+    for part, larger in _compared(scores, torch.cat([values, thresholds], dim=1)):
+        above_before, above_after = larger[:, :slots], larger[:, slots:]
+        torch.sum(above_after, -1, dtype=greater.dtype, out=greater[part])
+        torch.sum(above_before.sub_(above_after), 1, dtype=change.dtype, out=change[part])
     # In the positives' columns the perturbed sequence holds new_values, not values:
     # take out what the pass counted there and count the perturbed positives at or above
-    # each other, itself included (equal ones in forward order: no two positives are
-    # equal before): the perturbed rank.
+    # each other, itself included (equal ones in forward order, at least as large
+    # before: no two positives are equal before): the perturbed rank.
     new_t, new_s = new_values[:, None, :], new_values[:, :, None]
+    at_least = values[:, None, :] >= values[:, :, None]
     moved_at_or_above = torch.where(new_t == new_s, at_least, new_t > new_s)
     counted_there = values[:, None, :] > thresholds[:, :, None]
     # Booleans as bytes: their difference summed in one pass.
-    greater += (moved_at_or_above.view(torch.int8) - counted_there.view(torch.int8)).sum(-1, dtype=torch.int32)
-    return change, greater - rank
+    greater += (moved_at_or_above.view(torch.int8) - counted_there.view(torch.int8)).sum(-1, dtype=greater.dtype)
+    return change, greater.sub_(rank).to(scores.dtype)
 
 
 def _crossings(scores, values, new_values, elements, valid):
@@ -429,7 +432,7 @@ def _crossings(scores, values, new_values, elements, valid):
     after = (rows > new) | ((rows == new) & before)
     passed = before.view(torch.int8) - after.view(torch.int8)
     # At most log2(n) slots: the per-element sums fit in a byte.
-    return passed.sum(1, dtype=torch.int8).to(scores.dtype), passed.sum(-1, dtype=torch.int32).neg_()
+    return passed.sum(1, dtype=torch.int8).to(scores.dtype), passed.sum(-1, dtype=scores.dtype).neg_()
 
 
 def shift_by_margin(scores, positives, margin):

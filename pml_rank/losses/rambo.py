@@ -226,13 +226,27 @@ class _RaMBOLoss(RankLossBase):
         # Every pair by label: a query's pair with itself is dropped by `without_self`.
         positives = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
         if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
-            queries, _ = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
-            return _SimilaritiesWithoutSelf.apply(queries), without_self(positives), None
+            return self.inner_products_without_self(embeddings), without_self(positives), None
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
         if exclude_self:
             scores, positives = without_self(scores), without_self(positives)
         return scores, positives, None
+
+    def inner_products_without_self(self, embeddings):
+        """``without_self`` of the distance's matrix of the batch with itself, an inner
+        product: L2-normalised by `_SimilaritiesWithoutSelf` itself (its backward by hand),
+        the distance's statistics recorded as its forward records them."""
+        distance = self.distance
+        if not (distance.normalize_embeddings and distance.p == 2):
+            queries, _ = normalized_with_distance_stats(distance, embeddings, embeddings)
+            return _SimilaritiesWithoutSelf.apply(queries, False)
+        if distance.collect_stats:
+            detached = embeddings.detach()
+            normalized_with_distance_stats(distance, detached, detached)
+        else:
+            distance.reset_stats()
+        return _SimilaritiesWithoutSelf.apply(embeddings, True)
 
     def similarities_of_pairs(self, embeddings, labels, ref_emb, ref_labels, indices_tuple, given):
         """`similarities` with an `indices_tuple`: its pairs are the positives and negatives
@@ -287,24 +301,42 @@ def _off_diagonal(flat_square):
 
 
 class _SimilaritiesWithoutSelf(torch.autograd.Function):
-    """``without_self(queries @ queries.T)``. The backward pass is one matrix product,
-    (G + Gᵀ) @ queries, where autograd takes two, and writes G (zero diagonal) once,
-    where autograd's slicing backward fills and copies twice."""
+    """``without_self(q @ q.T)``, q the rows of `embeddings`, L2-normalised first when
+    `normalize` (as ``F.normalize``). The backward pass is one matrix product, (G + Gᵀ) @ q,
+    where autograd takes two, writes G (zero diagonal) once, where autograd's slicing
+    backward fills and copies twice, and takes the normalisation's backward in 6
+    operations, where autograd's takes 14."""
 
     @staticmethod
-    def forward(ctx, queries):
-        ctx.save_for_backward(queries)
+    def forward(ctx, embeddings, normalize):
+        norms = clamped = None
+        queries = embeddings
+        if normalize:
+            norms = torch.linalg.vector_norm(embeddings, dim=1, keepdim=True)
+            clamped = norms.clamp_min(NORM_EPS)
+            queries = embeddings / clamped
+        ctx.save_for_backward(queries, norms, clamped)
         return without_self(queries @ queries.T)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        (queries,) = ctx.saved_tensors
+        queries, norms, clamped = ctx.saved_tensors
         n = len(queries)
         full = grad.new_empty(n, n)
         _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
         full.diagonal().zero_()
-        return symmetrize_(full) @ queries
+        grad_queries = symmetrize_(full) @ queries
+        if norms is None:
+            return grad_queries, None
+        # q = x / max(‖x‖, eps): the gradient (g − q Σ g·q) / ‖x‖, or g / eps where the
+        # norm is clamped (a constant there).
+        along = (grad_queries * queries).sum(1, keepdim=True).mul_(norms > NORM_EPS)
+        return grad_queries.addcmul_(queries, along, value=-1).div_(clamped), None
+
+
+# F.normalize's default: the smallest norm divided by.
+NORM_EPS = 1e-12
 
 
 def reference_index(queries, columns, exclude_self):

@@ -303,19 +303,31 @@ def test_fastap_histograms_scattered_a_few_rows_at_a_time_are_the_same(case, dty
         torch.testing.assert_close(one_chunk[1], torch.autograd.grad(expected, x)[0], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 5, 300])
-def test_similarities_without_self_have_autograds_gradient(n):
-    # 300 rows: more than one block of symmetrize_.
+def test_similarities_without_self_have_autograds_gradient(n, normalize):
+    # 300 rows: more than one block of symmetrize_, and a row of zeros and one shorter
+    # than the normalisation's eps (its norm clamped: a gradient of g / eps), which
+    # finite differences cannot check.
     from pml_rank.losses.rambo import _SimilaritiesWithoutSelf, without_self
 
     generator = torch.Generator().manual_seed(n)
-    queries = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    embeddings = torch.randn(n, 4, generator=generator, dtype=torch.float64)
+    if n == 300:
+        embeddings[1] = 0
+        embeddings[3] *= 1e-14
     incoming = torch.randn(n, n - 1, generator=generator, dtype=torch.float64)
-    ours = value_and_grad(lambda x: (_SimilaritiesWithoutSelf.apply(x) * incoming).sum(), queries)
-    expected = value_and_grad(lambda x: (without_self(x @ x.T) * incoming).sum(), queries)
+    ours = value_and_grad(lambda x: (_SimilaritiesWithoutSelf.apply(x, normalize) * incoming).sum(), embeddings)
+
+    def expected_similarities(x):
+        queries = torch.nn.functional.normalize(x) if normalize else x
+        return without_self(queries @ queries.T)
+
+    expected = value_and_grad(lambda x: (expected_similarities(x) * incoming).sum(), embeddings)
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
     if n <= 5:
-        assert torch.autograd.gradcheck(_SimilaritiesWithoutSelf.apply, queries.clone().requires_grad_())
+        x = embeddings.clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda e: _SimilaritiesWithoutSelf.apply(e, normalize), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

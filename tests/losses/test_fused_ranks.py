@@ -245,17 +245,38 @@ def test_interpreted_counting_kernels_equal_the_passes(case):
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 def test_interpreted_counts_of_a_formula():
-    """Straight from the definitions, with ties, NaN padding and a sequence longer than a
-    step of the kernel."""
+    """Straight from the definitions, with ties, NaN padding, no slots and a sequence
+    longer than a step of the kernel."""
     generator = torch.Generator().manual_seed(2)
     scores = torch.randn(3, 2 * fused_counts.ELEMENTS_PER_STEP + 5, generator=generator).round(decimals=1)
-    thresholds = torch.randn(3, 6, generator=generator).round(decimals=1)
-    thresholds[0, 4:] = float("nan")
-    expected = (scores[:, None, :] > thresholds[:, :, None]).sum(-1, dtype=torch.int32)
-    assert torch.equal(fused_counts.counts_above(scores, thresholds), expected)
-    before, after = thresholds[:, :3], thresholds[:, 3:]
-    passed = (scores[:, None, :] > before[:, :, None]).float() - (scores[:, None, :] > after[:, :, None]).float()
-    assert torch.equal(fused_counts.changes(scores, before, after), passed.sum(1))
+    values = torch.randn(3, 3, generator=generator).round(decimals=1)
+    values[0, 2] = float("nan")
+    values[1] += 0.05  # equal to no score: no tie
+    rows, slots = scores[:, None, :], values[:, :, None]
+    rank, among, tied = fused_counts.ranks(scores, values)
+    assert torch.equal(rank, (rows >= slots).sum(-1, dtype=torch.int32))
+    assert torch.equal(among, (values[:, None, :] >= slots).sum(-1))
+    assert torch.equal(tied, ((rows == slots).sum(-1) > 1).any(-1)) and tied.tolist() == [True, False, True]
+    new_values = values + torch.randn(3, 3, generator=generator).round(decimals=1)
+    new_values[0, 1] = values[0, 1]  # a positive that stays
+    # Positives that move up and down onto a score: x >= and x > the new value.
+    new_values[1, 0], new_values[2, 0] = scores[1].max(), scores[2].min()
+    thresholds = torch.minimum(new_values, torch.nextafter(new_values, values))
+    change, own = fused_counts.crossings(scores, values, new_values, rank)
+    assert torch.equal(change, ((rows > slots).float() - (rows > thresholds[:, :, None]).float()).sum(1))
+    at_least = values[:, None, :] >= slots
+    moved = torch.where(
+        new_values[:, None, :] == new_values[:, :, None], at_least, new_values[:, None, :] > new_values[:, :, None]
+    )
+    expected = (
+        (rows > thresholds[:, :, None]).sum(-1)
+        + moved.sum(-1)
+        - (values[:, None, :] > thresholds[:, :, None]).sum(-1)
+        - rank
+    )
+    assert torch.equal(own, expected.float())
+    no_slots = fused_counts.ranks(scores, values[:, :0])
+    assert no_slots[0].shape == (3, 0) and not no_slots[2].any()
 
 
 def formula_of(name, queries, c, generator, device):
