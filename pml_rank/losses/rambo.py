@@ -235,18 +235,10 @@ class _RaMBOLoss(RankLossBase):
 
     def inner_products_without_self(self, embeddings):
         """``without_self`` of the distance's matrix of the batch with itself, an inner
-        product: L2-normalised by `_SimilaritiesWithoutSelf` itself (its backward by hand),
-        the distance's statistics recorded as its forward records them."""
-        distance = self.distance
-        if not (distance.normalize_embeddings and distance.p == 2):
-            queries, _ = normalized_with_distance_stats(distance, embeddings, embeddings)
-            return _SimilaritiesWithoutSelf.apply(queries, False)
-        if distance.collect_stats:
-            detached = embeddings.detach()
-            normalized_with_distance_stats(distance, detached, detached)
-        else:
-            distance.reset_stats()
-        return _SimilaritiesWithoutSelf.apply(embeddings, True)
+        product of the rows as the distance normalises them (`normalized_with_distance_stats`:
+        F.normalize's gradient by hand), with its backward by hand."""
+        queries, _ = normalized_with_distance_stats(self.distance, embeddings, embeddings)
+        return _SimilaritiesWithoutSelf.apply(queries)
 
     def similarities_of_pairs(self, embeddings, labels, ref_emb, ref_labels, indices_tuple, given):
         """`similarities` with an `indices_tuple`: its pairs are the positives and negatives
@@ -301,42 +293,24 @@ def _off_diagonal(flat_square):
 
 
 class _SimilaritiesWithoutSelf(torch.autograd.Function):
-    """``without_self(q @ q.T)``, q the rows of `embeddings`, L2-normalised first when
-    `normalize` (as ``F.normalize``). The backward pass is one matrix product, (G + Gᵀ) @ q,
-    where autograd takes two, writes G (zero diagonal) once, where autograd's slicing
-    backward fills and copies twice, and takes the normalisation's backward in 6
-    operations, where autograd's takes 14."""
+    """``without_self(q @ q.T)``, q the rows of `queries`. The backward pass is one matrix
+    product, (G + Gᵀ) @ q, where autograd takes two, and writes G (zero diagonal) once,
+    where autograd's slicing backward fills and copies twice."""
 
     @staticmethod
-    def forward(ctx, embeddings, normalize):
-        norms = clamped = None
-        queries = embeddings
-        if normalize:
-            norms = torch.linalg.vector_norm(embeddings, dim=1, keepdim=True)
-            clamped = norms.clamp_min(NORM_EPS)
-            queries = embeddings / clamped
-        ctx.save_for_backward(queries, norms, clamped)
+    def forward(ctx, queries):
+        ctx.save_for_backward(queries)
         return without_self(queries @ queries.T)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        queries, norms, clamped = ctx.saved_tensors
+        (queries,) = ctx.saved_tensors
         n = len(queries)
         full = grad.new_empty(n, n)
         _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
         full.diagonal().zero_()
-        grad_queries = symmetrize_(full) @ queries
-        if norms is None:
-            return grad_queries, None
-        # q = x / max(‖x‖, eps): the gradient (g − q Σ g·q) / ‖x‖, or g / eps where the
-        # norm is clamped (a constant there).
-        along = (grad_queries * queries).sum(1, keepdim=True).mul_(norms > NORM_EPS)
-        return grad_queries.addcmul_(queries, along, value=-1).div_(clamped), None
-
-
-# F.normalize's default: the smallest norm divided by.
-NORM_EPS = 1e-12
+        return symmetrize_(full) @ queries
 
 
 def reference_index(queries, columns, exclude_self):

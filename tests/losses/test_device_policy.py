@@ -202,7 +202,7 @@ def test_symmetrize_in_one_pass_equals_matrix_plus_transpose(n, memory_policy):
 
 @pytest.mark.parametrize(
     "loss_class, memory_size, most",
-    [(RaMBORecallLoss, 0, 218), (RaMBORecallLoss, 3, 224), (RaMBOAPLoss, 0, 241), (RaMBOAPLoss, 3, 245)],
+    [(RaMBORecallLoss, 0, 220), (RaMBORecallLoss, 3, 226), (RaMBOAPLoss, 0, 243), (RaMBOAPLoss, 3, 247)],
 )
 def test_rambos_operations_per_call_stay_at_most_what_they_are(loss_class, memory_size, most, memory_policy):
     """Forward and backward at batch 256, 4 per class, with a filled memory where there is

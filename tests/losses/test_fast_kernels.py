@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from pytorch_metric_learning import losses as pml_losses
-from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from pml_rank import _device_policy, ranking
@@ -309,7 +309,11 @@ def test_similarities_without_self_have_autograds_gradient(n, normalize):
     # 300 rows: more than one block of symmetrize_, and a row of zeros and one shorter
     # than the normalisation's eps (its norm clamped: a gradient of g / eps), which
     # finite differences cannot check.
+    from pml_rank.losses.base import normalized
     from pml_rank.losses.rambo import _SimilaritiesWithoutSelf, without_self
+
+    def similarities(x):
+        return _SimilaritiesWithoutSelf.apply(normalized(CosineSimilarity(), x) if normalize else x)
 
     generator = torch.Generator().manual_seed(n)
     embeddings = torch.randn(n, 4, generator=generator, dtype=torch.float64)
@@ -317,7 +321,7 @@ def test_similarities_without_self_have_autograds_gradient(n, normalize):
         embeddings[1] = 0
         embeddings[3] *= 1e-14
     incoming = torch.randn(n, n - 1, generator=generator, dtype=torch.float64)
-    ours = value_and_grad(lambda x: (_SimilaritiesWithoutSelf.apply(x, normalize) * incoming).sum(), embeddings)
+    ours = value_and_grad(lambda x: (similarities(x) * incoming).sum(), embeddings)
 
     def expected_similarities(x):
         queries = torch.nn.functional.normalize(x) if normalize else x
@@ -327,7 +331,7 @@ def test_similarities_without_self_have_autograds_gradient(n, normalize):
     torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)
     if n <= 5:
         x = embeddings.clone().requires_grad_()
-        assert torch.autograd.gradcheck(lambda e: _SimilaritiesWithoutSelf.apply(e, normalize), x)
+        assert torch.autograd.gradcheck(similarities, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
