@@ -392,7 +392,7 @@ def _fused(
             )
         pair_gradients = pair_gradients.view(-1)
         own_gradients = None if own_gradients is None else own_gradients.view(-1)
-        pairs_per_query = most
+        query_pairs = most  # each query's pairs, for the Jacobian kernel: c of them in order
     else:
         values = scores.new_zeros(len(scores))
         pair_gradients, own_gradients = torch.empty_like(sums), None
@@ -404,14 +404,15 @@ def _fused(
             if grad_own is not None:
                 own_gradients = torch.zeros_like(sums) if own_gradients is None else own_gradients
                 own_gradients[pairs] = grad_own
-        pairs_per_query = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
-        torch.cumsum(per_query, 0, out=pairs_per_query[1:])
+        # Each query's pairs: delimited by offsets.
+        query_pairs = torch.zeros(len(scores) + 1, dtype=pair_query.dtype, device=scores.device)
+        torch.cumsum(per_query, 0, out=query_pairs[1:])
 
     def gradient(grad_values):
         return fused_ranks.scaled_jacobian(
             scores,
             weights,
-            pairs_per_query,
+            query_pairs,
             pair_positive,
             own,
             pair_gradients,
