@@ -283,7 +283,9 @@ def normalized_with_distance_stats(distance, embeddings, ref_emb):
 def normalized(distance, embeddings):
     """``distance.maybe_normalize(embeddings, dim=1)``; where that is F.normalize's L2
     normalisation, with its gradient by hand (`_UnitRows`)."""
-    if distance.normalize_embeddings and distance.p == 2 and type(distance).normalize is BaseDistance.normalize:
+    own = type(distance).normalize is not BaseDistance.normalize
+    own = own or type(distance).maybe_normalize is not BaseDistance.maybe_normalize
+    if distance.normalize_embeddings and distance.p == 2 and not own:
         return _UnitRows.apply(embeddings, _NORMALIZE_EPS)
     return distance.maybe_normalize(embeddings, dim=1)
 
