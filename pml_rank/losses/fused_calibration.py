@@ -23,8 +23,12 @@ import torch
 from . import fused_ranks
 from .fused_ranks import triton
 
-# Entries of the matrix per program, in both passes.
+# Entries of the matrix per program, in both passes, over WARPS_PER_BLOCK warps: 8 entries a
+# thread. With Triton's default of 4 warps (32 a thread) the label-reading gradient kernel
+# used every register and spilled 276 bytes a thread to memory on sm_90 (ptxas's log; the test
+# `test_every_kernel_launch_compiles_for_a_gpu_without_spilling` checks each launch).
 ENTRIES_PER_BLOCK = 4096
+WARPS_PER_BLOCK = 16
 
 
 def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
@@ -59,6 +63,7 @@ class CalibrationTerms(torch.autograd.Function):
                 _terms_kernel[(blocks,)](
                     matrix, positive, negative, sums, counts, entries, matrix.shape[1],
                     pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
+                    num_warps=WARPS_PER_BLOCK,
                 )  # fmt: skip
             _finish_kernel[(1,)](sums, counts, blocks, lambda_, pos_term, neg_term, scales, BLOCK=1024)
         ctx.save_for_backward(matrix, positive, negative, scales)
@@ -77,6 +82,7 @@ class CalibrationTerms(torch.autograd.Function):
                 _gradient_kernel[(triton.cdiv(entries, ENTRIES_PER_BLOCK),)](
                     matrix, positive, negative, grad_positive_term, grad_negative_term, scales, grad, entries,
                     matrix.shape[1], pos_margin, neg_margin, sign, BY_LABEL=by_label, BLOCK=ENTRIES_PER_BLOCK,
+                    num_warps=WARPS_PER_BLOCK,
                 )  # fmt: skip
         return grad, None, None, None
 

@@ -4,10 +4,16 @@ primitive and every form of left-out pairs, weights and references: on CUDA unde
 ``cuda`` marker, and on the CPU in Triton's interpreter (TRITON_INTERPRET=1, a fresh
 process, since Triton reads it when a kernel is defined)."""
 
+import contextlib
+import importlib
+import io
+import json
 import os
+import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -413,18 +419,73 @@ def test_kernels_run_on_the_gpus_triton_compiles_for(capability, runs, monkeypat
     assert not fused_ranks.runs_on(types.SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0)))
 
 
-@pytest.mark.skipif(fused_ranks.triton is None, reason="Triton is not installed")
-@pytest.mark.skipif(fused_ranks.interpreted(), reason="already in the interpreter")
-def test_in_tritons_interpreter():
-    """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
+@pytest.fixture(scope="module")
+def interpreted_run(tmp_path_factory):
+    """Every case above marked "interpreted", run on the CPU in Triton's interpreter in a fresh
+    process: ``(pytest's result, the kernel launches it made)`` (`triton_launches.py`)."""
+    if fused_ranks.triton is None:
+        pytest.skip("Triton is not installed")
+    if fused_ranks.interpreted():
+        pytest.skip("already in the interpreter")
+    launches = tmp_path_factory.mktemp("triton") / "launches.json"
+    recorder = Path(__file__).parents[1] / "triton_launches.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(recorder), str(launches), "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__, "-k", "interpreted"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [*command, __file__, "-k", "interpreted"], env=env, capture_output=True, text=True, timeout=600
     )
+    return result, json.loads(launches.read_text()) if launches.exists() else []
+
+
+def test_in_tritons_interpreter(interpreted_run):
+    """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
+    result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 5
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
+
+
+def ptxas_log(record, capability):
+    """Compiles one recorded launch for a CUDA GPU of `capability` without one (Triton's
+    compiler and its bundled ptxas) and returns ptxas's log; raises where it does not compile."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
+    source = ASTSource(kernel, record["signature"], record["constants"])
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        fused_ranks.triton.compile(
+            source, target=GPUTarget("cuda", capability, 32), options={"num_warps": record["num_warps"]}
+        )
+    return log.getvalue()
+
+
+def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run, tmp_path, monkeypatch):
+    """Triton's interpreter accepts kernels that its compiler rejects, and says nothing of
+    registers: every launch the cases above make (each kernel, its argument types, constants
+    and warps) compiles for an A100 (sm_80) and an H100 or H200 (sm_90), and keeps its values
+    in registers. ROADMAP's label-reading calibration gradient at Triton's default 4 warps
+    spilled 276 bytes a thread (`fused_calibration.WARPS_PER_BLOCK`)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this Triton has no CUDA backend")
+    result, launches = interpreted_run
+    assert result.returncode == 0, result.stdout[-3000:]
+    kernels = {(r["module"], r["kernel"]) for r in launches}
+    every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
+    every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel"}
+    assert {kernel for _, kernel in kernels} == every
+    # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fused_ranks.triton.knobs.nvidia, "dump_ptxas_log", True)
+    spilled = []
+    for record in launches:
+        for capability in (80, 90):
+            log = ptxas_log(record, capability)
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert spills, log
+            if any(int(n) for n in spills):
+                spilled.append((record["kernel"], record["constants"], record["num_warps"], capability, spills))
+    assert not spilled, spilled
