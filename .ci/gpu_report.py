@@ -2,12 +2,20 @@
 (`--environment`: the machine's facts first, into logs/environment.json)."""
 
 import csv
+import importlib.metadata
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+
+def triton_version():
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def environment():
@@ -25,6 +33,7 @@ def environment():
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "nvidia-smi": smi,
         "torch": torch.__version__,
+        "triton": triton_version(),
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
@@ -69,6 +78,7 @@ def build(report):
         if re.match(r"(raw step|bench|throughput|resnet)", line)
     ]
     out["profile"] = read(report / "profile" / "profile.md")
+    out["kernel settings"] = read(report / "kernels.md")
     sweep = {}
     for step in out["steps"]:
         if step["step"].startswith("sweep-") and step["rc"] == "0":
@@ -93,7 +103,8 @@ def markdown(out):
     lines = [
         f"# GPU check: {env.get('gpu')}",
         "",
-        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}, {env.get('cpu_count')} CPUs; "
+        f"torch {env.get('torch')} (Triton {env.get('triton')}), CUDA {env.get('cuda')}, "
+        f"Python {env.get('python')}, {env.get('cpu_count')} CPUs; "
         f"nvidia-smi: {env.get('nvidia-smi')}. Command: `bash .ci/gpu`.",
         "",
         "| step | limit s | exit | seconds |",
@@ -117,6 +128,8 @@ def markdown(out):
             lines.append("")
     if out.get("profile"):
         lines += ["## Where a call's time goes (.ci/gpu_profile.py)", "", *out["profile"].splitlines()[2:], ""]
+    if out.get("kernel settings"):
+        lines += ["## " + out["kernel settings"].lstrip("# "), ""]
     if out.get("knn"):
         k = out["knn"]
         lines += [

@@ -42,9 +42,11 @@ if triton is not None:
     import triton.language as tl
 
 # Pairs per program of the sums kernel and references per step: a [16, 256] tile of float32
-# scores (16 KB) at a time; references per program of the Jacobian kernel.
+# scores (16 KB) at a time, over SUMS_WARPS warps; references per program of the Jacobian
+# kernel. `.ci/gpu_kernels.py` times the loss calls under other values on a GPU.
 PAIRS_PER_BLOCK = 16
 REFERENCES_PER_STEP = 256
+SUMS_WARPS = 4
 REFERENCES_PER_BLOCK = 1024
 
 __all__ = [
@@ -110,6 +112,7 @@ def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slop
                 WITH_SLOPES=with_slopes,
                 BLOCK_P=PAIRS_PER_BLOCK,
                 BLOCK_J=REFERENCES_PER_STEP,
+                num_warps=SUMS_WARPS,
             )
     return sums, slopes if with_slopes else None, own
 
