@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from pytorch_metric_learning.distances import CosineSimilarity
 from torch.autograd.function import once_differentiable
 
+from .. import _triton
 from .._checks import check_numbers
+from .._triton import triton
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch
 from .query_panels import true_rows
 
@@ -211,9 +213,12 @@ class AUCLoss(RankLossBase):
     def hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels):
         """`hardest_triplets` of every anchor from the similarity matrix (which it
         overwrites): the indices of its hardest positive and negative (meaningless where it
-        has none), and whether it has both."""
+        has none), and whether it has both. By labels on a GPU, one Triton pass over the
+        matrix (`_hardest_kernel`) instead of ten: masks, fills, the two reductions."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
+        if indices_tuple is None and _triton.runs_on(similarity):
+            return _hardest_by_label(similarity, labels, ref_labels)
         if indices_tuple is None:
             # One comparison gives both masks; (i, i) is no positive of its own.
             not_positive = labels.unsqueeze(1) != ref_labels.unsqueeze(0)
@@ -231,3 +236,65 @@ class AUCLoss(RankLossBase):
 
     def get_default_distance(self):
         return CosineSimilarity()
+
+
+# Columns of a row per step of `_hardest_kernel`.
+COLUMNS_PER_STEP = 1024
+
+
+def _hardest_by_label(similarity, labels, ref_labels):
+    """`AUCLoss.hardest_of_each_anchor` by labels, in `_hardest_kernel`: the same indices
+    (the first of equal similarities, as torch's min and max give them)."""
+    rows, columns = similarity.shape
+    positives = torch.empty(rows, dtype=torch.int64, device=similarity.device)
+    negatives, kept = torch.empty_like(positives), torch.empty(rows, dtype=torch.bool, device=similarity.device)
+    if rows:
+        with _triton.on_device(similarity.device):
+            _hardest_kernel[(rows,)](
+                similarity, similarity.stride(0), labels.contiguous(), ref_labels.contiguous(), positives,
+                negatives, kept, columns, SKIP_OWN=reference_is_batch(labels, ref_labels),
+                BLOCK=min(triton.next_power_of_2(max(columns, 1)), COLUMNS_PER_STEP),
+            )  # fmt: skip
+    return positives, negatives, kept
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _hardest_kernel(
+        similarity,
+        stride,
+        labels,
+        ref_labels,
+        positives,
+        negatives,
+        kept,
+        columns,
+        SKIP_OWN: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        label = tl.load(labels + row)
+        lowest, lowest_at = float("inf"), 0
+        highest, highest_at = -float("inf"), 0
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            s = tl.load(similarity + row.to(tl.int64) * stride + j, mask=inside, other=0.0)
+            same = tl.load(ref_labels + j, mask=inside, other=0) == label
+            positive = inside & same
+            if SKIP_OWN:
+                positive = positive & (j != row)
+            candidates = tl.where(positive, s, float("inf"))
+            # Strictly lower, so that of equal similarities the first column is kept.
+            block_lowest = tl.min(candidates, axis=0)
+            if block_lowest < lowest:
+                lowest, lowest_at = block_lowest, first + tl.argmin(candidates, axis=0)
+            candidates = tl.where(inside & ~same, s, -float("inf"))
+            block_highest = tl.max(candidates, axis=0)
+            if block_highest > highest:
+                highest, highest_at = block_highest, first + tl.argmax(candidates, axis=0)
+        tl.store(positives + row, lowest_at)
+        tl.store(negatives + row, highest_at)
+        tl.store(kept + row, (lowest < float("inf")) & (highest > -float("inf")))

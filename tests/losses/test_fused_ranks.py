@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank import _device_policy, _triton, fused_counts, ranking
 from pml_rank.losses import (
+    AUCLoss,
     PNPLoss,
     RaMBORecallLoss,
     RecallAtKSurrogateLoss,
@@ -34,6 +35,7 @@ from pml_rank.losses import (
     fused_unit_rows,
     query_panels,
 )
+from pml_rank.losses import auc as auc_module
 from pml_rank.losses.base import _UnitRows
 from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
@@ -350,6 +352,59 @@ def test_interpreted_formula_kernels_leave_more_pairs_to_torch():
     assert smooth_ap.fused_gradients(torch.zeros(2 * c), torch.zeros(2 * c), c, 1.0) is None
 
 
+# AUC's hardest pairs by label: the batch against itself, 37 queries against 2100 references
+# (three steps of 1024), an anchor without a positive, and none.
+HARDEST_CASES = [(40, 40, True), (37, 2100, False), (0, 4, False)]
+
+
+def check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
+    """`AUCLoss.hardest_of_each_anchor` by labels through `auc._hardest_kernel` and through
+    torch's masks: the same indices, and of equal similarities the first (in one step and
+    across steps); and the loss and its gradient through either."""
+    rows, columns, itself = case
+    generator = torch.Generator().manual_seed(0)
+    similarity = torch.randn(rows, columns, generator=generator)
+    labels = torch.randint(0, 4, (rows,), generator=generator)
+    ref_labels = labels if itself else torch.randint(0, 4, (columns,), generator=generator)
+    if rows:
+        labels[1] = 9  # no positive
+    if columns > 2000:
+        ref_labels[[3, 1500, 5, 2000]] = torch.tensor([labels[0], labels[0], labels[0] + 1, labels[0] + 1])
+        similarity[0, [3, 1500, 5, 2000]] = torch.tensor([-9.0, -9.0, 9.0, 9.0])
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(auc_module._triton, "runs_on", lambda t, fused=fused: fused)
+        on_device = [t.to(device) for t in (similarity, labels)]
+        references = on_device[1] if itself else ref_labels.to(device)
+        results.append(AUCLoss.hardest_of_each_anchor(on_device[0].clone(), on_device[1], None, references))
+    for fused, plain in zip(*results):
+        assert torch.equal(fused, plain), (fused, plain)
+    if columns > 2000:
+        assert results[0][0][0] == 3 and results[0][1][0] == 5
+    if itself and rows:
+        embeddings = torch.randn(rows, 8, generator=generator)
+        losses = []
+        for fused in (True, False):
+            monkeypatch.setattr(auc_module._triton, "runs_on", lambda t, fused=fused: fused)
+            leaf = embeddings.to(device, copy=True).requires_grad_()
+            loss = AUCLoss()(leaf, labels.to(device))
+            loss.backward()
+            losses.append((loss.detach(), leaf.grad))
+        torch.testing.assert_close(losses[0], losses[1])  # the normalisation kernels also in the first
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", HARDEST_CASES)
+def test_hardest_kernel_on_cuda_equals_the_torch_path(case, monkeypatch):
+    check_hardest_kernel_equals_the_torch_path(case, "cuda", monkeypatch)
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("case", HARDEST_CASES)
+def test_interpreted_hardest_kernel_equals_the_torch_path(case, monkeypatch):
+    check_hardest_kernel_equals_the_torch_path(case, "cpu", monkeypatch)
+
+
 # A row of 5 (one step), of 1500 (two steps of 1024), and no row at all.
 UNIT_ROWS_SHAPES = [(6, 5), (3, 1500), (0, 4)]
 
@@ -482,7 +537,8 @@ def test_in_tritons_interpreter(interpreted_run):
     """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 5 + len(UNIT_ROWS_SHAPES)
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 5
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES)
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
@@ -517,7 +573,7 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     kernels = {(r["module"], r["kernel"]) for r in launches}
     every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
-    every |= {"_unit_rows_gradient_kernel"}
+    every |= {"_unit_rows_gradient_kernel", "_hardest_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
