@@ -5,7 +5,10 @@ The same function as the authors' code and PML's `FastAPLoss` (which builds a
 distance falls into at most two adjacent triangular bins, so its bin index and weight
 are computed once, the histograms are accumulated with `scatter_add_`, and the backward
 pass applies the paper's analytic gradient through a custom autograd function. Memory
-stays a few N x M matrices whatever `num_bins` is.
+stays a few N x M matrices whatever `num_bins` is. On a GPU, with labels, one Triton kernel
+bins every pair of a query into its histograms (`_histograms_kernel`) and one gives each
+pair its gradient (`_gradient_kernel`), reading the labels instead of N x M masks; the
+scattered histograms stay the reference, and the path wherever those cannot run.
 """
 
 import torch
@@ -13,7 +16,8 @@ from pytorch_metric_learning.distances import LpDistance
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
-from .. import _device_policy
+from .. import _device_policy, _triton
+from .._triton import triton
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 from .query_panels import true_rows
 
@@ -51,19 +55,20 @@ class FastAPLoss(RankLossBase):
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
-        if indices_tuple is None:
-            # The diagonal's pairs, when the batch is its own reference set, are left out.
-            positive, excluded = labels.unsqueeze(1) == ref_labels.unsqueeze(0), None
-        else:
-            positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-            excluded = ~(positive | negative)
-        exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
         # Half precision arrives here as float32 (RankLossBase): in float16 / bfloat16,
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
-        losses, num_positives = FastAPFunction.apply(
-            queries, references, positive, excluded, exclude_self, self.num_bins
-        )
+        exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        if indices_tuple is None and fused_applies(queries, self.num_bins):
+            # The kernels compare the labels themselves: no N x M masks.
+            pairs = (labels, ref_labels)
+        elif indices_tuple is None:
+            # The diagonal's pairs, when the batch is its own reference set, are left out.
+            pairs = (labels.unsqueeze(1) == ref_labels.unsqueeze(0), None)
+        else:
+            positive, negative = pair_masks(labels, ref_labels, indices_tuple)
+            pairs = (positive, ~(positive | negative))
+        losses, num_positives = FastAPFunction.apply(queries, references, *pairs, exclude_self, self.num_bins)
         # The one number read back from the device: with it, a batch in which every query
         # has a positive (the usual one) needs no selection of the queries (a nonzero and a
         # boolean index, each a wait for the device, and a scatter in the backward pass).
@@ -95,62 +100,78 @@ def _row_chunks(n, m, device):
     return [slice(start, start + step) for start in range(0, n, step)]
 
 
+def _scattered_histograms(position, positive, excluded, exclude_self, num_bins):
+    """``(hist [N, 2, C], flat slots)``: per query, the soft histograms of its negative and its
+    positive pairs over the C = num_bins + 1 centres from the clamped `position` matrix, and
+    each pair's slot in them (int32, in `position`'s storage where it is float32) for the
+    backward pass."""
+    n, m = position.shape
+    num_centres = num_bins + 1
+    # Per query, the soft histograms of its negative pairs (centres 0 ... C - 1) and of
+    # its positive pairs (C ... 2C - 1) side by side, then two centres where the pairs
+    # that are neither add (their gradient is 0). Triangular kernels: a pair adds 1 - w
+    # to its lower centre and w to the next. Scattered along the rows (threads share
+    # them), a chunk of rows at a time, into INTERLEAVE copies of each centre, pair j
+    # adding to copy j % INTERLEAVE: consecutive pairs in one centre (most of a row
+    # is) then add to different addresses and do not wait on each other.
+    hist = position.new_zeros(n, (2 * num_centres + 2) * INTERLEAVE)
+    nowhere = 2 * num_centres * INTERLEAVE
+    pair_copy = torch.arange(m, dtype=position.dtype, device=position.device).remainder_(INTERLEAVE)
+    # Each pair's slot in the flattened (N, slots) histogram, for the backward pass, as
+    # int32: in float32, in place of the positions a chunk has used up (a fresh N x M
+    # buffer, let alone an int64 one, costs more in page faults than the pass that fills it).
+    if position.dtype == torch.float32:
+        flat_slots = position.view(torch.int32)
+    else:
+        flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
+    row_start = torch.arange(0, hist.numel(), hist.shape[1], device=position.device)[:, None]
+    for rows in _row_chunks(n, m, position.device):
+        # Slots are small integers, computed exactly in floating point (float ops are
+        # the fast ones, and an int64 copy of the mask would take more memory). At
+        # distance exactly 4 the whole weight goes to the last centre, as the upper
+        # weight of the one before.
+        lower = position[rows].floor().clamp_(max=num_bins - 1)
+        upper_weight = position[rows].sub_(lower)
+        slot = lower.mul_(INTERLEAVE).add_(pair_copy)
+        slot.add_(positive[rows].view(torch.uint8), alpha=num_centres * INTERLEAVE)
+        if exclude_self:
+            slot.diagonal(rows.start).fill_(nowhere)
+        if excluded is not None:
+            slot.masked_fill_(excluded[rows], nowhere)
+        index = slot.to(torch.int64)  # scatter_add_ wants int64
+        del lower, slot
+        hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
+        hist[rows].scatter_add_(1, index, torch.rsub(upper_weight, 1))
+        flat_slots[rows].copy_(index.add_(row_start[rows]))
+    del position
+    hist = hist.view(n, -1, INTERLEAVE).sum(-1)[:, : 2 * num_centres].view(n, 2, num_centres)
+    return hist, flat_slots
+
+
 class FastAPFunction(torch.autograd.Function):
     """1 - FastAP of every query (1 for a query without positives) and its number of
     positives, with the paper's analytic gradient. `queries` (N x D) and `references`
     (M x D) are L2-normalised float32; `positive` (N x M, bool) marks positive pairs,
     `excluded` (N x M, bool or None) and `exclude_self` (the diagonal) the pairs that are
-    neither positive nor negative."""
+    neither positive nor negative; or, for the fused kernels (`fused_applies`), `positive`
+    and `excluded` are the labels [N] and the reference labels [M]."""
 
     @staticmethod
     def forward(ctx, queries, references, positive, excluded, exclude_self, num_bins):
-        n, m = len(queries), len(references)
-        num_centres = num_bins + 1
         delta = MAX_DISTANCE / num_bins
         # Position of each distance 2 - 2 cos on the bin axis, in units of delta. Rounding
         # can push a distance just outside [0, 4]; clamping keeps its whole unit of mass.
         per_unit = 2.0 / delta
         # new_full, not new_tensor: filled on the device, where a copy from the host waits.
         position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
-        position.clamp_(0, num_bins)
-        # Per query, the soft histograms of its negative pairs (centres 0 ... C - 1) and of
-        # its positive pairs (C ... 2C - 1) side by side, then two centres where the pairs
-        # that are neither add (their gradient is 0). Triangular kernels: a pair adds 1 - w
-        # to its lower centre and w to the next. Scattered along the rows (threads share
-        # them), a chunk of rows at a time, into INTERLEAVE copies of each centre, pair j
-        # adding to copy j % INTERLEAVE: consecutive pairs in one centre (most of a row
-        # is) then add to different addresses and do not wait on each other.
-        hist = position.new_zeros(n, (2 * num_centres + 2) * INTERLEAVE)
-        nowhere = 2 * num_centres * INTERLEAVE
-        pair_copy = torch.arange(m, dtype=position.dtype, device=position.device).remainder_(INTERLEAVE)
-        # Each pair's slot in the flattened (N, slots) histogram, for the backward pass, as
-        # int32: in float32, in place of the positions a chunk has used up (a fresh N x M
-        # buffer, let alone an int64 one, costs more in page faults than the pass that fills it).
-        if position.dtype == torch.float32:
-            flat_slots = position.view(torch.int32)
+        ctx.delta = delta
+        ctx.same = references is queries
+        if positive.dim() == 1:  # labels: `_histograms_kernel` bins every pair
+            hist = _fused_histograms(position, positive, excluded, exclude_self, num_bins)
+            flat_slots = None
         else:
-            flat_slots = torch.empty(position.shape, dtype=torch.int32, device=position.device)
-        row_start = torch.arange(0, hist.numel(), hist.shape[1], device=position.device)[:, None]
-        for rows in _row_chunks(n, m, position.device):
-            # Slots are small integers, computed exactly in floating point (float ops are
-            # the fast ones, and an int64 copy of the mask would take more memory). At
-            # distance exactly 4 the whole weight goes to the last centre, as the upper
-            # weight of the one before.
-            lower = position[rows].floor().clamp_(max=num_bins - 1)
-            upper_weight = position[rows].sub_(lower)
-            slot = lower.mul_(INTERLEAVE).add_(pair_copy)
-            slot.add_(positive[rows].view(torch.uint8), alpha=num_centres * INTERLEAVE)
-            if exclude_self:
-                slot.diagonal(rows.start).fill_(nowhere)
-            if excluded is not None:
-                slot.masked_fill_(excluded[rows], nowhere)
-            index = slot.to(torch.int64)  # scatter_add_ wants int64
-            del lower, slot
-            hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
-            hist[rows].scatter_add_(1, index, torch.rsub(upper_weight, 1))
-            flat_slots[rows].copy_(index.add_(row_start[rows]))
-        del position
-        hist = hist.view(n, -1, INTERLEAVE).sum(-1)[:, : 2 * num_centres].view(n, 2, num_centres)
+            position.clamp_(0, num_bins)
+            hist, flat_slots = _scattered_histograms(position, positive, excluded, exclude_self, num_bins)
         # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
         cumulative = hist.cumsum(2)
         inv_cum = (cumulative[:, 0] + cumulative[:, 1]).reciprocal().nan_to_num_(posinf=0.0)  # empty prefix: 0
@@ -161,17 +182,20 @@ class FastAPFunction(torch.autograd.Function):
         pos_products = hist[:, 1].unsqueeze(1) * cumulative
         losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
 
-        ctx.save_for_backward(queries, references, flat_slots, pos_products, cumulative, inv_cum, scale)
+        if flat_slots is None:
+            ctx.save_for_backward(queries, references, position, pos_products, cumulative, inv_cum, scale)
+            ctx.labels = positive, excluded, exclude_self, num_bins
+        else:
+            ctx.save_for_backward(queries, references, flat_slots, pos_products, cumulative, inv_cum, scale)
+            ctx.labels = None
         ctx.mark_non_differentiable(num_positives)
         ctx.set_materialize_grads(False)
-        ctx.delta = delta
-        ctx.same = references is queries
         return losses, num_positives
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_losses, _):
-        queries, references, flat_slots, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
+        queries, references, slots_or_position, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
         # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
         #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
         #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
@@ -185,13 +209,17 @@ class FastAPFunction(torch.autograd.Function):
         table[:, :num_centres] = terms[:, 1]
         ratio = cumulative[:, 1] * inv_cum
         torch.sub(ratio.diff(dim=1), terms[:, 0, :-1], out=table[:, num_centres : 2 * num_centres - 1])
-        # Scaled by d loss / dAP = -1 and 1 / N⁺, in each of the INTERLEAVE copies.
-        weight = (grad_losses * scale).view(-1, 1, 1).expand(-1, 1, INTERLEAVE)
-        table = (table.unsqueeze(-1) * weight).view(n, -1)
         # d loss / d cos(query, reference), up to the factor dd/dcos · d(position)/dd =
         # -2 / delta (times -1 from d loss / dAP) that the products below apply.
-        # index_select takes int32 indices as they are.
-        grad_cos = table.view(-1).index_select(0, flat_slots.view(-1)).view(flat_slots.shape)
+        if ctx.labels is not None:  # scaled by d loss / dAP = -1 and 1 / N⁺ in the kernel
+            grad_cos = _fused_gradient(slots_or_position, table, grad_losses * scale, *ctx.labels)
+        else:
+            # Scaled by d loss / dAP = -1 and 1 / N⁺, in each of the INTERLEAVE copies.
+            weight = (grad_losses * scale).view(-1, 1, 1).expand(-1, 1, INTERLEAVE)
+            table = (table.unsqueeze(-1) * weight).view(n, -1)
+            # index_select takes int32 indices as they are.
+            flat_slots = slots_or_position
+            grad_cos = table.view(-1).index_select(0, flat_slots.view(-1)).view(flat_slots.shape)
         factor = 2.0 / ctx.delta
 
         grad_queries = grad_references = None
@@ -203,3 +231,127 @@ class FastAPFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_references = torch.addmm(references, grad_cos.T, queries, beta=0, alpha=factor)
         return grad_queries, grad_references, None, None, None, None
+
+
+# Centres (both histograms, padded to a power of 2) times pairs per step of the fused kernels.
+FUSED_TILE = 4096
+# The most bin centres the fused kernels hold per histogram (a power of 2).
+FUSED_MOST_CENTRES = 256
+
+
+def fused_applies(queries, num_bins):
+    """Whether `_histograms_kernel` and `_gradient_kernel` bin the pairs of these queries by
+    label: where Triton kernels run (`_triton.runs_on`), for up to `FUSED_MOST_CENTRES`
+    centres."""
+    return _triton.runs_on(queries) and num_bins + 1 <= FUSED_MOST_CENTRES
+
+
+def _fused_histograms(position, labels, ref_labels, exclude_self, num_bins):
+    """`_scattered_histograms`' [N, 2, C] histograms from the unclamped `position` matrix and
+    the labels, in `_histograms_kernel`."""
+    n, m = position.shape
+    centres = triton.next_power_of_2(num_bins + 1)
+    hist = position.new_empty(n, 2, num_bins + 1)
+    if n:
+        with _triton.on_device(position.device):
+            _histograms_kernel[(n,)](
+                position, position.stride(0), labels.contiguous(), ref_labels.contiguous(), hist, m, num_bins,
+                SKIP_OWN=exclude_self, CENTRES=centres, BLOCK=max(16, FUSED_TILE // centres),
+            )  # fmt: skip
+    return hist
+
+
+def _fused_gradient(position, table, row_scales, labels, ref_labels, exclude_self, num_bins):
+    """d loss / d position for every pair: its slot's entry of `table` [N, 2C + 2] (negatives'
+    slots 0 ... C - 1, positives' C ... 2C - 1) times its query's `row_scales`, 0 for the
+    diagonal with `exclude_self`, in `_gradient_kernel`."""
+    n, m = position.shape
+    grad = torch.empty_like(position)
+    if grad.numel():
+        with _triton.on_device(position.device):
+            _gradient_kernel[(n, triton.cdiv(m, GRADIENT_BLOCK))](
+                position, position.stride(0), labels.contiguous(), ref_labels.contiguous(), table.contiguous(),
+                table.shape[1], row_scales.contiguous(), grad, m, num_bins, SKIP_OWN=exclude_self,
+                BLOCK=GRADIENT_BLOCK,
+            )  # fmt: skip
+    return grad
+
+
+# Pairs per program of `_gradient_kernel`.
+GRADIENT_BLOCK = 1024
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _bin(position, num_bins):
+        """The clamped position's lower centre (a float, exact) and its weight at the next."""
+        x = tl.minimum(tl.maximum(position, 0.0), num_bins * 1.0)
+        lower = tl.minimum(tl.floor(x), num_bins - 1.0)
+        return lower, x - lower
+
+    @triton.jit
+    def _histograms_kernel(
+        position,
+        stride,
+        labels,
+        ref_labels,
+        hist,
+        columns,
+        num_bins,
+        SKIP_OWN: tl.constexpr,
+        CENTRES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        label = tl.load(labels + row)
+        centre = tl.arange(0, CENTRES).to(tl.float32)
+        negatives = tl.zeros([CENTRES], dtype=tl.float32)
+        positives = tl.zeros([CENTRES], dtype=tl.float32)
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            if SKIP_OWN:
+                inside = inside & (j != row)
+            lower, upper_weight = _bin(
+                tl.load(position + row.to(tl.int64) * stride + j, mask=inside, other=0.0), num_bins
+            )
+            same = tl.load(ref_labels + j, mask=inside, other=0) == label
+            # Each pair's weights at every centre: 1 - w at its lower one, w at the next.
+            at = tl.where(lower[:, None] == centre[None, :], 1.0 - upper_weight[:, None], 0.0)
+            at += tl.where(lower[:, None] + 1.0 == centre[None, :], upper_weight[:, None], 0.0)
+            positives += tl.sum(tl.where((inside & same)[:, None], at, 0.0), axis=0)
+            negatives += tl.sum(tl.where((inside & ~same)[:, None], at, 0.0), axis=0)
+        c = tl.arange(0, CENTRES)
+        out = hist + row.to(tl.int64) * 2 * (num_bins + 1)
+        tl.store(out + c, negatives, mask=c <= num_bins)
+        tl.store(out + num_bins + 1 + c, positives, mask=c <= num_bins)
+
+    @triton.jit
+    def _gradient_kernel(
+        position,
+        stride,
+        labels,
+        ref_labels,
+        table,
+        table_stride,
+        row_scales,
+        grad,
+        columns,
+        num_bins,
+        SKIP_OWN: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < columns
+        at = row.to(tl.int64) * stride + j
+        lower, _ = _bin(tl.load(position + at, mask=inside, other=0.0), num_bins)
+        same = tl.load(ref_labels + j, mask=inside, other=0) == tl.load(labels + row)
+        slot = lower.to(tl.int32) + tl.where(same, num_bins + 1, 0)
+        value = tl.load(table + row.to(tl.int64) * table_stride + slot, mask=inside, other=0.0)
+        value = value * tl.load(row_scales + row)
+        if SKIP_OWN:
+            value = tl.where(j == row, 0.0, value)
+        tl.store(grad + at, value, mask=inside)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pml_rank import _device_policy, _triton, fused_counts, ranking
 from pml_rank.losses import (
     AUCLoss,
+    FastAPLoss,
     PNPLoss,
     RaMBORecallLoss,
     RecallAtKSurrogateLoss,
@@ -36,6 +37,7 @@ from pml_rank.losses import (
     query_panels,
 )
 from pml_rank.losses import auc as auc_module
+from pml_rank.losses import fastap as fastap_module
 from pml_rank.losses.base import _UnitRows
 from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
@@ -405,6 +407,46 @@ def test_interpreted_hardest_kernel_equals_the_torch_path(case, monkeypatch):
     check_hardest_kernel_equals_the_torch_path(case, "cpu", monkeypatch)
 
 
+# FastAP by labels: the batch against itself, 10 bins and 100 (128 centres a histogram),
+# and against 1100 references (two steps of the gradient kernel).
+FASTAP_CASES = [("itself", 10), ("itself", 100), ("ref_emb", 10)]
+
+
+def check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
+    """`FastAPLoss` by labels through `fastap._histograms_kernel` and `_gradient_kernel` and
+    through the scattered histograms: the loss and the gradients, pairs at distance 0 and 4
+    (the axis' ends, clamped) and a query without a positive included."""
+    inputs, num_bins = case
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(36, 16, generator=generator)
+    labels = torch.arange(36) // 4
+    embeddings[1], embeddings[2], labels[35] = embeddings[0], -embeddings[0], 99  # distances 0 and 4; no positive
+    references = torch.randn(1100, 16, generator=generator) if inputs == "ref_emb" else None
+    ref_labels = torch.randint(0, 9, (1100,), generator=generator) if inputs == "ref_emb" else None
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(fastap_module, "fused_applies", lambda q, b, fused=fused: fused)
+        leaves = [t.to(device, copy=True).requires_grad_() for t in (embeddings, references) if t is not None]
+        extra = {} if references is None else {"ref_emb": leaves[1], "ref_labels": ref_labels.to(device)}
+        loss = FastAPLoss(num_bins=num_bins)(leaves[0], labels.to(device), **extra)
+        loss.backward()
+        results.append([loss.detach(), *(leaf.grad for leaf in leaves)])
+    for fused, plain in zip(*results):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FASTAP_CASES)
+def test_fastap_kernels_on_cuda_equal_the_torch_path(case, monkeypatch):
+    check_fastap_kernels_equal_the_torch_path(case, "cuda", monkeypatch)
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("case", FASTAP_CASES)
+def test_interpreted_fastap_kernels_equal_the_torch_path(case, monkeypatch):
+    check_fastap_kernels_equal_the_torch_path(case, "cpu", monkeypatch)
+
+
 # A row of 5 (one step), of 1500 (two steps of 1024), and no row at all.
 UNIT_ROWS_SHAPES = [(6, 5), (3, 1500), (0, 4)]
 
@@ -538,7 +580,7 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 5
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES)
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES)
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
@@ -573,7 +615,7 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     kernels = {(r["module"], r["kernel"]) for r in launches}
     every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
-    every |= {"_unit_rows_gradient_kernel", "_hardest_kernel"}
+    every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
