@@ -143,7 +143,6 @@ def _scattered_histograms(position, positive, excluded, exclude_self, num_bins):
         hist[rows, INTERLEAVE:].scatter_add_(1, index, upper_weight)
         hist[rows].scatter_add_(1, index, torch.rsub(upper_weight, 1))
         flat_slots[rows].copy_(index.add_(row_start[rows]))
-    del position
     hist = hist.view(n, -1, INTERLEAVE).sum(-1)[:, : 2 * num_centres].view(n, 2, num_centres)
     return hist, flat_slots
 
