@@ -610,9 +610,10 @@ def ptxas_log(record, capability):
 def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run, tmp_path, monkeypatch):
     """Triton's interpreter accepts kernels that its compiler rejects, and says nothing of
     registers: every launch the cases above make (each kernel, its argument types, constants
-    and warps) compiles for an A100 (sm_80) and an H100 or H200 (sm_90), and keeps its values
-    in registers. ROADMAP's label-reading calibration gradient at Triton's default 4 warps
-    spilled 276 bytes a thread (`fused_calibration.WARPS_PER_BLOCK`)."""
+    and warps) compiles for an H100 or H200 (sm_90) and keeps its values in registers.
+    ROADMAP's label-reading calibration gradient at Triton's default 4 warps spilled 276
+    bytes a thread (`fused_calibration.WARPS_PER_BLOCK`; 96 for an A100, sm_80, which
+    compiles as well but is left out to keep the suite short)."""
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError:
@@ -629,10 +630,9 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     monkeypatch.setattr(fused_ranks.triton.knobs.nvidia, "dump_ptxas_log", True)
     spilled = []
     for record in launches:
-        for capability in (80, 90):
-            log = ptxas_log(record, capability)
-            spills = re.findall(r"(\d+) bytes spill stores", log)
-            assert spills, log
-            if any(int(n) for n in spills):
-                spilled.append((record["kernel"], record["constants"], record["num_warps"], capability, spills))
+        log = ptxas_log(record, 90)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills, log
+        if any(int(n) for n in spills):
+            spilled.append((record["kernel"], record["constants"], record["num_warps"], spills))
     assert not spilled, spilled
