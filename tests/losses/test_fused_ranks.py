@@ -354,6 +354,18 @@ def test_interpreted_formula_kernels_leave_more_pairs_to_torch():
     assert smooth_ap.fused_gradients(torch.zeros(2 * c), torch.zeros(2 * c), c, 1.0) is None
 
 
+# A test of a kernel against its torch path on CUDA (the ``cuda`` marker) and on the CPU in
+# Triton's interpreter, whose run (`test_in_tritons_interpreter`) selects it by its id.
+ON_CUDA_OR_INTERPRETED = [
+    pytest.param("cuda", marks=pytest.mark.cuda, id="cuda"),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter"),
+        id="interpreted",
+    ),
+]
+
+
 # AUC's hardest pairs by label: the batch against itself, 37 queries against 2100 references
 # (three steps of 1024), an anchor without a positive, and none.
 HARDEST_CASES = [(40, 40, True), (37, 2100, False), (0, 4, False)]
@@ -395,16 +407,10 @@ def check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
         torch.testing.assert_close(losses[0], losses[1])  # the normalisation kernels also in the first
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 @pytest.mark.parametrize("case", HARDEST_CASES)
-def test_hardest_kernel_on_cuda_equals_the_torch_path(case, monkeypatch):
-    check_hardest_kernel_equals_the_torch_path(case, "cuda", monkeypatch)
-
-
-@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("case", HARDEST_CASES)
-def test_interpreted_hardest_kernel_equals_the_torch_path(case, monkeypatch):
-    check_hardest_kernel_equals_the_torch_path(case, "cpu", monkeypatch)
+def test_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
+    check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch)
 
 
 # FastAP by labels: the batch against itself, 10 bins and 100 (128 centres a histogram),
@@ -435,16 +441,10 @@ def check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 @pytest.mark.parametrize("case", FASTAP_CASES)
-def test_fastap_kernels_on_cuda_equal_the_torch_path(case, monkeypatch):
-    check_fastap_kernels_equal_the_torch_path(case, "cuda", monkeypatch)
-
-
-@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("case", FASTAP_CASES)
-def test_interpreted_fastap_kernels_equal_the_torch_path(case, monkeypatch):
-    check_fastap_kernels_equal_the_torch_path(case, "cpu", monkeypatch)
+def test_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
+    check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch)
 
 
 # A row of 5 (one step), of 1500 (two steps of 1024), and no row at all.
@@ -473,16 +473,10 @@ def check_unit_rows_equal_the_torch_path(shape, device, monkeypatch):
             torch.testing.assert_close(gradient[row], grad[row].to(device) / 1e-12)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 @pytest.mark.parametrize("shape", UNIT_ROWS_SHAPES)
-def test_unit_rows_kernels_on_cuda_equal_the_torch_path(shape, monkeypatch):
-    check_unit_rows_equal_the_torch_path(shape, "cuda", monkeypatch)
-
-
-@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("shape", UNIT_ROWS_SHAPES)
-def test_interpreted_unit_rows_kernels_equal_the_torch_path(shape, monkeypatch):
-    check_unit_rows_equal_the_torch_path(shape, "cpu", monkeypatch)
+def test_unit_rows_kernels_equal_the_torch_path(shape, device, monkeypatch):
+    check_unit_rows_equal_the_torch_path(shape, device, monkeypatch)
 
 
 # Operations that launch no kernel besides views: fresh uninitialised tensors.
