@@ -345,8 +345,8 @@ def symmetrize_(matrix, block=128):
 
 def query_self_scores(distance, embeddings):
     """Each query's score (higher = closer) against itself under `distance`."""
-    normalized = distance.maybe_normalize(embeddings)
-    self_scores = distance.pairwise_distance(normalized, normalized) ** distance.power
+    rows = normalized(distance, embeddings)
+    self_scores = distance.pairwise_distance(rows, rows) ** distance.power
     return self_scores if distance.is_inverted else -self_scores
 
 

@@ -47,7 +47,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from . import fused_ranks
-from .base import RankLossBase, label_pairs, pair_masks, reference_is_batch
+from .base import RankLossBase, label_pairs, normalized, pair_masks, reference_is_batch
 from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
@@ -179,8 +179,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
             if batch_is_reference:
                 own = scores.diagonal()
             else:
-                normalized = self.distance.maybe_normalize(embeddings)
-                own = self.distance.pairwise_distance(normalized, normalized)
+                rows = normalized(self.distance, embeddings)
+                own = self.distance.pairwise_distance(rows, rows)
             scores = torch.cat([scores, own.unsqueeze(1)], dim=1)
             if torch.is_tensor(left_out):
                 left_out = torch.cat([left_out, left_out.new_zeros(len(left_out), 1)], dim=1)
