@@ -246,6 +246,8 @@ def _hardest_by_label(similarity, labels, ref_labels):
     """`AUCLoss.hardest_of_each_anchor` by labels, in `_hardest_kernel`: the same indices
     (the first of equal similarities, as torch's min and max give them)."""
     rows, columns = similarity.shape
+    if similarity.stride(1) != 1:  # the kernel steps along a row's columns
+        similarity = similarity.contiguous()
     positives = torch.empty(rows, dtype=torch.int64, device=similarity.device)
     negatives, kept = torch.empty_like(positives), torch.empty(rows, dtype=torch.bool, device=similarity.device)
     if rows:

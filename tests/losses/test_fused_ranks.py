@@ -391,6 +391,9 @@ def check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
         on_device = [t.to(device) for t in (similarity, labels)]
         references = on_device[1] if itself else ref_labels.to(device)
         results.append(AUCLoss.hardest_of_each_anchor(on_device[0].clone(), on_device[1], None, references))
+        if itself:  # a matrix whose rows are not contiguous (the transpose of one) too
+            transposed = on_device[0].T.contiguous().T
+            results[-1] += AUCLoss.hardest_of_each_anchor(transposed, on_device[1], None, references)
     for fused, plain in zip(*results):
         assert torch.equal(fused, plain), (fused, plain)
     if columns > 2000:
