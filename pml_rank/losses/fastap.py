@@ -232,10 +232,13 @@ class FastAPFunction(torch.autograd.Function):
         return grad_queries, grad_references, None, None, None, None
 
 
-# Centres (both histograms, padded to a power of 2) times pairs per step of the fused kernels.
+# Pairs per step of `_histograms_kernel` times a histogram's centres (padded to a power of
+# 2): the [pairs, centres] tile of each pair's weights at every centre.
 FUSED_TILE = 4096
 # The most bin centres the fused kernels hold per histogram (a power of 2).
 FUSED_MOST_CENTRES = 256
+# Pairs per program of `_gradient_kernel`.
+GRADIENT_BLOCK = 1024
 
 
 def fused_applies(queries, num_bins):
@@ -274,10 +277,6 @@ def _fused_gradient(position, table, row_scales, labels, ref_labels, exclude_sel
                 BLOCK=GRADIENT_BLOCK,
             )  # fmt: skip
     return grad
-
-
-# Pairs per program of `_gradient_kernel`.
-GRADIENT_BLOCK = 1024
 
 
 if triton is not None:
