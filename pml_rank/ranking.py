@@ -300,7 +300,9 @@ def _counts(scores, values):
     slot's value [sequences, slots], and of those at least as large (the positive itself
     included; padding slots count 0)."""
     # x > the float just below a value <=> x >= the value: both counts in one pass.
-    thresholds = torch.cat([values, torch.nextafter(values, _MINUS_INFINITY)], dim=1)
+    # −inf made on the values' device: nextafter, unlike most binary operations, takes no
+    # CPU scalar beside a GPU tensor.
+    thresholds = torch.cat([values, torch.nextafter(values, values.new_full((), -math.inf))], dim=1)
     counts = _summed_per_threshold(scores, thresholds)
     return counts[:, : values.shape[1]], counts[:, values.shape[1] :]
 
@@ -326,11 +328,6 @@ def _ranks_and_ties(scores, values):
     greater, rank = _counts(scores, values)
     among = torch.count_nonzero(values[:, None, :] >= values[:, :, None], -1)
     return rank, among, (rank - greater > 1).any(-1)
-
-
-# −inf as a CPU scalar, made once: a GPU kernel takes it as an argument, where one made
-# on the device is a launch per call and one copied there (``new_tensor``) a wait.
-_MINUS_INFINITY = torch.tensor(-math.inf)
 
 
 class _CountedRanks(torch.autograd.Function):

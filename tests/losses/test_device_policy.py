@@ -202,13 +202,14 @@ def test_symmetrize_in_one_pass_equals_matrix_plus_transpose(n, memory_policy):
 
 @pytest.mark.parametrize(
     "loss_class, memory_size, most",
-    [(RaMBORecallLoss, 0, 220), (RaMBORecallLoss, 3, 226), (RaMBOAPLoss, 0, 243), (RaMBOAPLoss, 3, 247)],
+    [(RaMBORecallLoss, 0, 221), (RaMBORecallLoss, 3, 227), (RaMBOAPLoss, 0, 244), (RaMBOAPLoss, 3, 248)],
 )
 def test_rambos_operations_per_call_stay_at_most_what_they_are(loss_class, memory_size, most, memory_policy):
     """Forward and backward at batch 256, 4 per class, with a filled memory where there is
     one, every operation counted as `counted` counts them (views included; 265, 279, 289
     and 301 before the counting was trimmed, then 228, 234, 251 and 255 before the
-    normalisation's backward by hand): a count that creeps back up fails here.
+    normalisation's backward by hand; one more since −inf is made on the scores' device,
+    which a GPU needs): a count that creeps back up fails here.
     The count depends on the code alone, not on the machine."""
     count = counted(loss_class(memory_size=memory_size), 256, calls=1 + memory_size)
     assert sum(count.ops.values()) <= most, count.ops
