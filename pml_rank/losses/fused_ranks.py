@@ -41,11 +41,12 @@ from .._triton import interpreted, on_device, runs_on, triton
 if triton is not None:
     import triton.language as tl
 
-# Pairs per program of the sums kernel and references per step: a [16, 256] tile of float32
-# scores (16 KB) at a time, over SUMS_WARPS warps; references per program of the Jacobian
-# kernel. `.ci/gpu_kernels.py` times the loss calls under other values on a GPU.
+# Pairs per program of the sums kernel and references per step: a [16, 128] tile of float32
+# scores (8 KB) at a time, over SUMS_WARPS warps; references per program of the Jacobian
+# kernel. Chosen by `.ci/gpu_kernels.py` (12 settings, examples/results/gpu-kernels.md):
+# on an H200 the fastest or within 3% of it for Smooth-AP and ROADMAP at 2048 and 8192.
 PAIRS_PER_BLOCK = 16
-REFERENCES_PER_STEP = 256
+REFERENCES_PER_STEP = 128
 SUMS_WARPS = 4
 REFERENCES_PER_BLOCK = 1024
 
