@@ -23,6 +23,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _interpreted_modules(session):
+    """The test modules of the selected tests that wait for an interpreted run of the Triton
+    kernels (tests/losses/test_fused_ranks.py's `interpreted_run`)."""
+    return {item.module for item in session.items if "interpreted_run" in getattr(item, "fixturenames", ())}
+
+
+def pytest_collection_finish(session):
+    """Starts the interpreted run of the Triton kernels' tests once the suite is collected,
+    where a selected test needs it: it takes minutes of one core, beside the other tests."""
+    for module in _interpreted_modules(session):
+        module.start_interpreted_run()
+
+
+def pytest_sessionfinish(session):
+    for module in _interpreted_modules(session):
+        module.stop_interpreted_run()
+
+
 @pytest.fixture(params=["cache", "memory"])
 def either_policy(request, monkeypatch):
     """The test runs twice: under the CPU's device policy and under an accelerator's
