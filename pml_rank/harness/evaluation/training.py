@@ -358,6 +358,19 @@ class MetricLossOnly(trainers.MetricLossOnly):
             if self.end_of_epoch_hook(self) is False:
                 break
 
+    def get_batch(self):
+        """PML's batch, copied to a GPU without waiting for it (from the loader's pinned
+        memory): PML's forward copies the data, and its losses the labels, with blocking
+        copies, each of which makes the CPU wait for every kernel queued before it (the
+        previous step's backward and optimizer, this step's forward) before it can queue
+        more, where the raw step on data already on the GPU overlaps them."""
+        data, labels = super().get_batch()
+        if self.data_device.type == "cuda":
+            data, labels = (
+                x.to(self.data_device, non_blocking=True) if torch.is_tensor(x) else x for x in (data, labels)
+            )
+        return data, labels
+
     def initialize_dataloader(self):
         workers = self.dataloader_num_workers
         batches = self.sampler
