@@ -2,15 +2,22 @@
 backward call of `pml-rank speed`'s case (its inputs, float32 or --amp) under the torch
 profiler: device kernels launched, host waits for the device, the call's synchronised wall
 time (median of --repeats) against the similarity floor's, and the operators that take the
-most device time. Writes DIR/profile.{json,md}.
+most device time; then the host's side (cProfile): the time a call takes when calls are
+queued back to back without a synchronisation, and the functions that take the most of the
+host's own time. Where a call is bound by its launches (batch 2048 on an H200), the host's
+side is the call's time. Writes DIR/profile.{json,md}.
 
     python .ci/gpu_profile.py DIR [--device cuda] [--sizes 2048 8192] [--amp] [LOSS ...]
 """
 
 import argparse
+import cProfile
 import json
+import pstats
+import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +62,45 @@ def profiled(fn, inputs, device):
     }
 
 
+def _builtin(name):
+    """cProfile's name of a C function, shorter: "TensorBase.sum", "torch.matmul"."""
+    method = re.fullmatch(r"<method '(\w+)' of '[\w.]*?(\w+)' objects>", name)
+    if method:
+        return f"{method[2]}.{method[1]}"
+    return re.sub(r"^<built-in method (.*)>$", r"\1", name)
+
+
+def host_side(fn, inputs, device, calls=20):
+    """The host's ms a call, `calls` calls queued back to back (the waits inside a call
+    included), and the functions with the most own time a call under cProfile (inflated by
+    the profiler alike for all): ``[[file:function, ms], ...]``."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        speed._run(fn, inputs)
+    host_ms = (time.perf_counter() - start) / calls * 1e3
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        speed._run(fn, inputs)
+    synchronize(device)
+    profiler.disable()
+    own = {
+        (Path(file).name if file != "~" else "", name): stat[2]
+        for (file, _, name), stat in pstats.Stats(profiler).stats.items()
+    }
+    top = sorted(own.items(), key=lambda item: -item[1])[:5]
+    return {
+        "host_ms": host_ms,
+        "top_host": [
+            [f"{file}:{name}" if file else _builtin(name), round(seconds / calls * 1e3, 3)]
+            for (file, name), seconds in top
+        ],
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
@@ -81,6 +127,7 @@ def main():
                 speed._run(fn, inputs)
                 row = {"loss": name, "size": size, "seconds": wall_seconds(fn, inputs, device, args.repeats)}
                 row.update(profiled(fn, inputs, device))
+                row.update(host_side(fn, inputs, device))
             except Exception as error:  # one loss's failure must not hide the others' figures
                 row = {"loss": name, "size": size, "error": f"{type(error).__name__}: {error}"[:300]}
             rows.append(row)
@@ -91,17 +138,19 @@ def main():
         f"# Loss calls profiled on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
         f" (torch {torch.__version__}{', autocast' if args.amp else ''})",
         "",
-        "| loss | batch | ms | / floor | kernels | host waits | kernel ms | top device operators (ms, calls) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| loss | batch | ms | / floor | kernels | host waits | kernel ms | top device operators (ms, calls) |"
+        " host ms | top host functions (own ms a call, profiled) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | |")
+            lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | | | |")
             continue
         top = "; ".join(f"{k} {ms} ({n})" for k, ms, n in r["top"][:5])
+        host = "; ".join(f"{name} {ms}" for name, ms in r["top_host"])
         lines.append(
             f"| {r['loss']} | {r['size']} | {r['seconds'] * 1e3:.2f} | {r['seconds'] / floors[r['size']]:.2f} |"
-            f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} |"
+            f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} | {r['host_ms']:.2f} | {host} |"
         )
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
