@@ -111,7 +111,7 @@ def main():
     parser.add_argument("--amp", action="store_true")
     args = parser.parse_intermixed_args()
     device = torch.device(args.device)
-    names = args.losses or sorted(registry.losses())
+    names = args.losses or sorted(set(registry.losses()) | set(speed.CASES))  # `pml-rank speed`'s cases
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,12 @@ class SpeedCommand(Command):
     def add_arguments(self, parser):
         from .harness.arguments import DEVICE_HELP, at_least, device, non_negative_int, positive_int
 
-        parser.add_argument("losses", nargs="*", help="registered loss names (default: all)")
+        parser.add_argument(
+            "losses",
+            nargs="*",
+            help="registered loss names and the other cases `pml-rank speed NAME` lists in its error "
+            "(a RaMBO loss with its default score memory, RaMBO's AP loss on a batch; default: all of them)",
+        )
         per_loss = "; ".join(
             f"{name}: {' '.join(map(str, sizes))} (scores in one sequence)"
             for name, sizes in SPEED_DEFAULT_SIZES_PER_LOSS.items()
@@ -162,8 +167,8 @@ class SpeedCommand(Command):
         speed = _harness("speed")
         from .plugins import registry
 
-        names = args.losses or sorted(registry.losses())
         known = set(registry.losses()) | set(speed.CASES)
+        names = args.losses or sorted(known)
         unknown = [n for n in names if n not in known]
         if unknown:
             raise UsageError(

@@ -97,6 +97,17 @@ def sort_floor():
     return floor
 
 
+def rambo_reference(dotted, name):
+    """Factory for the authors' way of the registered RaMBO loss `name` (the function
+    ``pml_rank.<dotted>``), with that loss's own default λ and margin."""
+
+    def make():
+        loss = registry.losses()[name]()
+        return function(dotted, lambda_val=loss.lambda_val, margin=loss.margin)()
+
+    return make
+
+
 def pml_loss(name, **kwargs):
     """Factory for PML's own loss `name`, called as ``loss(embeddings, labels)``."""
 
@@ -215,7 +226,7 @@ CASES = {
         inputs=labelled_batch(per_class=2),
     ),
     # The AP loss on one sequence of scores (paper Table 6), 10% positives. The memory
-    # is off in the recall case: the reference has none.
+    # is off in the recall case and in the AP loss's on a batch: the reference has none.
     "RaMBOAPLoss": SpeedCase(
         ours=function("ranking.average_precision_loss", lambda_val=0.5, margin=0.15),
         reference=function("harness.references.rambo.average_precision_loss", lambda_val=0.5, margin=0.15),
@@ -225,6 +236,13 @@ CASES = {
         default_sizes=SPEED_DEFAULT_SIZES_PER_LOSS["RaMBOAPLoss"],
         underflow_scale=1e4,
     ),
+    # The registered AP loss on a batch of embeddings, as training calls it.
+    "RaMBOAPLoss-batch": SpeedCase(
+        ours=registered("RaMBOAPLoss", memory_size=0),
+        reference=rambo_reference("harness.references.rambo.ap_retrieval_loss", "RaMBOAPLoss"),
+    ),
+    # The same with its default score memory (3 batches), full before the timed rounds.
+    "RaMBOAPLoss-memory3": SpeedCase(ours=registered("RaMBOAPLoss"), prime=3),
     # PML's PNPLoss builds B x B x B tensors (repeat, difference, sigmoid): capped at 512.
     # The loop reference takes seconds per call at 1024: skipped above. Underflow case: τ
     # ten times smaller (the clamp at ±50 is what keeps float32 off denormals).
@@ -244,7 +262,7 @@ CASES = {
     ),
     "RaMBORecallLoss": SpeedCase(
         ours=registered("RaMBORecallLoss", memory_size=0),
-        reference=function("harness.references.rambo.recall_loss", lambda_val=0.2, margin=0.02),
+        reference=rambo_reference("harness.references.rambo.recall_loss", "RaMBORecallLoss"),
     ),
     # The same with its default score memory (3 batches), full before the timed rounds.
     "RaMBORecallLoss-memory3": SpeedCase(ours=registered("RaMBORecallLoss"), prime=3),

@@ -190,6 +190,16 @@ def test_report_names_the_command_date_and_machine(tmp_path, capsys):
 
 
 def test_named_extra_cases_are_accepted():
-    # The default-memory RaMBO case is no registered name but a case of its own.
-    assert "RaMBORecallLoss-memory3" in speed.CASES
-    assert speed.CASES["RaMBORecallLoss-memory3"].prime >= 3
+    # The default-memory RaMBO cases are no registered names but cases of their own.
+    for name in ("RaMBORecallLoss-memory3", "RaMBOAPLoss-memory3"):
+        assert speed.CASES[name].prime >= 3
+
+
+@pytest.mark.parametrize("name", ["RaMBORecallLoss", "RaMBOAPLoss-batch"])
+def test_rambos_references_compute_the_timed_loss(name):
+    """A time / reference ratio compares like with like: the authors' way computes the value
+    the registered loss computes, with its default λ and margin."""
+    case = speed.CASES[name]
+    embeddings, labels = case.inputs(32, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+    ours = case.ours()(embeddings, labels)
+    assert ours > 0 and torch.allclose(ours, case.reference()(embeddings, labels), rtol=1e-5)
