@@ -26,10 +26,11 @@ def interpreted():
     return _INTERPRETED
 
 
-def runs_on(tensor):
-    """Whether Triton kernels run on this tensor: float32 on a CUDA device Triton compiles
-    for, or on the CPU under Triton's interpreter."""
-    if triton is None or tensor.dtype != torch.float32:
+def runs_on(tensor, dtypes=(torch.float32,)):
+    """Whether Triton kernels run on this tensor: float32 (or one of `dtypes`, for a kernel
+    that reads them) on a CUDA device Triton compiles for, or on the CPU under Triton's
+    interpreter."""
+    if triton is None or tensor.dtype not in dtypes:
         return False
     if tensor.device.type == "cuda":
         return torch.cuda.get_device_capability(tensor.device) >= MIN_CAPABILITY

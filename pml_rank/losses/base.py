@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
-from . import fused_unit_rows
+from . import fused_ranks, fused_unit_rows
 from .query_panels import queries_in_range, true_rows
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
@@ -96,9 +96,11 @@ class RankLossBase(BaseMetricLossFunction):
             )
         return loss
 
-    def similarity_matrix(self, embeddings, ref_emb):
+    def similarity_matrix(self, embeddings, ref_emb, half=False):
         """``self.distance(embeddings, ref_emb)``, in float32. Under the caller's autocast
-        its matrix product runs in the autocast precision and only the result is upcast:
+        its matrix product runs in the autocast precision and only the result is upcast
+        (with `half`, not where the relaxed ranks' kernels read it as it is,
+        `fused_ranks.reads_half`: no float32 copy of the matrix, nor of its gradient):
         the rounding of a float16 (bfloat16) product, relative 2^-11 (2^-8), moves each
         rank loss by under 3e-4 (4e-3) of its float32 value on clustered embeddings at batch
         1024 (tests/losses/test_autocast.py), at a tenth of a float32 product's time on a GPU.
@@ -109,16 +111,16 @@ class RankLossBase(BaseMetricLossFunction):
         if type(self.distance).forward is not BaseDistance.forward:
             with self.caller_autocast(embeddings.device):
                 matrix = self.distance(embeddings, None if ref_emb is embeddings else ref_emb)
-            return matrix.float() if matrix.dtype in HALF_PRECISION else matrix
-        return self.matrix_of_normalized(*normalized_with_distance_stats(self.distance, embeddings, ref_emb))
+            return _in_float32(matrix, half)
+        return self.matrix_of_normalized(*normalized_with_distance_stats(self.distance, embeddings, ref_emb), half)
 
-    def matrix_of_normalized(self, queries, references):
+    def matrix_of_normalized(self, queries, references, half=False):
         """`similarity_matrix` of rows that the distance has normalised already."""
         with self.caller_autocast(queries.device):
             matrix = self.distance.compute_mat(queries, references)
             if self.distance.power != 1:
                 matrix = matrix**self.distance.power
-        return matrix.float() if matrix.dtype in HALF_PRECISION else matrix
+        return _in_float32(matrix, half)
 
     def caller_autocast(self, device):
         """The caller's autocast, switched off inside the loss (`forward`), for a matrix
@@ -143,6 +145,14 @@ class SumOfReducers(MultipleReducers):
             for name, info in loss_dict.items()
         ]
         return functools.reduce(operator.add, reduced).to(embeddings.dtype)
+
+
+def _in_float32(matrix, half=False):
+    """A half-precision `matrix` upcast to float32, unless `half` and the relaxed ranks'
+    kernels read it as it is."""
+    if matrix.dtype not in HALF_PRECISION or (half and fused_ranks.reads_half(matrix)):
+        return matrix
+    return matrix.float()
 
 
 def autocast_dtype(device):

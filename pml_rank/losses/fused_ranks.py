@@ -57,6 +57,7 @@ __all__ = [
     "interpreted",
     "on_device",
     "pair_sums",
+    "reads_half",
     "runs_on",
     "scaled_jacobian",
 ]
@@ -81,10 +82,24 @@ class FusedForm(NamedTuple):
     slope_floor: float = 0.0
 
 
+# What the two kernels read besides float32: autocast's float16 product, each score
+# converted to float32 as it is loaded, so that the sums and the Jacobian are float32's and
+# the gradient is rounded to float16 once, where it is stored (as autograd's cast of a
+# float32 gradient would). Not bfloat16: Triton's interpreter, which the CPU's tests run,
+# rounds its stores differently from a GPU.
+HALF_SCORES = torch.float16
+
+
 def applies(scores, kernel):
-    """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`runs_on`) and
-    this kernel (one with a ``fused`` form)."""
-    return runs_on(scores) and hasattr(kernel, "fused")
+    """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`runs_on`,
+    float32 or `HALF_SCORES`) and this kernel (one with a ``fused`` form)."""
+    return runs_on(scores, (torch.float32, HALF_SCORES)) and hasattr(kernel, "fused")
+
+
+def reads_half(matrix):
+    """Whether `matrix` is a half-precision product the kernels read as it is (`applies`),
+    so that a loss need not keep a float32 copy of it."""
+    return matrix.dtype == HALF_SCORES and runs_on(matrix, (HALF_SCORES,))
 
 
 def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slopes, skip_own):
@@ -92,8 +107,8 @@ def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slop
     scale · s_qi [pairs] of `_sums_kernel`; with `skip_own`, weight 0 at each query's own
     column (q, q)."""
     pairs = len(pair_query)
-    sums, own = scores.new_empty(pairs), scores.new_empty(pairs)
-    slopes = scores.new_empty(pairs) if with_slopes else sums
+    sums, own = (scores.new_empty(pairs, dtype=torch.float32) for _ in range(2))
+    slopes = scores.new_empty(pairs, dtype=torch.float32) if with_slopes else sums
     if pairs:
         grid = (triton.cdiv(pairs, PAIRS_PER_BLOCK),)
         with on_device(scores.device):
@@ -264,7 +279,7 @@ if triton is not None:
         in_pairs = p < pairs
         query = tl.load(pair_query + p, mask=in_pairs, other=0).to(tl.int64)
         positive = tl.load(pair_positive + p, mask=in_pairs, other=0).to(tl.int64)
-        own_score = tl.load(scores + query * score_stride + positive, mask=in_pairs, other=0.0) * scale
+        own_score = tl.load(scores + query * score_stride + positive, mask=in_pairs, other=0.0).to(tl.float32) * scale
         tl.store(own + p, own_score, mask=in_pairs)
         if WEIGHTS == 2:
             query_label = tl.load(labels + query, mask=in_pairs, other=0)
@@ -276,11 +291,12 @@ if triton is not None:
             if SKIP_OWN:
                 inside = inside & (j[None, :] != query[:, None])
             s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
-            x = s * scale - own_score[:, None]
+            x = s.to(tl.float32) * scale - own_score[:, None]
             sigmoid = _sigmoid(x, temperature, limit)
             value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump)
             if WEIGHTS == 1:
                 w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
+                w = w.to(tl.float32)
                 value = value * w
             if WEIGHTS == 2:
                 ref_label = tl.load(ref_labels + j, mask=j < references, other=0)
@@ -332,7 +348,7 @@ if triton is not None:
         query = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         inside = j < references
-        scaled = tl.load(scores + query * score_stride + j, mask=inside, other=0.0) * scale
+        scaled = tl.load(scores + query * score_stride + j, mask=inside, other=0.0).to(tl.float32) * scale
         through_sums = tl.zeros([BLOCK_J], dtype=tl.float32)
         own_columns = tl.zeros([BLOCK_J], dtype=tl.float32)
         if UNIFORM:
@@ -352,7 +368,8 @@ if triton is not None:
                 own_column += tl.load(own_gradients + p)
             own_columns += tl.where(j == tl.load(pair_positive + p), own_column, 0.0)
         if WEIGHTS == 1:
-            through_sums = through_sums * tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
+            weight = tl.load(weights + query * weight_stride + j, mask=inside, other=0.0)
+            through_sums = through_sums * weight.to(tl.float32)
         if WEIGHTS == 2:
             ref_label = tl.load(ref_labels + j, mask=inside, other=0)
             through_sums = tl.where(ref_label != tl.load(labels + query), through_sums, 0.0)

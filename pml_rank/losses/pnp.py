@@ -105,7 +105,7 @@ class PNPLoss(RankLossBase):
 
     def scores(self, embeddings, ref_emb):
         """The similarity matrix as scores: higher is closer."""
-        matrix = self.similarity_matrix(embeddings, ref_emb)
+        matrix = self.similarity_matrix(embeddings, ref_emb, half=True)  # read by relaxed_ranks alone
         return matrix if self.distance.is_inverted else -matrix
 
     def penalties(self, scores, pair_query, pair_positive, weights, pairs_per_query=None):

@@ -375,7 +375,7 @@ def _fused(
     if not with_gradient:
         if uniform:
             return formula(sums.view(-1, most), own.view(-1, most), slice(0, len(scores))), None
-        values = scores.new_zeros(len(scores))
+        values = sums.new_zeros(len(scores))
         for queries, pairs in groups:
             values[queries] = formula(sums[pairs], own[pairs], queries)
         return values, None
@@ -394,7 +394,7 @@ def _fused(
         own_gradients = None if own_gradients is None else own_gradients.view(-1)
         query_pairs = most  # each query's pairs, for the Jacobian kernel: c of them in order
     else:
-        values = scores.new_zeros(len(scores))
+        values = sums.new_zeros(len(scores))
         pair_gradients, own_gradients = torch.empty_like(sums), None
         for queries, pairs in groups:
             values[queries], grad_sums, grad_own = formula_and_gradients(

@@ -173,8 +173,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
         # Before the similarity product is queued: on a GPU the upload of the k values waits
         # for the device's queue.
         k, normalizer = self.k_and_normalizer(ranked + int(self.query_in_ranking), positives, embeddings.dtype)
-        if scores is None:
-            scores = self.similarity_matrix(embeddings, ref_emb)
+        if scores is None:  # read by relaxed_ranks alone (the mixup's rows are float32)
+            scores = self.similarity_matrix(embeddings, ref_emb, half=True)
         if self.query_in_ranking:
             if batch_is_reference:
                 own = scores.diagonal()

@@ -97,7 +97,7 @@ class SmoothAPLoss(RankLossBase):
             kept = None if self.num_queries == len(has_positive) else has_positive
         if self.num_queries == 0:
             return self.zero_losses()
-        matrix = self.similarity_matrix(embeddings, ref_emb)
+        matrix = self.similarity_matrix(embeddings, ref_emb, half=True)  # read by relaxed_ranks alone
         scores = matrix if self.distance.is_inverted else -matrix
         if indices_tuple is None:
             left_out = None

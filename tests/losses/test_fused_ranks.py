@@ -137,6 +137,37 @@ def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
     check_fused_equals_torch(name, inputs, "cpu")
 
 
+HALF_READERS = ("SmoothAP", "SmoothAP-no-query", "Recall@k", "Recall@k-query-in-ranking", "PNP", "PNP-O")
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("inputs", ["labels", "ref_emb", "miner"])
+@pytest.mark.parametrize("name", HALF_READERS)
+def test_interpreted_kernels_read_a_float16_product_as_its_float32_copy(name, inputs, monkeypatch):
+    """Under float16 autocast the relaxed ranks' kernels read the half-precision product as
+    it is (`fused_ranks.reads_half`): the same loss and gradients, bit for bit, as from its
+    float32 copy, which they no longer need (nor a float32 gradient of it)."""
+    read = []
+    pair_sums = fused_ranks.pair_sums
+    monkeypatch.setattr(
+        fused_ranks, "pair_sums", lambda scores, *args: read.append(scores.dtype) or pair_sums(scores, *args)
+    )
+    with torch.autocast("cpu", dtype=torch.float16):
+        half = value_and_gradients(LOSSES[name], inputs, "cpu", True)
+        monkeypatch.setattr(fused_ranks, "reads_half", lambda matrix: False)
+        copied = value_and_gradients(LOSSES[name], inputs, "cpu", True)
+    assert half[0].dtype == torch.float32 and half[2] == copied[2] == {"ranks"} | (half[2] & {"groups"})
+    # A query that ranks itself by a float32 column of its own scores (with ref_emb; Recall@k's
+    # also with a miner's pairs) makes the scores float32 again.
+    own_column = inputs == "ref_emb" and name in ("SmoothAP", "PNP", "PNP-O")
+    own_column |= inputs != "labels" and name == "Recall@k-query-in-ranking"
+    half_read = torch.float32 if own_column else torch.float16
+    assert read == [half_read, torch.float32]
+    assert torch.equal(half[0], copied[0]) and half[0] != 0
+    for gradient, expected in zip(half[1], copied[1], strict=True):
+        assert gradient.abs().max() > 0 and torch.equal(gradient, expected)
+
+
 class ReadBacks(TorchDispatchMode):
     """In order, the operations inside the context after which a GPU's host waits for the
     device ("wait": a number read back, nonzero's or bincount's size, or host data made a
@@ -620,7 +651,7 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES)
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
