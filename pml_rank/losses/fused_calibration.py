@@ -15,7 +15,7 @@ boolean masks, or as the batch's labels when it is its own references (positive:
 label, (i, i) aside; negative: another label), read instead of two [B, B] masks. Backward: each pair
 with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
 torch terms (`ROADMAPLoss.calibration`) stay the reference and the path wherever this one
-cannot run (`fused_ranks.runs_on`); the tests hold the two equal.
+cannot run (`applies`); the tests hold the two equal.
 """
 
 import torch
@@ -29,6 +29,12 @@ from .fused_ranks import triton
 # `test_every_kernel_launch_compiles_for_a_gpu_without_spilling` checks each launch).
 ENTRIES_PER_BLOCK = 4096
 WARPS_PER_BLOCK = 16
+
+
+def applies(matrix):
+    """Whether the kernels compute the terms of this matrix: float32, or the half-precision
+    product the relaxed ranks' kernels read too (`fused_ranks.HALF_SCORES`)."""
+    return fused_ranks.runs_on(matrix, (torch.float32, fused_ranks.HALF_SCORES))
 
 
 def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
@@ -52,10 +58,10 @@ class CalibrationTerms(torch.autograd.Function):
         entries = matrix.numel()
         blocks = triton.cdiv(entries, ENTRIES_PER_BLOCK)
         # Each block writes its row of partial sums and counts: nothing to fill.
-        sums = matrix.new_empty(max(blocks, 1), 2)
+        sums = matrix.new_empty(max(blocks, 1), 2, dtype=torch.float32)
         counts = torch.empty(max(blocks, 1), 2, dtype=torch.int32, device=matrix.device)
         # The two terms, and per pair of a term with a shortfall d term / d shortfall = λ / count.
-        pos_term, neg_term, scales = matrix.new_empty(()), matrix.new_empty(()), matrix.new_empty(2)
+        pos_term, neg_term, scales = (matrix.new_empty(shape, dtype=torch.float32) for shape in ((), (), 2))
         pos_margin, neg_margin, lambda_, sign = map(float, parameters[:4])
         by_label = parameters[4]
         with fused_ranks.on_device(matrix.device):
@@ -96,7 +102,7 @@ if triton is not None:
     ):
         at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = at < entries
-        s = tl.load(matrix + at, mask=inside, other=0.0)
+        s = tl.load(matrix + at, mask=inside, other=0.0).to(tl.float32)  # float16 as the ranks' kernels
         if BY_LABEL:  # `positive` and `negative` are both the labels
             row = at // columns
             column = at - row * columns

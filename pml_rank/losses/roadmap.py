@@ -28,7 +28,7 @@ from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, Mul
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
-from . import fused_calibration, fused_ranks
+from . import fused_calibration
 from .base import (
     RankLossBase,
     SumOfReducers,
@@ -127,7 +127,11 @@ class SupAPLoss(RankLossBase):
         c_f.labels_required(labels)
         by_label = ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb)
         if by_label is not None:
-            matrix = self.similarity_matrix(embeddings, ref_emb) if by_label.num_queries else None
+            matrix = (
+                self.similarity_matrix(embeddings, ref_emb, half=self.reads_half_product())
+                if by_label.num_queries
+                else None
+            )
             return {"loss": self.ap_losses_by_label(matrix, labels, by_label)}
         matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
         return {"loss": self.ap_losses(matrix, positive, negative, embeddings, ref_emb)}
@@ -135,7 +139,12 @@ class SupAPLoss(RankLossBase):
     def pairs(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         """The distance matrix and the positive and negative pair masks."""
         positive, negative = pair_masks(labels, ref_labels, indices_tuple)
-        return self.similarity_matrix(embeddings, ref_emb), positive, negative
+        return self.similarity_matrix(embeddings, ref_emb, half=self.reads_half_product()), positive, negative
+
+    def reads_half_product(self):
+        """Whether only kernels read the similarity matrix (`similarity_matrix`'s `half`):
+        the relaxed ranks' do."""
+        return True
 
     def ap_losses(self, matrix, positive, negative, embeddings, ref_emb):
         """PML loss info of 1 − AP per query with a positive (0 when there is none), each
@@ -236,6 +245,11 @@ class ROADMAPLoss(SupAPLoss):
     def _sub_loss_names(self):
         return ["ap_loss", "pos_loss", "neg_loss"]
 
+    def reads_half_product(self):
+        """The calibration reads the matrix in a kernel too, with its default reducers
+        (`fused_calibration`); otherwise in float32 torch operations."""
+        return self.averaged_here("pos_loss") and self.averaged_here("neg_loss")
+
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
         c_f.labels_required(labels)
         # Counted before the similarity product is queued, so that their read-back does not wait for it.
@@ -244,11 +258,12 @@ class ROADMAPLoss(SupAPLoss):
             matrix, positive, negative = self.pairs(embeddings, labels, indices_tuple, ref_emb, ref_labels)
             ap_loss = self.ap_losses(matrix, positive, negative, embeddings, ref_emb)
         else:  # the masks only where the calibration takes them
-            matrix, positive, negative = self.similarity_matrix(embeddings, ref_emb), None, None
+            matrix = self.similarity_matrix(embeddings, ref_emb, half=self.reads_half_product())
+            positive = negative = None
             ap_loss = self.ap_losses_by_label(matrix, labels, by_label)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
-        if self.averaged_here("pos_loss") and self.averaged_here("neg_loss") and fused_ranks.runs_on(matrix):
+        if self.reads_half_product() and fused_calibration.applies(matrix):
             sign = 1.0 if self.distance.is_inverted else -1.0
             pairs = labels if by_label is not None else (positive, negative)
             terms = fused_calibration.calibration_terms(
