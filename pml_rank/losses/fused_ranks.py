@@ -123,6 +123,7 @@ def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slop
                 scores.shape[1],
                 float(scale),
                 *map(float, form),
+                **_form_terms(form),
                 WEIGHTS=_weights_form(weights),
                 SKIP_OWN=skip_own,
                 WITH_SLOPES=with_slopes,
@@ -154,6 +155,22 @@ def formula_by_blocks(kernel, sums, pairs_per_query, arguments, own_gradients, w
                 BLOCK_Q=block_q, BLOCK_C=block_c, **constants,
             )  # fmt: skip
     return values, grad_sums, grad_own if own_gradients else None
+
+
+def _form_terms(form):
+    """Which terms of the kernels' formula h (`FusedForm`) a form has, as the kernels'
+    constants: the others are identities for it (x / 1, a clamp at ±inf, + 0, nothing
+    beyond δ = inf, a slope floor that no slope is below), left out of the compiled kernel
+    rather than computed for every entry; the values and slopes are the same to the bit.
+    At most 2^5 variants, whatever the parameters' values."""
+    bounded = math.isfinite(form.delta)
+    return {
+        "DIVIDE": form.temperature != 1.0,
+        "CLAMP": math.isfinite(form.limit),
+        "BOUNDED": bounded,
+        "START": form.start != 0.0,
+        "FLOOR": bounded or form.slope_floor > 0.0,
+    }
 
 
 # How the kernels weigh each (query q, reference j): by 1, by a float [queries, references]
@@ -217,6 +234,7 @@ def scaled_jacobian(
                 scores.shape[1],
                 float(scale),
                 *map(float, form),
+                **_form_terms(form),
                 WEIGHTS=_weights_form(weights),
                 SKIP_OWN=skip_own,
                 UNIFORM=uniform,
@@ -229,22 +247,37 @@ def scaled_jacobian(
 if triton is not None:
 
     @triton.jit
-    def _sigmoid(x, temperature, limit):
-        return 1.0 / (1.0 + tl.exp(-tl.minimum(tl.maximum(x / temperature, -limit), limit)))
+    def _sigmoid(x, temperature, limit, DIVIDE, CLAMP):
+        if DIVIDE:
+            x = x / temperature
+        if CLAMP:
+            x = tl.minimum(tl.maximum(x, -limit), limit)
+        return 1.0 / (1.0 + tl.exp(-x))
 
     @triton.jit
-    def _slope(x, sigmoid, temperature, delta, rho, slope_floor):
-        slope = tl.where(x > delta, rho, (sigmoid - sigmoid * sigmoid) / temperature)
-        return tl.where(slope > slope_floor, slope, 0.0)
+    def _slope(x, sigmoid, temperature, delta, rho, slope_floor, DIVIDE, BOUNDED, FLOOR):
+        slope = sigmoid - sigmoid * sigmoid
+        if DIVIDE:
+            slope = slope / temperature
+        if BOUNDED:
+            slope = tl.where(x > delta, rho, slope)
+        if FLOOR:
+            slope = tl.where(slope > slope_floor, slope, 0.0)
+        return slope
 
     @triton.jit
-    def _value(x, sigmoid, temperature, limit, delta, rho, start, jump):
+    def _value(x, sigmoid, temperature, limit, delta, rho, start, jump, DIVIDE, CLAMP, BOUNDED, START):
         # Beyond δ the sigmoid stops at σ(δ/τ): one exponential per entry serves the value
         # and the slope.
-        value = tl.where(x > delta, _sigmoid(delta, temperature, limit), sigmoid)
-        value += tl.where(x > 0.0, start, 0.0)
-        value += rho * tl.maximum(x - delta, 0.0)
-        return value + tl.where(x > delta, jump, 0.0)
+        value = sigmoid
+        if BOUNDED:
+            value = tl.where(x > delta, _sigmoid(delta, temperature, limit, DIVIDE, CLAMP), value)
+        if START:
+            value += tl.where(x > 0.0, start, 0.0)
+        if BOUNDED:
+            value += rho * tl.maximum(x - delta, 0.0)
+            value += tl.where(x > delta, jump, 0.0)
+        return value
 
     @triton.jit
     def _sums_kernel(
@@ -269,6 +302,11 @@ if triton is not None:
         start,
         jump,
         slope_floor,
+        DIVIDE: tl.constexpr,
+        CLAMP: tl.constexpr,
+        BOUNDED: tl.constexpr,
+        START: tl.constexpr,
+        FLOOR: tl.constexpr,
         WEIGHTS: tl.constexpr,
         SKIP_OWN: tl.constexpr,
         WITH_SLOPES: tl.constexpr,
@@ -283,8 +321,10 @@ if triton is not None:
         tl.store(own + p, own_score, mask=in_pairs)
         if WEIGHTS == 2:
             query_label = tl.load(labels + query, mask=in_pairs, other=0)
-        total = tl.zeros([BLOCK_P], dtype=tl.float32)
-        total_slope = tl.zeros([BLOCK_P], dtype=tl.float32)
+        # Each entry of the tile sums its own references, the tile is summed once at the end:
+        # a sum across the tile's threads at every step took most of a step's instructions.
+        total = tl.zeros([BLOCK_P, BLOCK_J], dtype=tl.float32)
+        total_slope = tl.zeros([BLOCK_P, BLOCK_J], dtype=tl.float32)
         for first in range(0, references, BLOCK_J):
             j = first + tl.arange(0, BLOCK_J)
             inside = in_pairs[:, None] & (j < references)[None, :]
@@ -292,8 +332,8 @@ if triton is not None:
                 inside = inside & (j[None, :] != query[:, None])
             s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
             x = s.to(tl.float32) * scale - own_score[:, None]
-            sigmoid = _sigmoid(x, temperature, limit)
-            value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump)
+            sigmoid = _sigmoid(x, temperature, limit, DIVIDE, CLAMP)
+            value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump, DIVIDE, CLAMP, BOUNDED, START)
             if WEIGHTS == 1:
                 w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
                 w = w.to(tl.float32)
@@ -302,15 +342,15 @@ if triton is not None:
                 ref_label = tl.load(ref_labels + j, mask=j < references, other=0)
                 w = (ref_label[None, :] != query_label[:, None]).to(tl.float32)
                 value = value * w
-            total += tl.sum(tl.where(inside, value, 0.0), axis=1)
+            total += tl.where(inside, value, 0.0)
             if WITH_SLOPES:
-                slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor)
+                slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor, DIVIDE, BOUNDED, FLOOR)
                 if WEIGHTS != 0:
                     slope = slope * w
-                total_slope += tl.sum(tl.where(inside, slope, 0.0), axis=1)
-        tl.store(sums + p, total, mask=in_pairs)
+                total_slope += tl.where(inside, slope, 0.0)
+        tl.store(sums + p, tl.sum(total, axis=1), mask=in_pairs)
         if WITH_SLOPES:
-            tl.store(slopes + p, total_slope, mask=in_pairs)
+            tl.store(slopes + p, tl.sum(total_slope, axis=1), mask=in_pairs)
 
     @triton.jit
     def _jacobian_kernel(
@@ -339,6 +379,11 @@ if triton is not None:
         start,
         jump,
         slope_floor,
+        DIVIDE: tl.constexpr,
+        CLAMP: tl.constexpr,
+        BOUNDED: tl.constexpr,
+        START: tl.constexpr,
+        FLOOR: tl.constexpr,
         WEIGHTS: tl.constexpr,
         SKIP_OWN: tl.constexpr,
         UNIFORM: tl.constexpr,
@@ -359,7 +404,8 @@ if triton is not None:
             last = tl.load(pair_offsets + query + 1)
         for p in range(first, last):
             x = scaled - tl.load(own + p)
-            slope = _slope(x, _sigmoid(x, temperature, limit), temperature, delta, rho, slope_floor)
+            sigmoid = _sigmoid(x, temperature, limit, DIVIDE, CLAMP)
+            slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor, DIVIDE, BOUNDED, FLOOR)
             gradient = tl.load(pair_gradients + p)
             through_sums += gradient * slope
             # dS_p moves s_qi by minus the sum of its slopes: T_p · scale (in G_p).
