@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
-from . import fused_ranks, fused_unit_rows
+from . import fused_label_pairs, fused_ranks, fused_unit_rows
 from .query_panels import queries_in_range, true_rows
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
@@ -209,18 +209,29 @@ def pair_masks(labels, ref_labels, indices_tuple=None, shape=None):
 def label_pairs(labels, ref_labels, with_self=False):
     """The positive pairs by label as ``(queries, references)`` index tensors in row-major
     order: ``true_entries(pair_masks(labels, ref_labels)[0])``. (i, i) is left out when
-    `reference_is_batch`, unless `with_self`. On the CPU without building any
-    [queries, references] mask (comparing every pair of labels costs more than the loss's
-    own work on the pairs): each query's run of equal labels among the references sorted
-    stably by label. On an accelerator (`sized_for`), the comparison of every pair and one
-    `nonzero`: a handful of kernels where the runs' sort, searches and repeats take dozens
-    (and three waits for the device)."""
+    `reference_is_batch`, unless `with_self`."""
+    return label_pairs_and_counts(labels, ref_labels, with_self)[:2]
+
+
+def label_pairs_and_counts(labels, ref_labels, with_self=False):
+    """`label_pairs`, each query's number of pairs (``bincount``) and their extremes
+    ``(fewest, most)`` where they were read back with the pairs (else None). Where Triton runs,
+    two kernels that compare labels in registers (`fused_label_pairs`: one read-back). Else
+    on the CPU without building any [queries, references] mask (comparing every pair of
+    labels costs more than the loss's own work on the pairs): each query's run of equal
+    labels among the references sorted stably by label. On an accelerator without Triton
+    (`sized_for`), the comparison of every pair and one `nonzero`: a handful of kernels
+    where the runs' sort, searches and repeats take dozens (and three waits for the
+    device)."""
     batch = reference_is_batch(labels, ref_labels) and not with_self
+    if fused_label_pairs.applies(labels, ref_labels):
+        return fused_label_pairs.label_pairs_and_counts(labels, ref_labels, batch)
     if _device_policy.sized_for(labels.device) == "memory":
         positive = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
         if batch:
             positive.fill_diagonal_(False)
-        return positive.nonzero(as_tuple=True)
+        queries, references = positive.nonzero(as_tuple=True)
+        return queries, references, torch.bincount(queries, minlength=len(labels)), None
     common = torch.promote_types(labels.dtype, ref_labels.dtype)
     labels, ref_labels = labels.to(common), ref_labels.to(common)
     sorted_labels, order = torch.sort(ref_labels, stable=True)
@@ -234,7 +245,7 @@ def label_pairs(labels, ref_labels, with_self=False):
     if batch:
         different = queries != references
         queries, references = queries[different], references[different]
-    return queries, references
+    return queries, references, torch.bincount(queries, minlength=len(labels)), None
 
 
 class LabelPairs(NamedTuple):
@@ -266,9 +277,8 @@ def pairs_by_label(labels, ref_labels, with_self=False):
     one transfer before the similarity product is queued (`queries_in_range`): on a GPU
     it then waits for the labels' few kernels, not for the product. A query whose only
     positive is itself is not kept (its pair stays, `LabelPairs.ranked` drops it)."""
-    pair_query, pair_positive = label_pairs(labels, ref_labels, with_self=with_self)
-    per_query = torch.bincount(pair_query, minlength=len(labels))
-    return LabelPairs(pair_query, pair_positive, *queries_in_range(per_query, int(with_self) + 1))
+    pair_query, pair_positive, per_query, extremes = label_pairs_and_counts(labels, ref_labels, with_self)
+    return LabelPairs(pair_query, pair_positive, *queries_in_range(per_query, int(with_self) + 1, extremes=extremes))
 
 
 def ranking_by_label(labels, ref_labels, indices_tuple, embeddings, ref_emb):

@@ -72,16 +72,17 @@ def true_rows(mask, count, device=None):
     return mask.nonzero(as_tuple=True)[0]
 
 
-def queries_in_range(per_query, fewest, most=None):
+def queries_in_range(per_query, fewest, most=None, extremes=None):
     """The queries with `fewest` to `most` (None: any number of) pairs, from their numbers
     of pairs `per_query`: a boolean per query (None when all are in range), how many are,
-    and c when all are, with c pairs each (else None). One read-back of the extremes, made
-    before the similarity product is queued so that it does not wait for the product (and
-    the relaxed ranks need not ask the device again, `relaxed_ranks`' ``pairs_per_query``);
-    a second only when a query is out of range."""
+    and c when all are, with c pairs each (else None). One read-back of the extremes
+    (unless given as `extremes`, ``(fewest, most)`` of `per_query`), made before the
+    similarity product is queued so that it does not wait for the product (and the relaxed
+    ranks need not ask the device again, `relaxed_ranks`' ``pairs_per_query``); a second
+    only when a query is out of range."""
     if len(per_query) == 0:
         return None, 0, None
-    low, high = torch.stack(torch.aminmax(per_query)).tolist()
+    low, high = extremes or torch.stack(torch.aminmax(per_query)).tolist()
     if low >= fewest and (most is None or high <= most):
         return None, len(per_query), high if low == high else None
     kept = per_query >= fewest

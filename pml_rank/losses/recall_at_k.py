@@ -47,7 +47,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from .._checks import check_numbers
 from . import fused_ranks
-from .base import RankLossBase, label_pairs, normalized, pair_masks, reference_is_batch
+from .base import RankLossBase, label_pairs_and_counts, normalized, pair_masks, reference_is_batch
 from .fused_ranks import FusedForm
 from .query_panels import (
     any_per_row,
@@ -152,12 +152,11 @@ class RecallAtKSurrogateLoss(RankLossBase):
             ref_labels = labels
         shape = (len(labels), len(ref_labels))
         if indices_tuple is None:  # no [queries, references] mask is needed
-            pair_query, pair_positive = label_pairs(labels, ref_labels)
+            pair_query, pair_positive, positives, extremes = label_pairs_and_counts(labels, ref_labels)
             left_out = own_columns(shape[0], labels.device) if batch_is_reference else None
-            positives = torch.bincount(pair_query, minlength=shape[0])
             # Every query ranks the same references, and every one that is no positive is a negative.
             ranked = shape[1] - int(batch_is_reference)
-            keep, self.num_queries, pairs_per_query = queries_in_range(positives, 1, ranked - 1)
+            keep, self.num_queries, pairs_per_query = queries_in_range(positives, 1, ranked - 1, extremes)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=shape)
             pair_query, pair_positive = true_entries(positive)

@@ -34,13 +34,14 @@ from pml_rank.losses import (
     SmoothAPLoss,
     SupAPLoss,
     fused_calibration,
+    fused_label_pairs,
     fused_ranks,
     fused_unit_rows,
     query_panels,
 )
 from pml_rank.losses import auc as auc_module
 from pml_rank.losses import fastap as fastap_module
-from pml_rank.losses.base import _UnitRows
+from pml_rank.losses.base import _UnitRows, label_pairs_and_counts, pair_masks
 from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
 
@@ -532,6 +533,35 @@ def test_unit_rows_kernels_equal_the_torch_path(shape, device, monkeypatch):
     check_unit_rows_equal_the_torch_path(shape, device, monkeypatch)
 
 
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_label_pair_kernels_equal_the_positive_mask_entries(device):
+    """`fused_label_pairs` (through `base.label_pairs_and_counts`) against the entries of
+    `pair_masks`'s positive mask, row-major, (i, i) included `with_self`, each query's count
+    and their extremes: shuffled and unequal classes, singletons, negative labels, labels of
+    two integer types, a query without pairs, and batches of several programs and steps;
+    neither `nonzero` nor `bincount` waits for the device (the one read-back, of the pairs'
+    total and the counts' extremes, is a `tolist`)."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [(trial % 23 + 1, trial % 17 + 1) for trial in range(30)] + [(700, 700), (40, 600)]
+    for size, ref_size in sizes:
+        for batch in (True, False):
+            labels = torch.randint(-3, max(6, size // 4), (size,), generator=generator).to(device)
+            ref_labels = labels if batch else torch.randint(-3, 6, (ref_size,), generator=generator).int().to(device)
+            assert fused_label_pairs.applies(labels, ref_labels)
+            for with_self in (False, True):
+                positive, _ = pair_masks(labels, ref_labels)
+                if with_self and batch:
+                    positive.fill_diagonal_(True)
+                with ReadBacks() as read_backs:
+                    queries, references, per_query, extremes = label_pairs_and_counts(labels, ref_labels, with_self)
+                assert read_backs.events == []
+                for ours, expected in zip((queries, references), positive.nonzero(as_tuple=True), strict=True):
+                    assert torch.equal(ours, expected)
+                counts = positive.sum(1)
+                assert torch.equal(per_query, counts) and per_query.dtype == torch.int64
+                assert extremes == (int(counts.min()), int(counts.max()))
+
+
 # Operations that launch no kernel besides views: fresh uninitialised tensors.
 UNINITIALISED = {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}
 
@@ -668,7 +698,7 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3 + 1
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
@@ -705,6 +735,7 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
     every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
+    every |= {"_label_counts_kernel", "_label_pairs_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
