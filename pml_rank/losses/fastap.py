@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy, _triton
 from .._triton import triton
+from . import fused_ranks
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 from .query_panels import true_rows
 
@@ -59,16 +60,19 @@ class FastAPLoss(RankLossBase):
         # bin counts beyond 2048 / 256 would be inexact.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         exclude_self = indices_tuple is None and reference_is_batch(labels, ref_labels)
+        half = None
         if indices_tuple is None and fused_applies(queries, self.num_bins):
-            # The kernels compare the labels themselves: no N x M masks.
+            # The kernels compare the labels themselves: no N x M masks. Under float16
+            # autocast they read its product of the embeddings as it is (`fused_ranks.HALF_SCORES`).
             pairs = (labels, ref_labels)
+            half = self.autocast_dtype if self.autocast_dtype == fused_ranks.HALF_SCORES else None
         elif indices_tuple is None:
             # The diagonal's pairs, when the batch is its own reference set, are left out.
             pairs = (labels.unsqueeze(1) == ref_labels.unsqueeze(0), None)
         else:
             positive, negative = pair_masks(labels, ref_labels, indices_tuple)
             pairs = (positive, ~(positive | negative))
-        losses, num_positives = FastAPFunction.apply(queries, references, *pairs, exclude_self, self.num_bins)
+        losses, num_positives = FastAPFunction.apply(queries, references, *pairs, exclude_self, self.num_bins, half)
         # The one number read back from the device: with it, a batch in which every query
         # has a positive (the usual one) needs no selection of the queries (a nonzero and a
         # boolean index, each a wait for the device, and a scatter in the backward pass).
@@ -153,22 +157,28 @@ class FastAPFunction(torch.autograd.Function):
     (M x D) are L2-normalised float32; `positive` (N x M, bool) marks positive pairs,
     `excluded` (N x M, bool or None) and `exclude_self` (the diagonal) the pairs that are
     neither positive nor negative; or, for the fused kernels (`fused_applies`), `positive`
-    and `excluded` are the labels [N] and the reference labels [M]."""
+    and `excluded` are the labels [N] and the reference labels [M], and the kernels read the
+    similarities, in `half` precision where given: the matrix products (forward and backward)
+    then run on the tensor cores in it, as autocast runs every other loss's, while the bins'
+    weights, counts and sums stay float32 (in float16 counts beyond 2048 would be inexact)."""
 
     @staticmethod
-    def forward(ctx, queries, references, positive, excluded, exclude_self, num_bins):
+    def forward(ctx, queries, references, positive, excluded, exclude_self, num_bins, half=None):
         delta = MAX_DISTANCE / num_bins
         # Position of each distance 2 - 2 cos on the bin axis, in units of delta. Rounding
         # can push a distance just outside [0, 4]; clamping keeps its whole unit of mass.
         per_unit = 2.0 / delta
-        # new_full, not new_tensor: filled on the device, where a copy from the host waits.
-        position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
-        ctx.delta = delta
+        ctx.delta, ctx.half = delta, half
         ctx.same = references is queries
-        if positive.dim() == 1:  # labels: `_histograms_kernel` bins every pair
-            hist = _fused_histograms(position, positive, excluded, exclude_self, num_bins)
+        if positive.dim() == 1:  # labels: the kernels bin every pair from its similarity
+            dtype = half or queries.dtype
+            rows = queries.to(dtype)
+            similarity = rows @ (rows if ctx.same else references.to(dtype)).T
+            hist = _fused_histograms(similarity, per_unit, positive, excluded, exclude_self, num_bins)
             flat_slots = None
         else:
+            # new_full, not new_tensor: filled on the device, where a copy from the host waits.
+            position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
             position.clamp_(0, num_bins)
             hist, flat_slots = _scattered_histograms(position, positive, excluded, exclude_self, num_bins)
         # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
@@ -182,8 +192,8 @@ class FastAPFunction(torch.autograd.Function):
         losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
 
         if flat_slots is None:
-            ctx.save_for_backward(queries, references, position, pos_products, cumulative, inv_cum, scale)
-            ctx.labels = positive, excluded, exclude_self, num_bins
+            ctx.save_for_backward(queries, references, similarity, pos_products, cumulative, inv_cum, scale)
+            ctx.labels = positive, excluded, exclude_self, num_bins, per_unit
         else:
             ctx.save_for_backward(queries, references, flat_slots, pos_products, cumulative, inv_cum, scale)
             ctx.labels = None
@@ -194,7 +204,7 @@ class FastAPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_losses, _):
-        queries, references, slots_or_position, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
+        queries, references, slots_or_similarity, pos_products, cumulative, inv_cum, scale = ctx.saved_tensors
         # dAP/dh⁺_l and dAP/dh⁻_l (paper's analytic gradient, N⁺ held constant):
         #   dAP/dh⁺_l =  (H⁺_l / H_l + Σ_{k≥l} h⁺_k H⁻_k / H_k²) / N⁺
         #   dAP/dh⁻_l = -(Σ_{k≥l} h⁺_k H⁺_k / H_k²) / N⁺
@@ -210,26 +220,39 @@ class FastAPFunction(torch.autograd.Function):
         torch.sub(ratio.diff(dim=1), terms[:, 0, :-1], out=table[:, num_centres : 2 * num_centres - 1])
         # d loss / d cos(query, reference), up to the factor dd/dcos · d(position)/dd =
         # -2 / delta (times -1 from d loss / dAP) that the products below apply.
+        unit = None
         if ctx.labels is not None:  # scaled by d loss / dAP = -1 and 1 / N⁺ in the kernel
-            grad_cos = _fused_gradient(slots_or_position, table, grad_losses * scale, *ctx.labels)
+            row_scales = grad_losses * scale
+            if ctx.half:
+                # In half precision relative to the largest row scale (1 / (batch N⁺) after a
+                # mean: float16's subnormals), which the products' results are scaled back by.
+                unit = row_scales.abs().amax().clamp_(min=torch.finfo(torch.float32).tiny)
+                row_scales = row_scales / unit
+            grad_cos = _fused_gradient(slots_or_similarity, table, row_scales, *ctx.labels)
         else:
             # Scaled by d loss / dAP = -1 and 1 / N⁺, in each of the INTERLEAVE copies.
             weight = (grad_losses * scale).view(-1, 1, 1).expand(-1, 1, INTERLEAVE)
             table = (table.unsqueeze(-1) * weight).view(n, -1)
             # index_select takes int32 indices as they are.
-            flat_slots = slots_or_position
+            flat_slots = slots_or_similarity
             grad_cos = table.view(-1).index_select(0, flat_slots.view(-1)).view(flat_slots.shape)
         factor = 2.0 / ctx.delta
 
+        def product(a, b, out):
+            """factor · a @ b, as float32 [len(out), D]: in half precision, scaled back by `unit`."""
+            if unit is None:  # `out` only gives addmm the shape of its result (beta=0)
+                return torch.addmm(out, a, b, beta=0, alpha=factor)
+            return torch.mm(a, b.to(a.dtype)).float().mul_(unit * factor)
+
         grad_queries = grad_references = None
         if ctx.same:
-            grad_queries = torch.addmm(queries, symmetrize_(grad_cos), queries, beta=0, alpha=factor)
+            grad_queries = product(symmetrize_(grad_cos), queries, queries)
         else:
             if ctx.needs_input_grad[0]:
-                grad_queries = torch.addmm(queries, grad_cos, references, beta=0, alpha=factor)
+                grad_queries = product(grad_cos, references, queries)
             if ctx.needs_input_grad[1]:
-                grad_references = torch.addmm(references, grad_cos.T, queries, beta=0, alpha=factor)
-        return grad_queries, grad_references, None, None, None, None
+                grad_references = product(grad_cos.T, queries, references)
+        return grad_queries, grad_references, None, None, None, None, None
 
 
 # Pairs per step of `_histograms_kernel` times a histogram's centres (padded to a power of
@@ -248,33 +271,34 @@ def fused_applies(queries, num_bins):
     return _triton.runs_on(queries) and num_bins + 1 <= FUSED_MOST_CENTRES
 
 
-def _fused_histograms(position, labels, ref_labels, exclude_self, num_bins):
-    """`_scattered_histograms`' [N, 2, C] histograms from the unclamped `position` matrix and
-    the labels, in `_histograms_kernel`."""
-    n, m = position.shape
+def _fused_histograms(similarity, per_unit, labels, ref_labels, exclude_self, num_bins):
+    """`_scattered_histograms`' [N, 2, C] histograms (float32) from the `similarity` matrix
+    (float32 or float16: each pair's position per_unit · (1 − similarity) on the bin axis is
+    computed in float32 as it is loaded) and the labels, in `_histograms_kernel`."""
+    n, m = similarity.shape
     centres = triton.next_power_of_2(num_bins + 1)
-    hist = position.new_empty(n, 2, num_bins + 1)
+    hist = similarity.new_empty(n, 2, num_bins + 1, dtype=torch.float32)
     if n:
-        with _triton.on_device(position.device):
+        with _triton.on_device(similarity.device):
             _histograms_kernel[(n,)](
-                position, position.stride(0), labels.contiguous(), ref_labels.contiguous(), hist, m, num_bins,
-                SKIP_OWN=exclude_self, CENTRES=centres, BLOCK=max(16, FUSED_TILE // centres),
+                similarity, similarity.stride(0), float(per_unit), labels.contiguous(), ref_labels.contiguous(), hist,
+                m, num_bins, SKIP_OWN=exclude_self, CENTRES=centres, BLOCK=max(16, FUSED_TILE // centres),
             )  # fmt: skip
     return hist
 
 
-def _fused_gradient(position, table, row_scales, labels, ref_labels, exclude_self, num_bins):
-    """d loss / d position for every pair: its slot's entry of `table` [N, 2C + 2] (negatives'
-    slots 0 ... C - 1, positives' C ... 2C - 1) times its query's `row_scales`, 0 for the
-    diagonal with `exclude_self`, in `_gradient_kernel`."""
-    n, m = position.shape
-    grad = torch.empty_like(position)
+def _fused_gradient(similarity, table, row_scales, labels, ref_labels, exclude_self, num_bins, per_unit):
+    """d loss / d position for every pair, in `similarity`'s precision: its slot's entry of
+    `table` [N, 2C + 2] (negatives' slots 0 ... C - 1, positives' C ... 2C - 1) times its
+    query's `row_scales`, 0 for the diagonal with `exclude_self`, in `_gradient_kernel`."""
+    n, m = similarity.shape
+    grad = torch.empty_like(similarity)
     if grad.numel():
-        with _triton.on_device(position.device):
+        with _triton.on_device(similarity.device):
             _gradient_kernel[(n, triton.cdiv(m, GRADIENT_BLOCK))](
-                position, position.stride(0), labels.contiguous(), ref_labels.contiguous(), table.contiguous(),
-                table.shape[1], row_scales.contiguous(), grad, m, num_bins, SKIP_OWN=exclude_self,
-                BLOCK=GRADIENT_BLOCK,
+                similarity, similarity.stride(0), float(per_unit), labels.contiguous(), ref_labels.contiguous(),
+                table.contiguous(), table.shape[1], row_scales.contiguous(), grad, m, num_bins,
+                SKIP_OWN=exclude_self, BLOCK=GRADIENT_BLOCK,
             )  # fmt: skip
     return grad
 
@@ -291,8 +315,9 @@ if triton is not None:
 
     @triton.jit
     def _histograms_kernel(
-        position,
+        similarity,
         stride,
+        per_unit,
         labels,
         ref_labels,
         hist,
@@ -312,9 +337,8 @@ if triton is not None:
             inside = j < columns
             if SKIP_OWN:
                 inside = inside & (j != row)
-            lower, upper_weight = _bin(
-                tl.load(position + row.to(tl.int64) * stride + j, mask=inside, other=0.0), num_bins
-            )
+            s = tl.load(similarity + row.to(tl.int64) * stride + j, mask=inside, other=0.0)
+            lower, upper_weight = _bin(per_unit - per_unit * s.to(tl.float32), num_bins)
             same = tl.load(ref_labels + j, mask=inside, other=0) == label
             # Each pair's weights at every centre: 1 - w at its lower one, w at the next.
             at = tl.where(lower[:, None] == centre[None, :], 1.0 - upper_weight[:, None], 0.0)
@@ -328,8 +352,9 @@ if triton is not None:
 
     @triton.jit
     def _gradient_kernel(
-        position,
+        similarity,
         stride,
+        per_unit,
         labels,
         ref_labels,
         table,
@@ -345,7 +370,8 @@ if triton is not None:
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = j < columns
         at = row.to(tl.int64) * stride + j
-        lower, _ = _bin(tl.load(position + at, mask=inside, other=0.0), num_bins)
+        s = tl.load(similarity + at, mask=inside, other=0.0)
+        lower, _ = _bin(per_unit - per_unit * s.to(tl.float32), num_bins)
         same = tl.load(ref_labels + j, mask=inside, other=0) == tl.load(labels + row)
         slot = lower.to(tl.int32) + tl.where(same, num_bins + 1, 0)
         value = tl.load(table + row.to(tl.int64) * table_stride + slot, mask=inside, other=0.0)

@@ -501,6 +501,44 @@ def test_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
     check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch)
 
 
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+@pytest.mark.parametrize("inputs", ["itself", "ref_emb"])
+def test_fastap_kernels_read_autocasts_float16_product(inputs, device, monkeypatch):
+    """Under float16 autocast FastAP's kernels read the half-precision product of the
+    embeddings as it is and its backward products run in float16 (as autograd runs every
+    other loss's), the bins' weights and sums in float32: the loss within the product's own
+    rounding of the float32 computation on the same (float32) embeddings, the gradient in its
+    direction however small the incoming gradient (each pair's, in float16, relative to the
+    largest row scale: else in float16's subnormals, or 0)."""
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(96) // 4
+    embeddings = torch.randn(24, 32, generator=generator)[labels] + torch.randn(96, 32, generator=generator)
+    references = torch.randn(120, 32, generator=generator) if inputs == "ref_emb" else None
+    ref_labels = torch.randint(0, 24, (120,), generator=generator) if inputs == "ref_emb" else None
+    read = []
+    histograms = fastap_module._fused_histograms
+    monkeypatch.setattr(
+        fastap_module,
+        "_fused_histograms",
+        lambda similarity, *args: read.append(similarity.dtype) or histograms(similarity, *args),
+    )
+    results = []
+    for dtype in (torch.float16, None):
+        leaves = [t.to(device, copy=True).requires_grad_() for t in (embeddings, references) if t is not None]
+        extra = {} if references is None else {"ref_emb": leaves[1], "ref_labels": ref_labels.to(device)}
+        with torch.autocast(device, dtype=torch.float16, enabled=dtype is not None):
+            loss = FastAPLoss()(leaves[0], labels.to(device), **extra)
+        (loss * 1e-6).backward()  # each pair's gradient would be in float16's subnormals
+        results.append([loss.detach(), *(leaf.grad for leaf in leaves)])
+    assert read == [torch.float16, torch.float32] and results[0][0].dtype == torch.float32
+    (loss, *gradients), (expected, *expected_gradients) = results
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0)
+    for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
+        gradient, expected_gradient = gradient.double().flatten(), expected_gradient.double().flatten()
+        cosine = gradient @ expected_gradient / (gradient.norm() * expected_gradient.norm())  # no eps: norms ~1e-9
+        assert cosine > 0.999, cosine
+
+
 # A row of 5 (one step), of 1500 (two steps of 1024), and no row at all.
 UNIT_ROWS_SHAPES = [(6, 5), (3, 1500), (0, 4)]
 
@@ -698,7 +736,7 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3 + 1
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3 + 1 + 2
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
