@@ -35,7 +35,7 @@ LAUNCH_NOTHING = {
     ).split()
 }
 # Operations after which the host waits for a GPU: a number read back, or an output whose
-# size depends on the values.
+# size depends on the values; and every `tolist` (`counted_call`).
 WAITING = {"aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::masked_select", "aten::unique_dim"}
 
 
@@ -67,14 +67,24 @@ class Counted(TorchDispatchMode):
 
 def counted_call(fn, inputs):
     counted = Counted()
-    on_device = _triton.on_device
+    on_device, tolist = _triton.on_device, torch.Tensor.tolist
+
+    def read_back(tensor):
+        """`tolist`, a read-back that dispatches nothing on the CPU (on a GPU, a copy that waits)."""
+        if not counted.paused:
+            counted.names["tolist"] += 1
+            counted.waits += 1
+        return tolist(tensor)
+
     # fused_ranks launches through the name it imported, fused_counts through `_triton`'s.
     fused_ranks.on_device = _triton.on_device = counted.pause
+    torch.Tensor.tolist = read_back
     try:
         with counted:
             speed._run(fn, inputs)
     finally:
         fused_ranks.on_device = _triton.on_device = on_device
+        torch.Tensor.tolist = tolist
     return counted
 
 
