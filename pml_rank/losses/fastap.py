@@ -18,7 +18,6 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy, _triton
 from .._triton import triton
-from . import fused_ranks
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 from .query_panels import true_rows
 
@@ -63,9 +62,10 @@ class FastAPLoss(RankLossBase):
         half = None
         if indices_tuple is None and fused_applies(queries, self.num_bins):
             # The kernels compare the labels themselves: no N x M masks. Under float16
-            # autocast they read its product of the embeddings as it is (`fused_ranks.HALF_SCORES`).
+            # autocast they read its product of the embeddings as it is; not bfloat16's, whose
+            # 8 bits would move a pair on the bin axis by up to a fiftieth of a bin.
             pairs = (labels, ref_labels)
-            half = self.autocast_dtype if self.autocast_dtype == fused_ranks.HALF_SCORES else None
+            half = torch.float16 if self.autocast_dtype == torch.float16 else None
         elif indices_tuple is None:
             # The diagonal's pairs, when the batch is its own reference set, are left out.
             pairs = (labels.unsqueeze(1) == ref_labels.unsqueeze(0), None)

@@ -82,24 +82,23 @@ class FusedForm(NamedTuple):
     slope_floor: float = 0.0
 
 
-# What the two kernels read besides float32: autocast's float16 product, each score
+# What the two kernels read besides float32: autocast's half-precision product, each score
 # converted to float32 as it is loaded, so that the sums and the Jacobian are float32's and
-# the gradient is rounded to float16 once, where it is stored (as autograd's cast of a
-# float32 gradient would). Not bfloat16: Triton's interpreter, which the CPU's tests run,
-# rounds its stores differently from a GPU.
-HALF_SCORES = torch.float16
+# the gradient is rounded to half precision once, where it is stored (as autograd's cast of a
+# float32 gradient would).
+HALF_SCORES = (torch.float16, torch.bfloat16)
 
 
 def applies(scores, kernel):
     """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`runs_on`,
     float32 or `HALF_SCORES`) and this kernel (one with a ``fused`` form)."""
-    return runs_on(scores, (torch.float32, HALF_SCORES)) and hasattr(kernel, "fused")
+    return runs_on(scores, (torch.float32, *HALF_SCORES)) and hasattr(kernel, "fused")
 
 
 def reads_half(matrix):
     """Whether `matrix` is a half-precision product the kernels read as it is (`applies`),
     so that a loss need not keep a float32 copy of it."""
-    return matrix.dtype == HALF_SCORES and runs_on(matrix, (HALF_SCORES,))
+    return matrix.dtype in HALF_SCORES and runs_on(matrix, HALF_SCORES)
 
 
 def pair_sums(scores, weights, pair_query, pair_positive, form, scale, with_slopes, skip_own):
