@@ -63,7 +63,7 @@ class FastAPLoss(RankLossBase):
         if indices_tuple is None and fused_applies(queries, self.num_bins):
             # The kernels compare the labels themselves: no N x M masks. Under float16
             # autocast they read its product of the embeddings as it is; not bfloat16's, whose
-            # 8 bits would move a pair on the bin axis by up to a fiftieth of a bin.
+            # rounding would move a pair on the bin axis by up to a hundredth of a bin (10 bins).
             pairs = (labels, ref_labels)
             half = torch.float16 if self.autocast_dtype == torch.float16 else None
         elif indices_tuple is None:
