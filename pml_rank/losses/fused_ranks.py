@@ -279,6 +279,41 @@ if triton is not None:
         return value
 
     @triton.jit
+    def _sums_step(scores, score_stride, weights, weight_stride, ref_labels, query, query_label, own_score, j,
+                   in_pairs, references, scale, temperature, limit, delta, rho, start, jump, slope_floor, DIVIDE,
+                   CLAMP, BOUNDED, START, FLOOR, WEIGHTS, SKIP_OWN, WITH_SLOPES, MASKED):  # fmt: skip
+        """One step of `_sums_kernel`: the [pairs, references] tiles of weighted values and
+        slopes (0 where masked out; the slopes' tile is 0 without `WITH_SLOPES`); `MASKED`
+        for a step past the last pair or reference."""
+        inside = in_pairs[:, None] & (j < references)[None, :]
+        rows = scores + query[:, None] * score_stride + j[None, :]
+        s = tl.load(rows, mask=inside, other=0.0) if MASKED else tl.load(rows)
+        x = s.to(tl.float32) * scale - own_score[:, None]
+        sigmoid = _sigmoid(x, temperature, limit, DIVIDE, CLAMP)
+        value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump, DIVIDE, CLAMP, BOUNDED, START)
+        w = value  # unused without weights
+        if WEIGHTS == 1:
+            at = weights + query[:, None] * weight_stride + j[None, :]
+            w = (tl.load(at, mask=inside, other=0.0) if MASKED else tl.load(at)).to(tl.float32)
+        if WEIGHTS == 2:
+            ref_label = tl.load(ref_labels + j, mask=j < references, other=0) if MASKED else tl.load(ref_labels + j)
+            w = (ref_label[None, :] != query_label[:, None]).to(tl.float32)
+        if WEIGHTS != 0:
+            value = value * w
+        slope = tl.zeros_like(value)
+        if WITH_SLOPES:
+            slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor, DIVIDE, BOUNDED, FLOOR)
+            if WEIGHTS != 0:
+                slope = slope * w
+        kept = inside if MASKED else tl.full(value.shape, 1, tl.int1)
+        if SKIP_OWN:
+            kept = kept & (j[None, :] != query[:, None])
+        if MASKED or SKIP_OWN:
+            value = tl.where(kept, value, 0.0)
+            slope = tl.where(kept, slope, 0.0)
+        return value, slope
+
+    @triton.jit
     def _sums_kernel(
         scores,
         score_stride,
@@ -318,35 +353,34 @@ if triton is not None:
         positive = tl.load(pair_positive + p, mask=in_pairs, other=0).to(tl.int64)
         own_score = tl.load(scores + query * score_stride + positive, mask=in_pairs, other=0.0).to(tl.float32) * scale
         tl.store(own + p, own_score, mask=in_pairs)
+        query_label = query  # unused unless the weights are by label
         if WEIGHTS == 2:
             query_label = tl.load(labels + query, mask=in_pairs, other=0)
         # Each entry of the tile sums its own references, the tile is summed once at the end:
         # a sum across the tile's threads at every step took most of a step's instructions.
         total = tl.zeros([BLOCK_P, BLOCK_J], dtype=tl.float32)
         total_slope = tl.zeros([BLOCK_P, BLOCK_J], dtype=tl.float32)
-        for first in range(0, references, BLOCK_J):
-            j = first + tl.arange(0, BLOCK_J)
-            inside = in_pairs[:, None] & (j < references)[None, :]
-            if SKIP_OWN:
-                inside = inside & (j[None, :] != query[:, None])
-            s = tl.load(scores + query[:, None] * score_stride + j[None, :], mask=inside, other=0.0)
-            x = s.to(tl.float32) * scale - own_score[:, None]
-            sigmoid = _sigmoid(x, temperature, limit, DIVIDE, CLAMP)
-            value = _value(x, sigmoid, temperature, limit, delta, rho, start, jump, DIVIDE, CLAMP, BOUNDED, START)
-            if WEIGHTS == 1:
-                w = tl.load(weights + query[:, None] * weight_stride + j[None, :], mask=inside, other=0.0)
-                w = w.to(tl.float32)
-                value = value * w
-            if WEIGHTS == 2:
-                ref_label = tl.load(ref_labels + j, mask=j < references, other=0)
-                w = (ref_label[None, :] != query_label[:, None]).to(tl.float32)
-                value = value * w
-            total += tl.where(inside, value, 0.0)
-            if WITH_SLOPES:
-                slope = _slope(x, sigmoid, temperature, delta, rho, slope_floor, DIVIDE, BOUNDED, FLOOR)
-                if WEIGHTS != 0:
-                    slope = slope * w
-                total_slope += tl.where(inside, slope, 0.0)
+        # Whole steps read without masks (a pair beyond the last reads row 0, and is not
+        # stored), the last step's partial tile with them: masks took a fifth of a step.
+        whole = references - references % BLOCK_J
+        for first in range(0, whole, BLOCK_J):
+            value, slope = _sums_step(
+                scores, score_stride, weights, weight_stride, ref_labels, query, query_label, own_score,
+                first + tl.arange(0, BLOCK_J), in_pairs, references, scale, temperature, limit, delta, rho,
+                start, jump, slope_floor, DIVIDE, CLAMP, BOUNDED, START, FLOOR, WEIGHTS, SKIP_OWN,
+                WITH_SLOPES, False,
+            )  # fmt: skip
+            total += value
+            total_slope += slope
+        if whole < references:
+            value, slope = _sums_step(
+                scores, score_stride, weights, weight_stride, ref_labels, query, query_label, own_score,
+                whole + tl.arange(0, BLOCK_J), in_pairs, references, scale, temperature, limit, delta, rho,
+                start, jump, slope_floor, DIVIDE, CLAMP, BOUNDED, START, FLOOR, WEIGHTS, SKIP_OWN,
+                WITH_SLOPES, True,
+            )  # fmt: skip
+            total += value
+            total_slope += slope
         tl.store(sums + p, tl.sum(total, axis=1), mask=in_pairs)
         if WITH_SLOPES:
             tl.store(slopes + p, tl.sum(total_slope, axis=1), mask=in_pairs)

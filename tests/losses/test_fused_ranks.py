@@ -138,6 +138,19 @@ def test_interpreted_fused_kernels_equal_the_torch_panels(name, inputs):
     check_fused_equals_torch(name, inputs, "cpu")
 
 
+# Past the sums kernel's first step of references (`fused_ranks.REFERENCES_PER_STEP`): whole
+# steps read without masks, then a partial one; by label, with a miner's weights, skipping the
+# own column, and with label weights.
+WHOLE_STEP_CASES = [("SmoothAP", "labels"), ("SmoothAP", "miner"), ("Recall@k", "labels"), ("ROADMAP", "labels")]
+
+
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("name, inputs", WHOLE_STEP_CASES)
+def test_interpreted_fused_kernels_past_a_step_of_references(name, inputs):
+    assert 300 > 2 * fused_ranks.REFERENCES_PER_STEP and 300 % fused_ranks.REFERENCES_PER_STEP
+    check_fused_equals_torch(name, inputs, "cpu", batch=300)
+
+
 HALF_READERS = (
     "SmoothAP",
     "SmoothAP-no-query",
@@ -151,8 +164,11 @@ HALF_READERS = (
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-@pytest.mark.parametrize("inputs", ["labels", "ref_emb", "miner"])
+@pytest.mark.parametrize(
+    "inputs, dtype",
+    [("labels", torch.float16), ("ref_emb", torch.float16), ("miner", torch.float16), ("labels", torch.bfloat16)],
+    ids=["labels", "ref_emb", "miner", "labels-bfloat16"],
+)
 @pytest.mark.parametrize("name", HALF_READERS)
 def test_interpreted_kernels_read_a_half_product_as_its_float32_copy(name, inputs, dtype, monkeypatch):
     """Under autocast the relaxed ranks' kernels (and ROADMAP's calibration's) read the
@@ -740,7 +756,15 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 3 * 2 + 1 + 2
+    expected += (
+        len(UNIT_ROWS_SHAPES)
+        + len(HARDEST_CASES)
+        + len(FASTAP_CASES)
+        + len(HALF_READERS) * 4
+        + 1
+        + 2
+        + len(WHOLE_STEP_CASES)
+    )
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
