@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from .. import _triton
 from .._checks import check_numbers
 from .._triton import triton
+from . import fused_ranks
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch
 from .query_panels import true_rows
 
@@ -168,7 +169,8 @@ class AUCLoss(RankLossBase):
         # similarities (with gradients) taken from the same rows.
         queries, references = normalized_with_distance_stats(self.distance, embeddings, ref_emb)
         with torch.no_grad():
-            similarity = self.matrix_of_normalized(queries, references)
+            # Under autocast, by labels, `_hardest_kernel` reads the half-precision product as it is.
+            similarity = self.matrix_of_normalized(queries, references, half=indices_tuple is None)
         positives, negatives, kept = self.hardest_of_each_anchor(similarity, labels, indices_tuple, ref_labels)
         del similarity  # not held through the rest
         # The one number read back (as FastAP's): a batch in which every anchor has both
@@ -217,7 +219,7 @@ class AUCLoss(RankLossBase):
         matrix (`_hardest_kernel`) instead of ten: masks, fills, the two reductions."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-        if indices_tuple is None and _triton.runs_on(similarity):
+        if indices_tuple is None and _triton.runs_on(similarity, (torch.float32, *fused_ranks.HALF_SCORES)):
             return _hardest_by_label(similarity, labels, ref_labels)
         if indices_tuple is None:
             # One comparison gives both masks; (i, i) is no positive of its own.
@@ -283,7 +285,7 @@ if triton is not None:
         for first in range(0, columns, BLOCK):
             j = first + tl.arange(0, BLOCK)
             inside = j < columns
-            s = tl.load(similarity + row.to(tl.int64) * stride + j, mask=inside, other=0.0)
+            s = tl.load(similarity + row.to(tl.int64) * stride + j, mask=inside, other=0.0).to(tl.float32)
             same = tl.load(ref_labels + j, mask=inside, other=0) == label
             positive = inside & same
             if SKIP_OWN:

@@ -30,8 +30,9 @@ class RankLossBase(BaseMetricLossFunction):
     float32 number (in bfloat16, 256 + 1 = 256). Only the similarity matrix's product
     (`similarity_matrix`) runs in the caller's autocast precision, on the tensor cores,
     its result upcast to float32 (or read as it is by kernels that convert each score to
-    float32 as they load it: the relaxed ranks' and ROADMAP's calibration's on a GPU, and in
-    float16 FastAP's): its rounding is all the loss inherits from half precision. The gradient
+    float32 as they load it: the relaxed ranks', ROADMAP's calibration's and AUC's hardest
+    pairs' on a GPU, and in float16 FastAP's): its rounding is all the loss inherits from half
+    precision. The gradient
     flows back in the input's dtype. PML's `c_f.to_dtype` is a
     no-op under autocast, so PML's own losses leave this to each loss. A batch without
     rows, or without references, gives PML's zero loss.

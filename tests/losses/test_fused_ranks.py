@@ -487,6 +487,33 @@ def test_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
     check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch)
 
 
+@pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
+    """Under autocast AUC's hardest pairs by label are chosen from the half-precision product
+    as it is (each similarity converted to float32 as it is loaded): the same pairs, loss and
+    gradient, bit for bit, as from its float32 copy."""
+    read = []
+    hardest = auc_module._hardest_by_label
+    monkeypatch.setattr(auc_module, "_hardest_by_label", lambda s, *args: read.append(s.dtype) or hardest(s, *args))
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(40, 16, generator=generator)
+    labels = torch.arange(40) // 4
+    results = []
+    for half in (True, False):
+        if not half:
+            monkeypatch.setattr(fused_ranks, "reads_half", lambda matrix: False)
+        leaf = embeddings.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = AUCLoss()(leaf, labels)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    assert read == [dtype, torch.float32]
+    (loss, gradient), (expected, expected_gradient) = results
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected) and torch.equal(gradient, expected_gradient)
+    assert gradient.abs().max() > 0
+
+
 # FastAP by labels: the batch against itself, 10 bins and 100 (128 centres a histogram),
 # and against 1100 references (two steps of the gradient kernel).
 FASTAP_CASES = [("itself", 10), ("itself", 100), ("ref_emb", 10)]
@@ -756,15 +783,9 @@ def test_in_tritons_interpreter(interpreted_run):
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
-    expected += (
-        len(UNIT_ROWS_SHAPES)
-        + len(HARDEST_CASES)
-        + len(FASTAP_CASES)
-        + len(HALF_READERS) * 4
-        + 1
-        + 2
-        + len(WHOLE_STEP_CASES)
-    )
+    # Besides: label pairs 1, FastAP's float16 read 2, the hardest kernel's half reads 2.
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 4
+    expected += 1 + 2 + len(WHOLE_STEP_CASES) + 2
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
