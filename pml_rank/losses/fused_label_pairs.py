@@ -67,7 +67,7 @@ if triton is not None:
 
     @triton.jit
     def _label_counts_kernel(labels, ref_labels, per_query, queries, references, SKIP_OWN: tl.constexpr,
-                       BLOCK_Q: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+                             BLOCK_Q: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
         q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         in_queries = q < queries
         label = tl.load(labels + q, mask=in_queries, other=0)
@@ -84,7 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _label_pairs_kernel(labels, ref_labels, per_query, ends, queries, references_out, references,
-                      SKIP_OWN: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
+                            SKIP_OWN: tl.constexpr, BLOCK_J: tl.constexpr):  # fmt: skip
         q = tl.program_id(0)
         label = tl.load(labels + q)
         # The query's first pair: its running total less its own count.
