@@ -219,7 +219,7 @@ class AUCLoss(RankLossBase):
         matrix (`_hardest_kernel`) instead of ten: masks, fills, the two reductions."""
         if indices_tuple is None and labels is None:
             raise ValueError("AUCLoss: labels are required when indices_tuple is None")
-        if indices_tuple is None and _triton.runs_on(similarity, (torch.float32, *fused_ranks.HALF_SCORES)):
+        if indices_tuple is None and fused_ranks.reads(similarity):
             return _hardest_by_label(similarity, labels, ref_labels)
         if indices_tuple is None:
             # One comparison gives both masks; (i, i) is no positive of its own.

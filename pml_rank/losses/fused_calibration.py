@@ -34,7 +34,7 @@ WARPS_PER_BLOCK = 16
 def applies(matrix):
     """Whether the kernels compute the terms of this matrix: float32, or the half-precision
     product the relaxed ranks' kernels read too (`fused_ranks.HALF_SCORES`)."""
-    return fused_ranks.runs_on(matrix, (torch.float32, *fused_ranks.HALF_SCORES))
+    return fused_ranks.reads(matrix)
 
 
 def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):

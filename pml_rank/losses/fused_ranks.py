@@ -57,6 +57,7 @@ __all__ = [
     "interpreted",
     "on_device",
     "pair_sums",
+    "reads",
     "reads_half",
     "runs_on",
     "scaled_jacobian",
@@ -89,10 +90,16 @@ class FusedForm(NamedTuple):
 HALF_SCORES = (torch.float16, torch.bfloat16)
 
 
+def reads(scores):
+    """Whether the kernels that read a similarity matrix (these, ROADMAP's calibration's,
+    AUC's hardest pairs') run on `scores`: float32 or `HALF_SCORES` where Triton runs."""
+    return runs_on(scores, (torch.float32, *HALF_SCORES))
+
+
 def applies(scores, kernel):
-    """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`runs_on`,
-    float32 or `HALF_SCORES`) and this kernel (one with a ``fused`` form)."""
-    return runs_on(scores, (torch.float32, *HALF_SCORES)) and hasattr(kernel, "fused")
+    """Whether the fused kernels compute `RelaxedRanks` for these `scores` (`reads`) and this
+    kernel (one with a ``fused`` form)."""
+    return reads(scores) and hasattr(kernel, "fused")
 
 
 def reads_half(matrix):

@@ -458,7 +458,7 @@ def check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
         similarity[0, [3, 1500, 5, 2000]] = torch.tensor([-9.0, -9.0, 9.0, 9.0])
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(auc_module._triton, "runs_on", lambda t, fused=fused: fused)
+        monkeypatch.setattr(fused_ranks, "reads", lambda t, fused=fused: fused)
         on_device = [t.to(device) for t in (similarity, labels)]
         references = on_device[1] if itself else ref_labels.to(device)
         results.append(AUCLoss.hardest_of_each_anchor(on_device[0].clone(), on_device[1], None, references))
@@ -474,6 +474,7 @@ def check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
         losses = []
         for fused in (True, False):
             monkeypatch.setattr(auc_module._triton, "runs_on", lambda t, fused=fused: fused)
+            monkeypatch.setattr(fused_ranks, "reads", lambda t, fused=fused: fused)
             leaf = embeddings.to(device, copy=True).requires_grad_()
             loss = AUCLoss()(leaf, labels.to(device))
             loss.backward()
