@@ -14,6 +14,7 @@ a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
     python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
+    python examples/bench_throughput.py ... --profile 40   (then where one more fold model's time goes)
 
 The glyphs' small CNN runs on one thread (as a bench worker does); an ImageNet trunk from
 random weights (no weights file needed), on `--threads` threads on the CPU.
@@ -21,8 +22,10 @@ random weights (no weights file needed), on `--threads` threads on the CPU.
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import itertools
+import pstats
 import statistics
 import time
 
@@ -119,6 +122,14 @@ def main(argv=None):
         action="store_true",
         help="each fold model starts its own loader processes (default: they share one set, as in a bench job)",
     )
+    parser.add_argument(
+        "--profile",
+        type=positive_int,
+        metavar="N",
+        help="after the rounds, profile one more fold model (cProfile) and print its N functions of most "
+        "cumulative time: where a fold model's time beyond the raw steps goes (on a GPU, a function that "
+        "waits for the device holds the time of what it waits for)",
+    )
     args = parser.parse_args(argv)
     glyphs = resolve("glyphs")
     given = {"trunk": args.trunk, "image_size": args.image_size}
@@ -153,6 +164,9 @@ def main(argv=None):
         for _ in range(args.repeats):
             raw.append(raw_step_seconds(train_set, budget, config, make_trunk, make_embedder))
             bench.append(bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, shared))
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.runcall(bench_iteration_seconds, train_set, val_set, config, make_trunk, make_embedder, shared)
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
 
     def spread(values, scale=1.0):
@@ -173,6 +187,9 @@ def main(argv=None):
         f"{spread(bench, 1000)} ms per iteration"
     )
     print(f"throughput ratio bench / raw step: {spread(ratios)}")
+    if args.profile:
+        print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
 
 
 if __name__ == "__main__":

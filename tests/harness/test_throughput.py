@@ -1,0 +1,29 @@
+"""examples/bench_throughput.py, run as its main on a short fold model of the glyphs."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from pml_rank.harness.data import glyphs
+
+SCRIPT = Path(__file__).parents[2] / "examples" / "bench_throughput.py"
+
+
+@pytest.mark.slow  # trains fold models
+def test_the_throughput_script_prints_the_ratio_and_where_a_profiled_fold_model_spends_its_time(
+    glyph_cache, monkeypatch, capsys
+):
+    monkeypatch.setattr(glyphs, "DEFAULT_CACHE_DIR", glyph_cache)
+    main = runpy.run_path(str(SCRIPT))["main"]
+    main(["--epochs", "1", "--iterations", "2", "--repeats", "2", "--profile", "12"])
+    printed = capsys.readouterr().out
+    ratio = next(line for line in printed.splitlines() if line.startswith("throughput ratio bench / raw step: "))
+    median, spread = ratio.removeprefix("throughput ratio bench / raw step: ").split(" ", 1)
+    low, high = map(float, spread.strip("()").split("-"))
+    assert 0 < low <= float(median) <= high
+    assert "its 12 functions of most cumulative time" in printed
+    # The profiled fold model: the whole training call, and the trainer's steps inside it.
+    profiled = printed.split("most cumulative time:", 1)[1]
+    assert "training.py" in profiled and "(train_model)" in profiled and "(forward_and_backward)" in profiled
+    assert "due to restriction <12>" in profiled
