@@ -16,12 +16,14 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         self.add_to_recordable_attributes(list_of_names=["alpha", "beta", "cost"], is_stat=False)
 
     def compute_loss(self, embeddings, labels, indices_tuple, ref_emb, ref_labels):
-        # In float32 under autocast too: the means of many pairs keep no digits in 16 bits.
+        dtype = torch.promote_types(embeddings.dtype, torch.float32)
+        # The similarity product in the caller's autocast precision, if any (on a GPU's tensor
+        # cores: a float32 product takes 4 times as long), and everything after it in
+        # float32: the means of many pairs keep no digits in 16 bits. No ref_emb for the
+        # batch against itself: PML's distance then normalises it once.
+        sim = self.distance(embeddings.to(dtype), None if ref_emb is embeddings else ref_emb.to(dtype))
         with torch.autocast(embeddings.device.type, enabled=False):
-            dtype = torch.promote_types(embeddings.dtype, torch.float32)
-            queries = embeddings.to(dtype)
-            # No ref_emb for the batch against itself: PML's distance then normalises it once.
-            sim = self.distance(queries, None if ref_emb is embeddings else ref_emb.to(dtype))
+            sim = sim.to(dtype)
             if indices_tuple is None:
                 loss = self.all_pairs_loss(sim, labels, ref_labels)
             else:
