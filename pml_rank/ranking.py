@@ -33,6 +33,7 @@ this is exactly Algorithm 1. `blackbox_rank` without a `loss_scale` is plain Alg
 
 import math
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -77,14 +78,45 @@ def _descending_keys(scores):
     return bits ^ ((bits >> (bits.element_size() * 8 - 1)) & magnitude)
 
 
-def ranks_among_positives(positives, order):
+def ranks_among_positives(positives, order, total=None):
     """Every positive element, as an index tuple (like ``positives.nonzero(as_tuple=True)``,
     listed in ranking order), and its rank among the positives of its sequence
-    (1 = highest): a cumulative count in sorted order, no second sort."""
+    (1 = highest): a cumulative count in sorted order, no second sort. `total`: the
+    number of positives, when known (then no wait for the device to count them)."""
     in_order = positives.gather(-1, order)
     counts = in_order.cumsum(-1, dtype=torch.int32)
-    where = in_order.nonzero(as_tuple=True)
+    where = true_indices(in_order, total)
     return where[:-1] + (order[where],), counts[where].long()
+
+
+def true_indices(mask, total=None):
+    """``mask.nonzero(as_tuple=True)``; with `total`, the number of True entries known on
+    the host, without the device-to-host wait that finding the output's size takes."""
+    if total is None:
+        return mask.nonzero(as_tuple=True)
+    # Transposed to [dims, total] first: each index tensor contiguous, as nonzero's are.
+    return mask.nonzero_static(size=total).T.contiguous().unbind(0)
+
+
+class PositiveCounts(NamedTuple):
+    """`positive_counts`: each sequence's number of positives (int64 tensor); the most in
+    one sequence, their total and the number of sequences with one (Python ints)."""
+
+    per_sequence: torch.Tensor
+    most: int
+    total: int
+    sequences_with_one: int
+
+
+def positive_counts(positives):
+    """`PositiveCounts` of a boolean [sequences, n] mask, its numbers read back in one
+    transfer (on a GPU, the one wait of a ranking's forward pass beside the input check:
+    which way to rank and every output's size follow from them)."""
+    per_sequence = positives.view(torch.uint8).sum(-1)  # int64; a bool sum converts first: 3 times slower
+    if not len(per_sequence):
+        return PositiveCounts(per_sequence, 0, 0, 0)
+    numbers = [per_sequence.max(), per_sequence.sum(), per_sequence.count_nonzero()]
+    return PositiveCounts(per_sequence, *torch.stack(numbers).tolist())
 
 
 class LossScale:
@@ -95,21 +127,43 @@ class LossScale:
     pass it stores the incoming gradient. Autograd runs it before any node the loss
     depends on, so the rankers read the value before they need it.
 
-    The rankers also record ``ranks_moved``: whether Algorithm 1's perturbation moved any
-    rank (`blackbox_ranks_of_positives`: any positive's; when every positive is pushed the
-    same way, as by RaMBO's losses, no positive moving means no rank moved). False means
-    an exactly zero gradient; None, not computed (no backward pass yet, or k = 0).
+    The rankers also record whether Algorithm 1's perturbation moved any rank
+    (`ranks_moved`; `blackbox_ranks_of_positives`: any positive's; when every positive is
+    pushed the same way, as by RaMBO's losses, no positive moving means no rank moved).
+    k and that flag stay on the device until `ranks_moved` is read: a backward pass that
+    nobody asks never waits for them.
     """
 
     def __init__(self):
         self.value = None
-        self.ranks_moved = None
+        self._moved = None
 
     def attach(self, loss):
         return _RecordScale.apply(loss, self)
 
-    def factor(self):
-        return 1.0 if self.value is None else float(self.value)
+    def factor(self, like):
+        """k as a 0-d float64 tensor on `like`'s device (1 before a backward pass set it):
+        λ / k and k / (λ n) computed from it round as the same numbers in Python would,
+        without reading k back."""
+        if self.value is None:
+            return torch.ones((), dtype=torch.float64, device=like.device)
+        return self.value.to(like.device, torch.float64)
+
+    def record_moved(self, moved):
+        """The rankers' flag (a bool tensor): whether any rank moved."""
+        self._moved = moved
+
+    @property
+    def ranks_moved(self):
+        """Whether the perturbation moved any rank: False means an exactly zero gradient;
+        None, not computed (no backward pass yet, or k = 0). Reading it waits for the
+        device."""
+        if self._moved is None:
+            return None
+        if self.value is None:
+            return bool(self._moved)
+        scale_is_zero, moved = torch.stack([self.value == 0, self._moved.to(self.value.device)]).tolist()
+        return None if scale_is_zero else moved
 
 
 class _RecordScale(torch.autograd.Function):
@@ -144,18 +198,27 @@ class _BlackboxRank(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ranks, _grad_order):
         values, order = ctx.saved_tensors
-        k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
-        if k == 0:
-            return torch.zeros_like(values), None, None
         # Algorithm 1 on the loss itself: perturb by λ·g/k, return k·(−(rk − rk_λ)/λ).
         # Everything happens in forward (sorted) order, where rk is the position + 1.
-        step = grad_ranks.gather(-1, order).mul_(ctx.lambda_val / k)
         n = values.shape[-1]
+        step_factor, change_factor = _algorithm_1_factors(ctx.loss_scale, ctx.lambda_val, n, values)
+        step = grad_ranks.gather(-1, order).mul_(step_factor)
         change = _rank_change(values, step)
         if ctx.loss_scale is not None:
-            ctx.loss_scale.ranks_moved = bool(change.any())
-        change = change.to(values.dtype).mul_(k / (ctx.lambda_val * n))
+            ctx.loss_scale.record_moved(change.any())
+        change = change.to(values.dtype).mul_(change_factor)
         return torch.empty_like(change).scatter_(-1, order, change), None, None
+
+
+def _algorithm_1_factors(loss_scale, lambda_val, n, like):
+    """λ / k, the perturbation's factor, and k / (λ n), the rank change's: Python numbers
+    without a `loss_scale` (k = 1), else 0-d tensors on `like`'s device, so that the
+    backward pass never waits to read k. With k = 0 the incoming gradient is 0 and its
+    perturbation 0 · inf (NaN): the ranks it gives are finite counts, times k = 0."""
+    if loss_scale is None:
+        return lambda_val, 1 / (lambda_val * n)
+    k = loss_scale.factor(like)
+    return k.new_full((), lambda_val).div_(k), k / (lambda_val * n)  # λ / k as one division
 
 
 def _rank_change(values, step):
@@ -180,12 +243,13 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     return (ranks, order) if return_order else ranks
 
 
-def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, indices=None):
+def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, indices=None, counts=None):
     """For sequences `scores` [sequences, n] and a boolean mask `positives`: the index
     (sequence, element) of every positive, its blackbox rank divided by n (differentiable
     by Algorithm 1 with respect to all scores) and its rank among the positives (an
     integer, not differentiated). Ranks and gradients are those of `blackbox_rank`.
-    `indices`: ``positives.nonzero(as_tuple=True)`` when already at hand.
+    `indices`: ``positives.nonzero(as_tuple=True)``, and `counts`: `positive_counts(positives)`,
+    when already at hand.
 
     A loss of these ranks sends an incoming gradient to the positives only, so
     Algorithm 1's perturbed ranking moves only them. With few positives per sequence
@@ -194,13 +258,14 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, 
     everything (`blackbox_rank`, `ranks_among_positives`)."""
     check_numbers("blackbox_ranks_of_positives", "> 0", lambda_val=lambda_val)
     sequences, n = scores.shape
-    slots = _Slots(positives, indices)
+    counts = positive_counts(positives) if counts is None else counts
     # Measured break-even (2048 sequences, CPU): about 12 positives at n = 2047, 22 at n = 8191.
-    if sequences and slots.shape[1] <= math.log2(max(n, 2)):
+    if sequences and counts.most <= math.log2(max(n, 2)):
+        slots = _Slots(positives, counts, indices)
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
-    index, among = ranks_among_positives(positives, order)
+    index, among = ranks_among_positives(positives, order, counts.total)
     return index, ranks[index], among
 
 
@@ -218,14 +283,15 @@ class _Slots:
     NaN values, so that every comparison broadcasts over the sequence's n elements. A
     sequence's slots hold its positives in the order of their positions."""
 
-    def __init__(self, positives, indices=None):
-        """`indices`: ``positives.nonzero(as_tuple=True)`` when already at hand."""
-        self.sequence, self.element = positives.nonzero(as_tuple=True) if indices is None else indices
+    def __init__(self, positives, counts, indices=None):
+        """`counts`: `positive_counts(positives)`; `indices`: ``positives.nonzero(as_tuple=True)``
+        when already at hand."""
+        self.sequence, self.element = true_indices(positives, counts.total) if indices is None else indices
         # Listed by sequence, then position: a positive's slot is its distance from its
         # sequence's first one, found by a binary search of the sorted sequence indices.
         first = torch.searchsorted(self.sequence, self.sequence)
         self.slot = torch.arange(len(self.sequence), device=positives.device) - first
-        self.shape = (len(positives), int(self.slot.max()) + 1 if len(self.slot) else 0)
+        self.shape = (len(positives), counts.most)
 
     @cached_property
     def elements(self):
@@ -341,7 +407,7 @@ class _CountedRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, positives, lambda_val, loss_scale, slots=None):
-        slots = _Slots(positives) if slots is None else slots
+        slots = _Slots(positives, positive_counts(positives)) if slots is None else slots
         at_positives = scores[slots.sequence, slots.element]
         values = slots.spread(at_positives, float("nan"))
         rank, among, tied = _ranks_and_ties(scores, values)
@@ -365,13 +431,11 @@ class _CountedRanks(torch.autograd.Function):
     def backward(ctx, grad_ranks, *_):
         scores, values, at_positives, rank, tied = ctx.saved_tensors
         slots = ctx.slots
-        k = ctx.loss_scale.factor() if ctx.loss_scale is not None else 1.0
-        if k == 0:
-            return torch.zeros_like(scores), None, None, None, None
         # Algorithm 1 as in _BlackboxRank, counting crossings instead of sorting: a
         # positive moves down by the elements that pass above it and up by those it
         # leaves behind; every other element moves by the positives that cross it.
-        step = grad_ranks * (ctx.lambda_val / k)
+        step_factor, change_factor = _algorithm_1_factors(ctx.loss_scale, ctx.lambda_val, scores.shape[-1], scores)
+        step = grad_ranks * step_factor
         new_values = values.index_put((slots.sequence, slots.slot), at_positives + step)
         change, own = _crossings_without_ties(scores, values, new_values, rank)
         if len(tied):
@@ -380,8 +444,8 @@ class _CountedRanks(torch.autograd.Function):
             )
         change[slots.sequence, slots.element] = slots.gather(own)
         if ctx.loss_scale is not None:
-            ctx.loss_scale.ranks_moved = bool(own.any())
-        return change.mul_(k / (ctx.lambda_val * scores.shape[-1])), None, None, None, None
+            ctx.loss_scale.record_moved(own.any())
+        return change.mul_(change_factor), None, None, None, None
 
 
 def _crossings_without_ties(scores, values, new_values, rank):
@@ -440,21 +504,22 @@ def shift_by_margin(scores, positives, margin):
     return torch.where(positives, -half, half).to(scores.dtype).add_(scores)  # no second N x M buffer
 
 
-def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None, indices=None):
+def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=None, indices=None, counts=None):
     """Per sequence (last dimension): the mean precision at its positives (eq. 21,
     margin by eq. 14-15), and whether it has any positive. Sequences without a
-    positive get 0. `indices`: ``positives.nonzero(as_tuple=True)`` of a [sequences, n]
-    mask, when already at hand."""
+    positive get 0. `indices`: ``positives.nonzero(as_tuple=True)``, and `counts`:
+    `positive_counts`, of the [sequences, n] mask, when already at hand."""
     batch_shape, n = scores.shape[:-1], scores.shape[-1]
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
+    counts = positive_counts(positives) if counts is None else counts
     shifted = shift_by_margin(scores, positives, margin)
     (sequence, element), ranks, among_positives = blackbox_ranks_of_positives(
-        shifted, positives, lambda_val, loss_scale, indices
+        shifted, positives, lambda_val, loss_scale, indices, counts
     )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives.to(scores.dtype) / (ranks * n)
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
-    num_positives = positives.view(torch.uint8).sum(-1, dtype=torch.int32)  # a bool sum converts first: 3 times slower
+    num_positives = counts.per_sequence
     mean = summed / num_positives.clamp(min=1)
     return mean.view(batch_shape), (num_positives > 0).view(batch_shape)
 
@@ -470,22 +535,30 @@ def _check_targets(owner, scores, targets):
     return targets
 
 
-def _ap_loss(owner, scores, targets, lambda_val, margin, loss_scale):
+def _checked_targets(owner, scores, targets, lambda_val):
+    """The AP losses' checks of their arguments; returns `targets` as booleans."""
     check_numbers(owner, "> 0", lambda_val=lambda_val)
     check_embeddings(owner, scores=scores)
-    targets = _check_targets(owner, scores, targets)
-    precision, has_positive = precision_at_positives(scores, targets, lambda_val, margin, loss_scale)
-    if not bool(has_positive.any()):
+    return _check_targets(owner, scores, targets)
+
+
+def _ap_loss(scores, targets, lambda_val, margin, loss_scale, counts):
+    """1 − the mean AP over the sequences with a positive; `counts`: `positive_counts`."""
+    if not counts.total:
         return (scores * 0).sum()
-    return 1 - precision[has_positive].mean()
+    precision, _ = precision_at_positives(scores, targets, lambda_val, margin, loss_scale, counts=counts)
+    # The others' precisions are 0: the sum over all over the number with a positive.
+    return 1 - precision.sum() / counts.sequences_with_one
 
 
 def average_precision_loss(scores, targets, lambda_val=0.5, margin=0.15):
     """Eq. 22: 1 − AP, averaged over the sequences along the last dimension that have a
     positive (0 when none has). `targets` are 0/1 or boolean, shaped like `scores`.
     Defaults are the paper's detection values (sec. 5.2)."""
+    targets = _checked_targets("average_precision_loss", scores, targets, lambda_val)
+    counts = positive_counts(targets.reshape(-1, targets.shape[-1]))
     scale = LossScale()
-    return scale.attach(_ap_loss("average_precision_loss", scores, targets, lambda_val, margin, scale))
+    return scale.attach(_ap_loss(scores, targets, lambda_val, margin, scale, counts))
 
 
 def map_loss(scores, targets, lambda_val=0.5, margin=0.15, apc_weight=1 / 3):
@@ -506,11 +579,14 @@ def map_loss(scores, targets, lambda_val=0.5, margin=0.15, apc_weight=1 / 3):
         raise ValueError(f"map_loss: scores must have shape [batch, classes], got {shape}")
     if not 0 <= apc_weight <= 1:
         raise ValueError(f"map_loss: apc_weight must be in [0, 1], got {apc_weight!r}")
+    targets = _checked_targets("map_loss", scores, targets, lambda_val)
+    per_class_counts = positive_counts(targets.T)
+    # The one sequence of all scores: its counts follow from the classes' without a read-back.
+    total = per_class_counts.total
+    one_sequence = PositiveCounts(per_class_counts.per_sequence.sum().view(1), total, total, int(total > 0))
     scale = LossScale()
-    per_class = _ap_loss(
-        "map_loss", scores.T, targets.T if torch.is_tensor(targets) else targets, lambda_val, margin, scale
-    )
-    across_classes = _ap_loss("map_loss", scores.reshape(-1), targets.reshape(-1), lambda_val, margin, scale)
+    per_class = _ap_loss(scores.T, targets.T, lambda_val, margin, scale, per_class_counts)
+    across_classes = _ap_loss(scores.reshape(-1), targets.reshape(-1), lambda_val, margin, scale, one_sequence)
     return scale.attach((1 - apc_weight) * per_class + apc_weight * across_classes)
 
 

@@ -202,7 +202,8 @@ def test_non_finite_scores_are_rejected_naming_the_loss():
 
 def test_bad_targets_are_rejected():
     scores = seeded(4, 3)
-    with pytest.raises(ValueError, match=r"map_loss: targets must have the shape of scores \(3, 4\), got \(2, 4\)"):
+    # The shapes as given ([batch, classes]), not transposed as the ranking of each class reads them.
+    with pytest.raises(ValueError, match=r"map_loss: targets must have the shape of scores \(4, 3\), got \(4, 2\)"):
         ranking.map_loss(scores, torch.zeros(4, 2))
     with pytest.raises(ValueError, match="average_precision_loss: targets must be 0/1 or boolean"):
         ranking.average_precision_loss(scores, torch.full((4, 3), 0.5))

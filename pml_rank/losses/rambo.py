@@ -23,7 +23,14 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
 from .._checks import check_numbers
-from ..ranking import LossScale, blackbox_ranks_of_positives, precision_at_positives, shift_by_margin
+from ..ranking import (
+    LossScale,
+    blackbox_ranks_of_positives,
+    positive_counts,
+    precision_at_positives,
+    shift_by_margin,
+    true_indices,
+)
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 
 
@@ -141,9 +148,9 @@ class _RaMBOLoss(RankLossBase):
     def _zero_gradient_check(self, loss_scale, something_to_learn):
         # A hook on the ranked scores runs after the ranker's backward, which set ranks_moved.
         def check(_grad):
-            if loss_scale.ranks_moved is None or self._warned_zero_gradient:
+            if self._warned_zero_gradient or (moved := loss_scale.ranks_moved) is None:
                 return
-            stuck = not loss_scale.ranks_moved and bool(something_to_learn())
+            stuck = not moved and bool(something_to_learn())
             self._zero_gradient_calls = self._zero_gradient_calls + 1 if stuck else 0
             if self._zero_gradient_calls >= ZERO_GRADIENT_CALLS:
                 self._warned_zero_gradient = True
@@ -180,10 +187,11 @@ class _RaMBOLoss(RankLossBase):
         scores, positives, columns = self.similarities(
             embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
         )
-        positive_indices, self.num_pos_pairs = positions_and_count(positives)
+        positions = positions_and_counts(positives)
+        self.num_pos_pairs = positions[1].total
         if self.num_pos_pairs == 0:
             return self.zero_losses()
-        return self.losses_per_query(scores, positives, positive_indices, exclude_self, columns)
+        return self.losses_per_query(scores, positives, positions, exclude_self, columns)
 
     def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
         """The "rows" memory: the current score rows and the stored ones, each ranked on its
@@ -200,11 +208,12 @@ class _RaMBOLoss(RankLossBase):
             stored_values = scores.new_zeros(0)
         stored_rows = sum(stored for stored, _ in shapes)
         shape = torch.tensor([rows, width])
-        positive_indices, self.num_pos_pairs = positions_and_count(positives)
+        positions = positions_and_counts(positives)
+        self.num_pos_pairs = positions[1].total
         if self.num_pos_pairs == 0:
             self.memory.append(scores.new_zeros(0), shape)
             return self.zero_losses()
-        loss, values = self.mean_over_rows(scores, positives, positive_indices, stored_values, rows + stored_rows)
+        loss, values = self.mean_over_rows(scores, positives, positions, stored_values, rows + stored_rows)
         self.memory.append(values, shape)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
@@ -263,11 +272,12 @@ class _RaMBOLoss(RankLossBase):
         return scores.gather(1, columns), positives.gather(1, columns), columns
 
 
-def positions_and_count(positives):
-    """``positives.nonzero(as_tuple=True)`` and their number: one wait on a GPU, where
-    counting first (a pass of its own) and then finding them would be two."""
-    indices = positives.nonzero(as_tuple=True)
-    return indices, len(indices[0])
+def positions_and_counts(positives):
+    """``positives.nonzero(as_tuple=True)`` and `ranking.positive_counts(positives)`, what
+    the ranking takes (`positions` below): one wait on a GPU, for the counts, which give
+    the positions' number before they are found."""
+    counts = positive_counts(positives)
+    return true_indices(positives, counts.total), counts
 
 
 def is_inner_product(distance):
@@ -370,12 +380,12 @@ class RaMBORecallLoss(_RaMBOLoss):
         self.weighting = weighting
         self.add_to_recordable_attributes(list_of_names=["mean_negatives_above"], is_stat=True)
 
-    def negatives_above(self, scores, positives, positive_indices):
+    def negatives_above(self, scores, positives, positions):
         """r per positive pair (eq. 17, after the margin shift; differentiable by Algorithm
-        1), with its (row, column) index. `positive_indices`: ``positives.nonzero(as_tuple=True)``."""
+        1), with its (row, column) index. `positions`: `positions_and_counts(positives)`."""
         shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
-            shifted, positives, self.lambda_val, self._loss_scale, positive_indices
+            shifted, positives, self.lambda_val, self._loss_scale, *positions
         )
         # r = rank among all − rank among positives, as counts.
         negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
@@ -390,19 +400,19 @@ class RaMBORecallLoss(_RaMBOLoss):
         losses = torch.log1p(negatives_above)
         return torch.log1p(losses) if self.weighting == "loglog" else losses
 
-    def losses_per_query(self, scores, positives, positive_indices, exclude_self, references=None):
-        negatives_above, queries, columns = self.negatives_above(scores, positives, positive_indices)
+    def losses_per_query(self, scores, positives, positions, exclude_self, references=None):
+        negatives_above, queries, columns = self.negatives_above(scores, positives, positions)
         if references is not None:  # the columns of an indices_tuple's pairs
             indices = (queries, references[queries, columns])
         else:
             indices = (queries, reference_index(queries, columns, exclude_self))
         return {"loss": {"losses": self.weighted(negatives_above), "indices": indices, "reduction_type": "pos_pair"}}
 
-    def mean_over_rows(self, scores, positives, positive_indices, stored_negatives_above, total_rows):
+    def mean_over_rows(self, scores, positives, positions, stored_negatives_above, total_rows):
         """The mean of ℓ over the positive pairs of the current and the stored rows, r
         denormalised as the authors do: r / n times the number of rows. Returns it and
         this batch's r (to store)."""
-        negatives_above = self.negatives_above(scores, positives, positive_indices)[0]
+        negatives_above = self.negatives_above(scores, positives, positions)[0]
         scale = total_rows / scores.shape[-1]
         loss = self.weighted(torch.cat([negatives_above, stored_negatives_above]) * scale).mean()
         return loss, negatives_above.detach()
@@ -437,22 +447,22 @@ class RaMBOAPLoss(_RaMBOLoss):
     ):
         super().__init__(lambda_val, margin, memory_size, memory_variant, **kwargs)
 
-    def losses_per_query(self, scores, positives, positive_indices, exclude_self, references=None):
-        precision, has_positive = self.precision(scores, positives, positive_indices)
-        queries = has_positive.nonzero(as_tuple=True)[0]
+    def losses_per_query(self, scores, positives, positions, exclude_self, references=None):
+        precision, has_positive = self.precision(scores, positives, positions)
+        queries = true_indices(has_positive, positions[1].sequences_with_one)[0]
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
-    def mean_over_rows(self, scores, positives, positive_indices, stored_precisions, total_rows):
+    def mean_over_rows(self, scores, positives, positions, stored_precisions, total_rows):
         """1 − the mean precision over the current and the stored rows with a positive;
         returns it and this batch's precisions (to store)."""
-        precision, has_positive = self.precision(scores, positives, positive_indices)
-        precision = precision[has_positive]
+        precision, has_positive = self.precision(scores, positives, positions)
+        precision = precision[true_indices(has_positive, positions[1].sequences_with_one)]
         return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
 
-    def precision(self, scores, positives, positive_indices):
+    def precision(self, scores, positives, positions):
         """Per row: the mean precision at its positives (eq. 21) and whether it has one."""
         precision, has_positive = precision_at_positives(
-            scores, positives, self.lambda_val, self.margin, self._loss_scale, positive_indices
+            scores, positives, self.lambda_val, self.margin, self._loss_scale, *positions
         )
         # Precisions are ratios of counts up to n: below 1, they are at most 1 - 1/n.
         below_one = 1 - 0.5 / scores.shape[-1]

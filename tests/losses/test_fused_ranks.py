@@ -687,14 +687,16 @@ COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "RaMBO": lambda: RaMB
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 63)],
+    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 66)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
     with the fused kernels (issue 34: the similarity product's own 23 are among them;
     Smooth-AP, Recall@k, SupAP, PNP and ROADMAP took 91, 107, 91, 87 and 139 before; AUC,
-    FastAP and RaMBO recall with their kernels too): as many at either batch, and a count
-    that creeps back up fails here. It depends on the code alone, not on the machine."""
+    FastAP and RaMBO recall with their kernels too; RaMBO 63 before its positives' counts
+    were read back in one transfer and k kept on the device, two waits fewer for three
+    operations more): as many at either batch, and a count that creeps back up fails
+    here. It depends on the code alone, not on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
 
     loss = COUNTED[name]()
