@@ -16,6 +16,7 @@ from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from test_cli import _entry_point
 
 import pml_rank
+from pml_rank import ranking
 from pml_rank.large_batch import large_batch_backward
 from pml_rank.losses import CrossBatchMemory
 from pml_rank.samplers import HardNegativeClassSampler
@@ -95,6 +96,24 @@ def test_every_loss_inside_cross_batch_memory_on_cuda_equals_the_cpu(name):
         return [t for embeddings, labels in batches for t in loss_and_gradients(memory, embeddings, labels, device)]
 
     assert_cuda_equals_cpu(on_each_device(three_steps))
+
+
+@pytest.mark.parametrize("name", ["average_precision_loss", "apc_loss", "map_loss"])
+@pytest.mark.parametrize("positive_rate", [0.05, 0.5], ids=["counted", "sorted"])
+def test_the_ap_losses_on_scores_on_cuda_equal_the_cpu(name, positive_rate):
+    """The ranking functions, both ways of ranking (few positives per sequence: counted;
+    many: sorted), their sizes from the positives' counts (nonzero_static), the loss's
+    scale k kept on the device (a loss weight of 0.37)."""
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.randn(48, 40, generator=generator, dtype=torch.float64)
+    targets = torch.rand(48, 40, generator=generator) < positive_rate
+
+    def compute(device):
+        x = scores.to(device).requires_grad_()
+        loss = getattr(ranking, name)(x, targets.to(device), lambda_val=4.0) * 0.37
+        return [loss, *torch.autograd.grad(loss, [x])]
+
+    assert_cuda_equals_cpu(on_each_device(compute))
 
 
 def test_hard_negative_class_mining_with_a_network_on_cuda_picks_the_cpus_batches():
