@@ -72,11 +72,12 @@ def build(report):
     out["speed autocast float16"] = speed_table(report / "speed-cuda-amp.json")
     knn = read(logs / "knn.log")
     out["knn"] = json.loads(knn[knn.index("{") :]) if "{" in knn and knn.rstrip().endswith("}") else None
-    out["throughput"] = [
-        line
-        for line in read(logs / "throughput.log").splitlines()
-        if re.match(r"(raw step|bench|throughput|resnet)", line)
-    ]
+    for name in ("throughput", "throughput-glyphs"):  # ResNet-50's and the glyph bench's small CNN's
+        out[name] = [
+            line
+            for line in read(logs / f"{name}.log").splitlines()
+            if re.match(r"(raw step|bench|throughput|resnet|small-cnn)", line)
+        ]
     out["profile"] = read(report / "profile" / "profile.md")
     out["kernel settings"] = read(report / "kernels.md")
     sweep = {}
@@ -139,13 +140,14 @@ def markdown(out):
             f"{k['faiss-cpu']['seconds']} s; largest metric difference {k['largest difference']:.2e}",
             "",
         ]
-    if out.get("throughput"):
-        lines += [
-            "## ResNet-50 throughput (examples/bench_throughput.py)",
-            "",
-            *[f"    {t}" for t in out["throughput"]],
-            "",
-        ]
+    for name, title in (("throughput", "ResNet-50"), ("throughput-glyphs", "Glyph bench (small CNN)")):
+        if out.get(name):
+            lines += [
+                f"## {title} throughput (examples/bench_throughput.py; its profile in logs/{name}.log)",
+                "",
+                *[f"    {t}" for t in out[name]],
+                "",
+            ]
     if out.get("sweep seconds by processes per GPU"):
         lines += [
             "## Glyph bench subset (4 rows x 2 seeds, reference rows, 2 epochs) by processes per GPU: wall seconds",
