@@ -94,6 +94,8 @@ def true_indices(mask, total=None):
     the host, without the device-to-host wait that finding the output's size takes."""
     if total is None:
         return mask.nonzero(as_tuple=True)
+    if not total:  # (nonzero_static of an empty mask failed on CUDA before torch 2.9)
+        return tuple(torch.zeros(0, dtype=torch.long, device=mask.device) for _ in range(mask.ndim))
     # Transposed to [dims, total] first: each index tensor contiguous, as nonzero's are.
     return mask.nonzero_static(size=total).T.contiguous().unbind(0)
 
