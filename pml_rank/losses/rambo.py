@@ -187,11 +187,11 @@ class _RaMBOLoss(RankLossBase):
         scores, positives, columns = self.similarities(
             embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
         )
-        positions = positions_and_counts(positives)
-        self.num_pos_pairs = positions[1].total
+        indices, counts = positions_and_counts(positives)
+        self.num_pos_pairs = counts.total
         if self.num_pos_pairs == 0:
             return self.zero_losses()
-        return self.losses_per_query(scores, positives, positions, exclude_self, columns)
+        return self.losses_per_query(scores, positives, (indices, counts), exclude_self, columns)
 
     def loss_with_stored_rows(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
         """The "rows" memory: the current score rows and the stored ones, each ranked on its
@@ -208,12 +208,12 @@ class _RaMBOLoss(RankLossBase):
             stored_values = scores.new_zeros(0)
         stored_rows = sum(stored for stored, _ in shapes)
         shape = torch.tensor([rows, width])
-        positions = positions_and_counts(positives)
-        self.num_pos_pairs = positions[1].total
+        indices, counts = positions_and_counts(positives)
+        self.num_pos_pairs = counts.total
         if self.num_pos_pairs == 0:
             self.memory.append(scores.new_zeros(0), shape)
             return self.zero_losses()
-        loss, values = self.mean_over_rows(scores, positives, positions, stored_values, rows + stored_rows)
+        loss, values = self.mean_over_rows(scores, positives, (indices, counts), stored_values, rows + stored_rows)
         self.memory.append(values, shape)
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
