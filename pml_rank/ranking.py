@@ -164,7 +164,7 @@ class LossScale:
             return None
         if self.value is None:
             return bool(self._moved)
-        scale_is_zero, moved = torch.stack([self.value == 0, self._moved.to(self.value.device)]).tolist()
+        scale_is_zero, moved = torch.stack([self.value == 0, self._moved]).tolist()
         return None if scale_is_zero else moved
 
 

@@ -23,6 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device_policy as policy
+from ..ranking import true_indices
 from . import fused_ranks
 
 
@@ -66,10 +67,10 @@ def is_all_true(mask):
 def true_rows(mask, count, device=None):
     """The indices of the True entries of a boolean vector with `count` of them (known
     already): an arange (on `device` when `mask` is None, all True) when all are, without
-    the `nonzero` that makes a GPU's host wait."""
+    the `nonzero` that makes a GPU's host wait (`ranking.true_indices` otherwise)."""
     if mask is None or count == len(mask):
         return torch.arange(count, device=device if mask is None else mask.device)
-    return mask.nonzero(as_tuple=True)[0]
+    return true_indices(mask, count)[0]
 
 
 def queries_in_range(per_query, fewest, most=None, extremes=None):

@@ -32,6 +32,7 @@ from ..ranking import (
     true_indices,
 )
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
+from .query_panels import true_rows
 
 
 class ScoreMemory(torch.nn.Module):
@@ -449,14 +450,14 @@ class RaMBOAPLoss(_RaMBOLoss):
 
     def losses_per_query(self, scores, positives, positions, exclude_self, references=None):
         precision, has_positive = self.precision(scores, positives, positions)
-        queries = true_indices(has_positive, positions[1].sequences_with_one)[0]
+        queries = true_rows(has_positive, positions[1].sequences_with_one)
         return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
 
     def mean_over_rows(self, scores, positives, positions, stored_precisions, total_rows):
         """1 − the mean precision over the current and the stored rows with a positive;
         returns it and this batch's precisions (to store)."""
         precision, has_positive = self.precision(scores, positives, positions)
-        precision = precision[true_indices(has_positive, positions[1].sequences_with_one)]
+        precision = precision[true_rows(has_positive, positions[1].sequences_with_one)]
         return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
 
     def precision(self, scores, positives, positions):

@@ -24,6 +24,7 @@ from pml_rank.losses import (
     query_panels,
 )
 from pml_rank.losses.base import symmetrize_
+from pml_rank.losses.query_panels import true_rows
 
 LOSSES = {
     "SmoothAP": SmoothAPLoss,
@@ -260,3 +261,13 @@ def test_fastap_auc_and_npairs_launch_at_most_their_operations_of_now(loss_class
     count = counted(loss_class(), 2048)
     assert count.launches <= most, count.launches
     assert sum(count.waits.values()) == 3, count.waits
+
+
+def test_the_rows_of_a_mask_with_a_known_count_come_without_a_wait():
+    """`true_rows` with some rows left out: `nonzero_static` of the count the caller read
+    back, the same indices as `nonzero`, which would make a GPU's host wait."""
+    mask = torch.tensor([True, False, True, True, False])
+    with DispatchCount() as count:
+        rows = true_rows(mask, 3)
+    assert torch.equal(rows, mask.nonzero(as_tuple=True)[0]) and not count.waits, count.waits
+    assert torch.equal(true_rows(torch.zeros(4, dtype=torch.bool), 0), torch.zeros(0, dtype=torch.long))
