@@ -194,3 +194,43 @@ def test_validation_on_cuda_measures_what_the_cpu_measures():
         tester.test({"val": dataset}, 1, torch.nn.Identity().to(device))
         accuracies[device] = tester.all_accuracies["val"]
     assert accuracies["cuda"] == pytest.approx(accuracies["cpu"], abs=1e-6)
+
+
+def test_mixed_precision_training_on_cuda_steps_its_optimizers_without_waiting(monkeypatch):
+    """Adam's fused step takes the GradScaler's overflow check on the device; the default
+    step reads it back, once per optimizer and step, making the CPU wait for the GPU."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pml_rank.harness.budget import resolve
+    from pml_rank.harness.evaluation import TrainingConfig
+    from pml_rank.harness.evaluation.training import MixedPrecisionTrainer, train_model
+    from pml_rank.losses import SmoothAPLoss
+
+    class ReadBacks(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ReadBacks.count += func._schema.name == "aten::_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+
+    step_optimizers = MixedPrecisionTrainer.step_optimizers
+
+    def counted(trainer):
+        with ReadBacks():
+            step_optimizers(trainer)
+
+    monkeypatch.setattr(MixedPrecisionTrainer, "step_optimizers", counted)
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.arange(8).repeat_interleave(8)
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 6, generator=generator)[labels], labels)
+    dataset.labels = labels.numpy()
+    budget = dict(resolve("glyphs"), epochs=1, iterations_per_epoch=4, batch_size=16, amp=True)
+    config = dataclasses.replace(TrainingConfig.from_budget(budget), device="cuda")
+    torch.manual_seed(0)
+    trunk = torch.nn.Linear(6, 4)
+    before = trunk.weight.detach().clone()
+    result = train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
+    assert ReadBacks.count == 0
+    assert not torch.equal(result.trunk.weight.detach().cpu(), before)  # the steps were taken

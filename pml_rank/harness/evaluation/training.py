@@ -118,13 +118,20 @@ class TrainingConfig:
         )
 
     def make_optimizer(self, parameters, lr):
-        """The configured optimizer over `parameters` at `lr`."""
+        """The configured optimizer over `parameters` at `lr`. On a GPU, Adam and SGD take
+        torch's fused step: one kernel per optimizer where the default (foreach) step
+        launches one per operation (a fifth to a quarter of a glyph training step's
+        operations, counted on the CPU), and under a `GradScaler` it skips an overflowed
+        step on the device instead of reading the scaler's check back, a wait for the GPU
+        (torch has no fused RMSprop). On the CPU, the per-parameter step that made the
+        committed tables (the fused one rounds differently)."""
+        fused = {"fused": True} if torch.device(self.device).type == "cuda" else {}
         if self.optimizer == "adam":
-            return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay)
+            return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay, **fused)
         if self.optimizer == "rmsprop":
             return torch.optim.RMSprop(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum)
         if self.optimizer == "sgd":
-            return torch.optim.SGD(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum)
+            return torch.optim.SGD(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum, **fused)
         raise ValueError(f"unknown optimizer {self.optimizer!r}; available: adam, rmsprop, sgd")
 
     def make_lr_scheduler(self, optimizer):

@@ -140,3 +140,18 @@ def test_a_keyed_item_draws_its_augmentation_from_its_seed_alone(tmp_path):
     torch.manual_seed(0)
     assert torch.equal(torch.rand(3), after)  # the process's generator left as it was
     assert not any(torch.equal(train_set[(1, seed)][0], first) for seed in range(6, 10))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "rmsprop"])
+def test_on_a_gpu_adam_and_sgd_take_the_fused_step_and_on_the_cpu_the_per_parameter_one(optimizer):
+    """The fused step launches one kernel where the default launches one per operation (on
+    CUDA, tests/test_cuda.py); the CPU keeps the step that made the committed tables."""
+    config = dataclasses.replace(TrainingConfig.from_budget(resolve("glyphs")), optimizer=optimizer, momentum=0.0)
+    parameters = list(torch.nn.Linear(3, 2).parameters())
+    fused = {}
+    for device in ("cpu", "cuda"):
+        made = dataclasses.replace(config, device=device).make_optimizer(parameters, 1e-3)
+        assert type(made).__name__.lower() == optimizer
+        fused[device] = bool(made.defaults.get("fused"))
+        assert not made.defaults.get("foreach")
+    assert fused == {"cpu": False, "cuda": optimizer != "rmsprop"}
