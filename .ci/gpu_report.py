@@ -78,6 +78,10 @@ def build(report):
             for line in read(logs / f"{name}.log").splitlines()
             if re.match(r"(raw step|bench|throughput|resnet|small-cnn)", line)
         ]
+    steps = read(logs / "glyph-steps.log")
+    out["glyph steps"] = next(
+        (json.loads(line)["rows"] for line in reversed(steps.splitlines()) if line.startswith('{"device"')), None
+    )
     out["profile"] = read(report / "profile" / "profile.md")
     out["kernel settings"] = read(report / "kernels.md")
     sweep = {}
@@ -148,6 +152,23 @@ def markdown(out):
                 *[f"    {t}" for t in out[name]],
                 "",
             ]
+    if out.get("glyph steps"):
+        lines += [
+            "## The glyph training step driven each way (.ci/gpu_glyph_steps.py)",
+            "",
+            "| loss | optimizer | graphed trunk | amp | ms a step (min-max) | kernels | waits | steps/s: 1 process, 4 |",
+            "| --- | --- | --- | --- | --- | ---: | ---: | --- |",
+        ]
+        for r in out["glyph steps"]:
+            if "error" in r:
+                timing, kernels, waits, shared = r["error"][:80], "", "", ""
+            else:
+                timing = f"{r['ms per step']} ({r['spread'][0]}-{r['spread'][1]})"
+                kernels, waits = r["kernels"], r["waits"]
+                shared = ", ".join(str(v) for k, v in r.items() if k.startswith("steps/s"))
+            cells = [r["loss"], r["optimizer"], r["graphed"], r["amp"], timing, kernels, waits, shared]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
     if out.get("sweep seconds by processes per GPU"):
         lines += [
             "## Glyph bench subset (4 rows x 2 seeds, reference rows, 2 epochs) by processes per GPU: wall seconds",
