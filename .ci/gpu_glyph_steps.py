@@ -90,7 +90,8 @@ class Step:
             synchronize(self.device)
         events = prof.events()
         kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        launches = sum(1 for e in events if e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch")))
+        launch = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch")
+        launches = sum(1 for e in events if e.name.startswith(launch))
         operators = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
         return {
             "kernels": kernels,

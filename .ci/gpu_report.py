@@ -156,7 +156,8 @@ def markdown(out):
         lines += [
             "## The glyph training step driven each way (.ci/gpu_glyph_steps.py)",
             "",
-            "| loss | optimizer | graphed trunk | amp | ms a step (min-max) | kernels | waits | steps/s: 1 process, 4 |",
+            "| loss | optimizer | graphed trunk | amp | ms a step (min-max) | kernels | waits "
+            "| steps/s: 1 process, 4 |",
             "| --- | --- | --- | --- | --- | ---: | ---: | --- |",
         ]
         for r in out["glyph steps"]:

@@ -109,7 +109,8 @@ def main():
     report.parent.mkdir(parents=True, exist_ok=True)
     report.with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "rows": results}, indent=1))
     lines = [
-        f"# Operations per glyph bench training step under the accelerator's policy, counted on the CPU (torch {torch.__version__})",
+        "# Operations per glyph bench training step under the accelerator's policy, counted on the CPU "
+        f"(torch {torch.__version__})",
         "",
         f"Command: `TRITON_INTERPRET=1 python .ci/step_operation_counts.py {os.fspath(report)}`",
         "",

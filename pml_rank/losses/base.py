@@ -243,10 +243,10 @@ def label_pairs_and_counts(labels, ref_labels, with_self=False):
     run_starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
     within = torch.arange(len(queries), device=labels.device).sub_(run_starts)
     references = order[first.repeat_interleave(counts).add_(within)]
-    if batch:
+    if batch:  # every query's run holds the query itself
         different = queries != references
-        queries, references = queries[different], references[different]
-    return queries, references, torch.bincount(queries, minlength=len(labels)), None
+        queries, references, counts = queries[different], references[different], counts - 1
+    return queries, references, counts, None
 
 
 class LabelPairs(NamedTuple):

@@ -17,7 +17,7 @@ from pml_rank.harness.references import auc as auc_reference
 from pml_rank.harness.references import npairs as npairs_reference
 from pml_rank.losses import AUCLoss, NPairsMCLoss, NPairsOVOLoss, PNPLoss, query_panels
 from pml_rank.losses.auc import relaxed_roc_area, thresholds
-from pml_rank.losses.base import label_pairs, pair_masks
+from pml_rank.losses.base import label_pairs_and_counts, pair_masks
 from pml_rank.losses.npairs import EXP_FLOOR
 from pml_rank.losses.pnp import MeanPenalty
 from pml_rank.losses.recall_at_k import PAPER_K_VALUES, recall_formula
@@ -434,8 +434,8 @@ def test_mask_helpers_equal_torchs_reductions_on_any_layout(shape, density):
 @pytest.mark.parametrize("policy", ["cache", "memory"])
 @pytest.mark.parametrize("batch", [True, False], ids=["references are the batch", "separate references"])
 def test_label_pairs_equal_the_positive_mask_entries(batch, policy, with_self, monkeypatch):
-    """`label_pairs` (the CPU's sorted labels without a mask; an accelerator's mask) against
-    the entries of `pair_masks`'s positive mask, row-major, (i, i) included `with_self`:
+    """`label_pairs` (the CPU's sorted labels without a mask; an accelerator's mask) and each
+    query's count of them against the entries of `pair_masks`'s positive mask, row-major, (i, i) included `with_self`:
     shuffled and unequal classes, singletons, negative labels, labels of two integer types,
     and empty batches."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: policy)
@@ -447,9 +447,10 @@ def test_label_pairs_equal_the_positive_mask_entries(batch, policy, with_self, m
         positive, _ = pair_masks(labels, ref_labels)
         if with_self and batch:
             positive.fill_diagonal_(True)
-        pairs = label_pairs(labels, ref_labels, with_self=with_self)
-        for ours, expected in zip(pairs, positive.nonzero(as_tuple=True), strict=True):
+        queries, references, per_query, _ = label_pairs_and_counts(labels, ref_labels, with_self=with_self)
+        for ours, expected in zip((queries, references), positive.nonzero(as_tuple=True), strict=True):
             assert torch.equal(ours, expected)
+        assert torch.equal(per_query, positive.sum(1))
 
 
 @pytest.mark.parametrize("queries", [slice(2, 6), torch.tensor([0, 3, 4, 6])], ids=["slice", "indices"])
