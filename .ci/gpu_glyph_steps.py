@@ -102,18 +102,22 @@ class Step:
 
 
 def _in_process(device, way, steps, rounds, barrier, results):
-    """A process of the shared-GPU run: its steps timed between two barriers."""
-    step = Step(torch.device(device), **way)
-    for _ in range(20):
-        step()
-    synchronize(step.device)
-    barrier.wait()
-    started = time.perf_counter()
-    for _ in range(steps * rounds):
-        step()
-    synchronize(step.device)
-    results.put(time.perf_counter() - started)
-    barrier.wait()
+    """A process of the shared-GPU run: its steps timed between two barriers; puts its
+    seconds, or its error (and breaks the barrier for the others)."""
+    try:
+        step = Step(torch.device(device), **way)
+        for _ in range(20):
+            step()
+        synchronize(step.device)
+        barrier.wait(timeout=120)
+        started = time.perf_counter()
+        for _ in range(steps * rounds):
+            step()
+        synchronize(step.device)
+        results.put(time.perf_counter() - started)
+    except Exception as error:
+        barrier.abort()
+        results.put(f"{type(error).__name__}: {error}"[:300])
 
 
 def shared(device, way, steps, rounds, processes):
@@ -126,9 +130,12 @@ def shared(device, way, steps, rounds, processes):
     ]
     for worker in workers:
         worker.start()
-    seconds = [results.get(timeout=600) for _ in workers]
+    seconds = [results.get(timeout=300) for _ in workers]
     for worker in workers:
         worker.join()
+    errors = [s for s in seconds if isinstance(s, str)]
+    if errors:
+        raise RuntimeError(f"in a process of {processes}: {errors[0]}")
     return round(processes * steps * rounds / max(seconds), 1)
 
 
