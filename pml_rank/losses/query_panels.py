@@ -110,6 +110,14 @@ def true_entries(mask):
     return word_rows[word], word_columns[word] * 8 + byte
 
 
+def occurrences(indices, length):
+    """How often each of 0 .. `length` − 1 occurs in `indices` (int64): ``bincount`` with
+    ``minlength=length`` for indices known to be in range, without its read-back of their
+    extremes (on a GPU, a wait)."""
+    counts = torch.zeros(length, dtype=torch.int64, device=indices.device)
+    return counts.index_add_(0, indices, torch.ones_like(indices))
+
+
 def query_panels(pair_query, num_queries, num_references, elements=None):
     """The pairs (`pair_query`: their queries, sorted) in panels of queries with equally
     many pairs c: a list of ``(queries, pairs)``, where `queries` selects the panel's r
@@ -118,14 +126,22 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
     Every query with pairs is in exactly one panel. A panel's c · r · `num_references`
     entries are at most `elements` (default `panel_elements` for the pairs' device) or,
     when one query's c · `num_references` are more, that. The host waits for the device
-    twice, whatever the number of panels."""
+    three times (`bincount`'s size, two read-backs), whatever the number of panels and of
+    distinct counts."""
     if elements is None:
         elements = panel_elements(pair_query.device, num_queries, num_references)
-    per_query = torch.bincount(pair_query, minlength=num_queries)
+    per_query = occurrences(pair_query, num_queries)
     per_pair = per_query[pair_query]
-    counts = torch.bincount(per_query).nonzero().view(-1).tolist()
-    by_count = [torch.nonzero(per_pair == count).view(-1, count) for count in counts if count]
-    by_count = [(pairs, pair_query[pairs[:, 0]]) for pairs in by_count]
+    queries_with = torch.bincount(per_query).tolist()  # how many queries have c pairs, for every c
+    # The pairs ordered by their query's count, stably: each count's pairs are one run, its
+    # queries' pairs in order (where a nonzero per count would wait for the device each).
+    order = torch.argsort(per_pair, stable=True)
+    by_count, start = [], 0
+    for count, queries in enumerate(queries_with):
+        if count and queries:
+            pairs = order[start : start + count * queries].view(queries, count)
+            by_count.append((pairs, pair_query[pairs[:, 0]]))
+            start += count * queries
     # The first and last query of each count, in one transfer.
     ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]) if by_count else None
     panels = []
@@ -365,7 +381,7 @@ def _fused(
     if pairs_per_query:
         per_query, uniform, most = None, True, pairs_per_query
     else:
-        per_query = torch.bincount(pair_query, minlength=len(scores))
+        per_query = occurrences(pair_query, len(scores))
         fewest, most = torch.stack(torch.aminmax(per_query)).tolist()
         uniform = fewest == most > 0
     if not uniform:

@@ -31,6 +31,24 @@ def test_non_finite_ref_emb_is_rejected():
         _Toy()(torch.zeros(2, 3), torch.arange(2), ref_emb=ref, ref_labels=torch.arange(3))
 
 
+def test_embeddings_and_ref_emb_are_checked_with_one_read_back(monkeypatch):
+    """One read-back for both (on a GPU, one wait), the sums in their own dtypes: a
+    float16 sum that overflows still falls back to the elementwise check."""
+    embeddings, large = torch.ones(2, 3), torch.full((4, 3), 30000.0, dtype=torch.float16)
+    lists, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: lists.append(tensor) or tolist(tensor))
+    with OperationNames() as counted:
+        check_embeddings("Named", embeddings=embeddings, ref_emb=torch.ones(4, 3))
+    assert counted.names["aten::_local_scalar_dense"] + len(lists) == 1
+    check_embeddings("Named", embeddings=embeddings, ref_emb=large)  # finite, though its sum is not
+    large[1, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"Named: ref_emb contains 1 NaN/Inf value\(s\), first at index \(1, 1\)"):
+        check_embeddings("Named", embeddings=embeddings, ref_emb=large)
+    with OperationNames() as counted:  # the batch as its own references: checked once
+        check_embeddings("Named", embeddings=embeddings, ref_emb=embeddings)
+    assert counted.names["aten::sum"] == 1
+
+
 def test_integer_embeddings_are_a_type_error():
     with pytest.raises(TypeError, match="Named: embeddings must be a floating-point tensor, got torch.int64"):
         check_embeddings("Named", embeddings=torch.zeros(2, 2, dtype=torch.long))

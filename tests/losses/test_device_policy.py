@@ -230,6 +230,61 @@ def test_a_call_at_batch_8192_is_a_few_panels(memory_policy):
     assert query_panels.row_counts(torch.ones(8192, 16, dtype=torch.bool)).tolist() == [16] * 8192
 
 
+@pytest.mark.parametrize("policy", ["cache", "memory"])
+def test_query_panels_group_each_querys_pairs_by_their_count(policy, monkeypatch):
+    """Every query with pairs in exactly one panel, among queries with as many pairs, its
+    pairs in order; a panel within its entries (or one query); against a grouping by a
+    Python dict. Queries without pairs, counts 1 to 9, consecutive and scattered queries."""
+    monkeypatch.setattr(_device_policy, "sized_for", lambda device: policy)
+    generator = torch.Generator().manual_seed(4)
+    for trial in range(20):
+        per_query = torch.randint(0, 10, (1 + 7 * trial,), generator=generator)
+        pair_query = torch.arange(len(per_query)).repeat_interleave(per_query)
+        references, elements = 13, 40 + 30 * (trial % 4)
+        expected = collections.defaultdict(list)  # count: [(query, its pairs' indices), ...]
+        for query, count in enumerate(per_query.tolist()):
+            if count:
+                start = int(per_query[:query].sum())
+                expected[count].append((query, list(range(start, start + count))))
+        found = collections.defaultdict(list)
+        for queries, pairs in query_panels.query_panels(pair_query, len(per_query), references, elements):
+            query_list = torch.arange(len(per_query))[queries].tolist()
+            assert len(query_list) == len(pairs) and (len(pairs) == 1 or pairs.numel() * references <= elements)
+            found[pairs.shape[1]] += zip(query_list, pairs.tolist())
+        assert dict(found) == dict(expected)
+
+
+def test_query_panels_wait_as_often_whatever_the_number_of_counts(memory_policy):
+    """Two distinct counts of pairs or nine: the same read-backs."""
+    waits = []
+    for counts in ([4] * 40 + [3] * 40, list(range(1, 10)) * 9):
+        pair_query = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
+        with DispatchCount() as count:
+            query_panels.query_panels(pair_query, len(counts), 64)
+        waits.append(sum(count.waits.values()))
+    assert waits[0] == waits[1] <= 3
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_a_call_inside_cross_batch_memory_waits_as_often_whatever_the_counts_of_pairs(name, memory_policy):
+    """PML's pairs of the batch against the memory give the queries unequal numbers of
+    positives (7 distinct counts here): no more waits for the device than with 1, where one
+    `nonzero` per distinct count made 28-30 waits a call."""
+    from pml_rank.losses import CrossBatchMemory
+
+    waits = []
+    for classes in (8, 10):  # 4 per class against the memory's, or unequal classes
+        memory = CrossBatchMemory(LOSSES[name](), embedding_size=16, memory_size=96)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):  # the last call counted, the memory full
+            embeddings = torch.randn(32, 16, generator=generator).requires_grad_()
+            labels = torch.arange(32) % 8 if classes == 8 else torch.randint(0, 10, (32,), generator=generator)
+            with DispatchCount() as count:
+                memory(embeddings, labels).backward()
+        waits.append(sum(count.waits.values()))
+    assert waits[1] <= waits[0] + 2 and waits[1] <= 20, waits
+
+
 @pytest.mark.parametrize("n", [1, 5, 300])
 def test_symmetrize_in_one_pass_equals_matrix_plus_transpose(n, memory_policy):
     matrix = torch.randn(n, n, generator=torch.Generator().manual_seed(n))

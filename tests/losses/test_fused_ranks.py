@@ -208,13 +208,23 @@ def test_interpreted_kernels_read_a_half_product_as_its_float32_copy(name, input
 
 class ReadBacks(TorchDispatchMode):
     """In order, the operations inside the context after which a GPU's host waits for the
-    device ("wait": a number read back, nonzero's or bincount's size, or host data made a
-    tensor, whose upload waits for the device's queue) and the matrix products
+    device ("wait": a number or a list read back, nonzero's or bincount's size, or host data
+    made a tensor, whose upload waits for the device's queue) and the matrix products
     ("product"); a test may add marks of its own to `events`."""
 
     def __init__(self):
         super().__init__()
         self.events = []
+        self._tolist = None
+
+    def __enter__(self):
+        self._tolist = tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda tensor: self.events.append("wait") or tolist(tensor)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::lift_fresh"):
@@ -640,7 +650,7 @@ def test_label_pair_kernels_equal_the_positive_mask_entries(device):
                     positive.fill_diagonal_(True)
                 with ReadBacks() as read_backs:
                     queries, references, per_query, extremes = label_pairs_and_counts(labels, ref_labels, with_self)
-                assert read_backs.events == []
+                assert read_backs.events == ["wait"]  # the tolist
                 for ours, expected in zip((queries, references), positive.nonzero(as_tuple=True), strict=True):
                     assert torch.equal(ours, expected)
                 counts = positive.sum(1)
