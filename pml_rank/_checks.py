@@ -33,7 +33,8 @@ def check_embeddings(component, **tensors):
     with torch.no_grad():  # no autograd node for a check
         sums = [tensor.sum() for tensor in tensors.values()]
     if len(sums) > 1 and len({s.device for s in sums}) == 1:
-        sums = torch.stack([s.to(torch.float64) for s in sums]).tolist()
+        # float32 (MPS has no float64): a finite float64 sum beyond its range only takes the slow path.
+        sums = torch.stack([s.to(torch.float32) for s in sums]).tolist()
     for (name, tensor), total in zip(tensors.items(), sums):
         if math.isfinite(total):
             continue

@@ -137,11 +137,11 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
     # queries' pairs in order (where a nonzero per count would wait for the device each).
     order = torch.argsort(per_pair, stable=True)
     by_count, start = [], 0
-    for count, queries in enumerate(queries_with):
-        if count and queries:
-            pairs = order[start : start + count * queries].view(queries, count)
+    for count, how_many in enumerate(queries_with):
+        if count and how_many:
+            pairs = order[start : start + count * how_many].view(how_many, count)
             by_count.append((pairs, pair_query[pairs[:, 0]]))
-            start += count * queries
+            start += count * how_many
     # The first and last query of each count, in one transfer.
     ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]) if by_count else None
     panels = []

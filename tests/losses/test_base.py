@@ -44,6 +44,8 @@ def test_embeddings_and_ref_emb_are_checked_with_one_read_back(monkeypatch):
     large[1, 1] = float("inf")
     with pytest.raises(ValueError, match=r"Named: ref_emb contains 1 NaN/Inf value\(s\), first at index \(1, 1\)"):
         check_embeddings("Named", embeddings=embeddings, ref_emb=large)
+    huge = torch.full((2, 3), 1e300, dtype=torch.float64)  # finite; its sum is beyond float32's range
+    check_embeddings("Named", embeddings=embeddings, ref_emb=huge)
     with OperationNames() as counted:  # the batch as its own references: checked once
         check_embeddings("Named", embeddings=embeddings, ref_emb=embeddings)
     assert counted.names["aten::sum"] == 1
