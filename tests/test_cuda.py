@@ -234,3 +234,12 @@ def test_mixed_precision_training_on_cuda_steps_its_optimizers_without_waiting(m
     result = train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
     assert ReadBacks.count == 0
     assert not torch.equal(result.trunk.weight.detach().cpu(), before)  # the steps were taken
+
+
+def test_pair_counts_on_cuda_equal_bincount():
+    from pml_rank.losses.query_panels import occurrences
+
+    indices = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(0))
+    expected = torch.bincount(indices, minlength=60)
+    assert torch.equal(occurrences(indices.cuda(), 60).cpu(), expected)
+    assert torch.equal(occurrences(indices[:0].cuda(), 60).cpu(), torch.zeros(60, dtype=torch.int64))

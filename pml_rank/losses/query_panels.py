@@ -113,7 +113,10 @@ def true_entries(mask):
 def occurrences(indices, length):
     """How often each of 0 .. `length` − 1 occurs in `indices` (int64): ``bincount`` with
     ``minlength=length`` for indices known to be in range, without its read-back of their
-    extremes (on a GPU, a wait)."""
+    extremes (on a GPU, a wait). On MPS, whose int64 ``index_add_`` failed before torch 2.9,
+    ``bincount`` itself."""
+    if indices.device.type == "mps":
+        return torch.bincount(indices, minlength=length)
     counts = torch.zeros(length, dtype=torch.int64, device=indices.device)
     return counts.index_add_(0, indices, torch.ones_like(indices))
 

@@ -254,6 +254,12 @@ def test_query_panels_group_each_querys_pairs_by_their_count(policy, monkeypatch
         assert dict(found) == dict(expected)
 
 
+def test_occurrences_count_as_bincount_does():
+    indices = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(0))
+    for given in (indices, indices[:0]):
+        assert torch.equal(query_panels.occurrences(given, 60), torch.bincount(given, minlength=60))
+
+
 def test_query_panels_wait_as_often_whatever_the_number_of_counts(memory_policy):
     """Two distinct counts of pairs or nine: the same read-backs."""
     waits = []
