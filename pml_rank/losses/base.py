@@ -15,7 +15,7 @@ from torch.autograd.function import once_differentiable
 from .. import _device_policy
 from .._checks import check_embeddings, check_references, checked_constructor
 from . import fused_label_pairs, fused_ranks, fused_unit_rows
-from .query_panels import queries_in_range, true_rows
+from .query_panels import occurrences, queries_in_range, true_rows
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -232,7 +232,7 @@ def label_pairs_and_counts(labels, ref_labels, with_self=False):
         if batch:
             positive.fill_diagonal_(False)
         queries, references = positive.nonzero(as_tuple=True)
-        return queries, references, torch.bincount(queries, minlength=len(labels)), None
+        return queries, references, occurrences(queries, len(labels)), None
     common = torch.promote_types(labels.dtype, ref_labels.dtype)
     labels, ref_labels = labels.to(common), ref_labels.to(common)
     sorted_labels, order = torch.sort(ref_labels, stable=True)

@@ -164,7 +164,7 @@ def jacobian_buffer(scores, pair_query):
     write, with zeros in the rows of the queries without pairs (a fill of the whole
     matrix would be one more pass over it)."""
     jacobian = torch.empty_like(scores)
-    without_pairs = torch.bincount(pair_query, minlength=len(scores)) == 0
+    without_pairs = occurrences(pair_query, len(scores)) == 0
     if bool(without_pairs.any()):
         jacobian[without_pairs] = 0
     return jacobian
@@ -212,7 +212,7 @@ def left_out_per_query(left_out, num_queries):
         return 1
     if torch.is_tensor(left_out):
         return row_counts(left_out)
-    return torch.bincount(left_out[0], minlength=num_queries)
+    return occurrences(left_out[0], num_queries)
 
 
 def left_out_by_panel(left_out, panels, num_queries):
@@ -231,7 +231,7 @@ def left_out_by_panel(left_out, panels, num_queries):
         row_in_panel[queries] = torch.arange(len(pairs), device=at_query.device)
     pair_panel = panel_of[at_query]
     order = torch.argsort(pair_panel, stable=True)
-    sizes = torch.bincount(pair_panel, minlength=len(panels) + 1).tolist()
+    sizes = occurrences(pair_panel, len(panels) + 1).tolist()
     rows = row_in_panel[at_query[order]].split(sizes)
     return list(zip(rows, at_reference[order].split(sizes)))[: len(panels)]
 

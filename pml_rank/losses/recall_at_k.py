@@ -53,6 +53,7 @@ from .query_panels import (
     any_per_row,
     left_out_of,
     left_out_per_query,
+    occurrences,
     own_columns,
     queries_in_range,
     relaxed_ranks,
@@ -161,7 +162,7 @@ class RecallAtKSurrogateLoss(RankLossBase):
             positive, negative = pair_masks(labels, ref_labels, indices_tuple, shape=shape)
             pair_query, pair_positive = true_entries(positive)
             left_out = left_out_of(positive, negative)
-            positives = torch.bincount(pair_query, minlength=shape[0])
+            positives = occurrences(pair_query, shape[0])
             # Each query's number of ranked references, as `positives` counts its positives.
             ranked = torch.full_like(positives, shape[1]) - left_out_per_query(left_out, shape[0])
             keep = (positives > 0) & any_per_row(negative)
