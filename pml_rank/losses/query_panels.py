@@ -121,7 +121,7 @@ def occurrences(indices, length):
     return counts.index_add_(0, indices, torch.ones_like(indices))
 
 
-def query_panels(pair_query, num_queries, num_references, elements=None):
+def query_panels(pair_query, num_queries, num_references, elements=None, slices=True):
     """The pairs (`pair_query`: their queries, sorted) in panels of queries with equally
     many pairs c: a list of ``(queries, pairs)``, where `queries` selects the panel's r
     queries from a [queries, ...] tensor (a slice when they are consecutive, else an
@@ -130,7 +130,8 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
     entries are at most `elements` (default `panel_elements` for the pairs' device) or,
     when one query's c · `num_references` are more, that. The host waits for the device
     three times (`bincount`'s size, two read-backs), whatever the number of panels and of
-    distinct counts."""
+    distinct counts; twice without `slices` (every `queries` an index tensor: the read-back
+    of the counts' first and last queries is what finds the slices)."""
     if elements is None:
         elements = panel_elements(pair_query.device, num_queries, num_references)
     per_query = occurrences(pair_query, num_queries)
@@ -145,11 +146,12 @@ def query_panels(pair_query, num_queries, num_references, elements=None):
             pairs = order[start : start + count * how_many].view(how_many, count)
             by_count.append((pairs, pair_query[pairs[:, 0]]))
             start += count * how_many
-    # The first and last query of each count, in one transfer.
-    ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]) if by_count else None
+    ends = [(None, None)] * len(by_count)
+    if slices and by_count:  # the first and last query of each count, in one transfer
+        ends = torch.stack([end for _, queries in by_count for end in (queries[0], queries[-1])]).view(-1, 2).tolist()
     panels = []
-    for (pairs, queries), (first, last) in zip(by_count, ends.view(-1, 2).tolist() if by_count else []):
-        consecutive = last - first + 1 == len(queries)
+    for (pairs, queries), (first, last) in zip(by_count, ends):
+        consecutive = slices and last - first + 1 == len(queries)
         step = max(1, elements // (pairs.shape[1] * max(1, num_references)))
         for start in range(0, len(queries), step):
             stop = min(start + step, len(queries))
@@ -389,7 +391,8 @@ def _fused(
         uniform = fewest == most > 0
     if not uniform:
         # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
-        groups = query_panels(pair_query, *scores.shape, elements=scores.numel() * max(1, len(pair_query)))
+        elements = scores.numel() * max(1, len(pair_query))
+        groups = query_panels(pair_query, *scores.shape, elements=elements, slices=False)
     sums, slopes, own = fused_ranks.pair_sums(
         scores, weights, pair_query, pair_positive, kernel.fused, scale, with_gradient, skip_own
     )

@@ -230,11 +230,13 @@ def test_a_call_at_batch_8192_is_a_few_panels(memory_policy):
     assert query_panels.row_counts(torch.ones(8192, 16, dtype=torch.bool)).tolist() == [16] * 8192
 
 
+@pytest.mark.parametrize("slices", [True, False], ids=["slices", "index tensors"])
 @pytest.mark.parametrize("policy", ["cache", "memory"])
-def test_query_panels_group_each_querys_pairs_by_their_count(policy, monkeypatch):
+def test_query_panels_group_each_querys_pairs_by_their_count(policy, slices, monkeypatch):
     """Every query with pairs in exactly one panel, among queries with as many pairs, its
     pairs in order; a panel within its entries (or one query); against a grouping by a
-    Python dict. Queries without pairs, counts 1 to 9, consecutive and scattered queries."""
+    Python dict. Queries without pairs, counts 1 to 9, consecutive and scattered queries;
+    without `slices`, every panel's queries an index tensor."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: policy)
     generator = torch.Generator().manual_seed(4)
     for trial in range(20):
@@ -247,7 +249,8 @@ def test_query_panels_group_each_querys_pairs_by_their_count(policy, monkeypatch
                 start = int(per_query[:query].sum())
                 expected[count].append((query, list(range(start, start + count))))
         found = collections.defaultdict(list)
-        for queries, pairs in query_panels.query_panels(pair_query, len(per_query), references, elements):
+        for queries, pairs in query_panels.query_panels(pair_query, len(per_query), references, elements, slices):
+            assert slices or torch.is_tensor(queries)
             query_list = torch.arange(len(per_query))[queries].tolist()
             assert len(query_list) == len(pairs) and (len(pairs) == 1 or pairs.numel() * references <= elements)
             found[pairs.shape[1]] += zip(query_list, pairs.tolist())
@@ -261,14 +264,15 @@ def test_occurrences_count_as_bincount_does():
 
 
 def test_query_panels_wait_as_often_whatever_the_number_of_counts(memory_policy):
-    """Two distinct counts of pairs or nine: the same read-backs."""
+    """Two distinct counts of pairs or nine: the same read-backs, one fewer without slices."""
     waits = []
-    for counts in ([4] * 40 + [3] * 40, list(range(1, 10)) * 9):
-        pair_query = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
-        with DispatchCount() as count:
-            query_panels.query_panels(pair_query, len(counts), 64)
-        waits.append(sum(count.waits.values()))
-    assert waits[0] == waits[1] <= 3
+    for slices in (True, False):
+        for counts in ([4] * 40 + [3] * 40, list(range(1, 10)) * 9):
+            pair_query = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
+            with DispatchCount() as count:
+                query_panels.query_panels(pair_query, len(counts), 64, slices=slices)
+            waits.append(sum(count.waits.values()))
+    assert waits == [3, 3, 2, 2]
 
 
 @pytest.mark.parametrize("name", LOSSES)
