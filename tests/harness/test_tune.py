@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 optuna = pytest.importorskip("optuna")
-import sqlalchemy  # noqa: E402  (Optuna's)
+from tiny_bench import write_locked  # noqa: E402
 
 from pml_rank.harness import tune  # noqa: E402
 from pml_rank.harness.budget import TRAINING_KEYS  # noqa: E402
@@ -57,25 +57,16 @@ def tune_here(run_cli, *args, cache):
     assert status == 0, printed + err
 
 
-def trials_of(url, loss, at_once=False):
+def trials_of(url, loss):
     """The trials of `loss`'s study at the TINY budget; the storage's connections are closed
-    before returning (KeyError while the study does not exist). `at_once`: through Optuna's
-    own storage, whose read of a locked SQLite file fails within a second, where pml-rank's
-    waits for the lock and retries: a process frozen while it held the lock never lets it go."""
+    before returning (KeyError while the study does not exist)."""
     budget = tune.study_budget(epochs=1, iterations_per_epoch=2, num_classes=24, batch_size=16)
-    if at_once:
-        engine = {"connect_args": {"timeout": 1}}
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, skip_table_creation=True)
-    else:
-        storage = open_storage(url)
+    storage = open_storage(url)
     try:
         study = optuna.load_study(study_name=tune.study_name(loss, budget), storage=storage)
         return study.get_trials(deepcopy=False)
     finally:
-        if at_once:
-            storage.engine.dispose()
-        else:
-            close_storage(storage)
+        close_storage(storage)
 
 
 def states(trials):
@@ -124,11 +115,13 @@ def test_tune_on_sqlite_resumes_to_n_with_two_workers_on_one_file(tmp_path, glyp
 def a_trial_finished_and_another_drew_its_parameters(url):
     """A trial has finished and another is running with its parameters drawn (a trial killed
     before it draws them would be retried with fresh ones)."""
-    try:  # read while the process may be frozen holding the file's lock: fail at once, not wait
-        trials = trials_of(url, "pml:TripletMarginLoss", at_once=True)
-    except KeyError:  # the study does not exist yet
+    # The lock first: frozen holding it, the process would keep this read out too (pml-rank's
+    # storage waits 120 s for a lock, and retries).
+    if write_locked(url.removeprefix("sqlite:///")):
         return False
-    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError):  # no tables yet, or locked
+    try:
+        trials = trials_of(url, "pml:TripletMarginLoss")
+    except KeyError:  # the study does not exist yet
         return False
     return len(finished(trials)) >= 1 and any(t.state.name == "RUNNING" and t.params for t in trials)
 
