@@ -215,9 +215,10 @@ def test_mixed_precision_training_on_cuda_steps_its_optimizers_without_waiting(m
             ReadBacks.count += func._schema.name == "aten::_local_scalar_dense"
             return func(*args, **(kwargs or {}))
 
-    step_optimizers = MixedPrecisionTrainer.step_optimizers
+    step_optimizers, steps = MixedPrecisionTrainer.step_optimizers, []
 
     def counted(trainer):
+        steps.append(trainer.iteration)
         with ReadBacks():
             step_optimizers(trainer)
 
@@ -228,12 +229,8 @@ def test_mixed_precision_training_on_cuda_steps_its_optimizers_without_waiting(m
     dataset.labels = labels.numpy()
     budget = dict(resolve("glyphs"), epochs=1, iterations_per_epoch=4, batch_size=16, amp=True)
     config = dataclasses.replace(TrainingConfig.from_budget(budget), device="cuda")
-    torch.manual_seed(0)
-    trunk = torch.nn.Linear(6, 4)
-    before = trunk.weight.detach().clone()
-    result = train_model(SmoothAPLoss(), dataset, config, trunk=trunk, seed=0)
-    assert ReadBacks.count == 0
-    assert not torch.equal(result.trunk.weight.detach().cpu(), before)  # the steps were taken
+    train_model(SmoothAPLoss(), dataset, config, trunk=torch.nn.Linear(6, 4), seed=0)
+    assert len(steps) == 4 and ReadBacks.count == 0
 
 
 def test_pair_counts_on_cuda_equal_bincount():

@@ -435,9 +435,9 @@ def test_mask_helpers_equal_torchs_reductions_on_any_layout(shape, density):
 @pytest.mark.parametrize("batch", [True, False], ids=["references are the batch", "separate references"])
 def test_label_pairs_equal_the_positive_mask_entries(batch, policy, with_self, monkeypatch):
     """`label_pairs` (the CPU's sorted labels without a mask; an accelerator's mask) and each
-    query's count of them against the entries of `pair_masks`'s positive mask, row-major, (i, i) included `with_self`:
-    shuffled and unequal classes, singletons, negative labels, labels of two integer types,
-    and empty batches."""
+    query's count of them against the entries of `pair_masks`'s positive mask, row-major,
+    (i, i) included `with_self`: shuffled and unequal classes, singletons, negative labels,
+    labels of two integer types, and empty batches."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: policy)
     generator = torch.Generator().manual_seed(3)
     for trial in range(60):
