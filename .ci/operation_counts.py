@@ -66,7 +66,14 @@ class Counted(TorchDispatchMode):
 
 
 def counted_call(fn, inputs):
-    counted = Counted()
+    """The operations of one forward and backward call of `fn` on `inputs` (`speed`'s)."""
+    return counted_run(lambda: speed._run(fn, inputs))
+
+
+def counted_run(run, counted=None):
+    """`counted` (a fresh `Counted` by default) after ``run()``: its operations, each fused
+    kernel's launch once and every `tolist` a wait."""
+    counted = Counted() if counted is None else counted
     on_device, tolist = _triton.on_device, torch.Tensor.tolist
 
     def read_back(tensor):
@@ -81,7 +88,7 @@ def counted_call(fn, inputs):
     torch.Tensor.tolist = read_back
     try:
         with counted:
-            speed._run(fn, inputs)
+            run()
     finally:
         fused_ranks.on_device = _triton.on_device = on_device
         torch.Tensor.tolist = tolist

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pml_rank import _device_policy, _triton, cli
+from pml_rank import _device_policy, cli
 from pml_rank.harness.evaluation import training
 from pml_rank.losses import fused_ranks
 
@@ -55,22 +55,7 @@ def counting_steps(way, totals):
         adam_init(self, *args, **dict(kwargs, **{way: True}))
 
     def counted_step(trainer):
-        counted = StepCounted()
-        on_device, tolist = _triton.on_device, torch.Tensor.tolist
-
-        def read_back(tensor):
-            counted.names["tolist"] += 1
-            counted.waits += 1
-            return tolist(tensor)
-
-        fused_ranks.on_device = _triton.on_device = counted.pause
-        torch.Tensor.tolist = read_back
-        try:
-            with counted:
-                step(trainer)
-        finally:
-            fused_ranks.on_device = _triton.on_device = on_device
-            torch.Tensor.tolist = tolist
+        counted = operation_counts.counted_run(lambda: step(trainer), StepCounted())
         loss = type(trainer.loss_funcs["metric_loss"])
         row = ("pml:" if loss.__module__.startswith("pytorch_metric_learning") else "") + loss.__name__
         total = totals[row]
