@@ -123,15 +123,19 @@ class TrainingConfig:
         launches one per operation (a fifth to a quarter of a glyph training step's
         operations, counted on the CPU), and under a `GradScaler` it skips an overflowed
         step on the device instead of reading the scaler's check back, a wait for the GPU
-        (torch has no fused RMSprop). On the CPU, the per-parameter step that made the
-        committed tables (the fused one rounds differently)."""
-        fused = {"fused": True} if torch.device(self.device).type == "cuda" else {}
+        (torch has no fused RMSprop). On the CPU, the foreach step: the same bits as torch's
+        per-parameter default there, which made the committed tables, in about 0.6 of its
+        time (the fused one rounds differently)."""
+        on_cuda = torch.device(self.device).type == "cuda"
+        fast = {"fused": True} if on_cuda else {"foreach": True}
         if self.optimizer == "adam":
-            return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay, **fused)
+            return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay, **fast)
         if self.optimizer == "rmsprop":
-            return torch.optim.RMSprop(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum)
+            return torch.optim.RMSprop(
+                parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum, foreach=True
+            )
         if self.optimizer == "sgd":
-            return torch.optim.SGD(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum, **fused)
+            return torch.optim.SGD(parameters, lr=lr, weight_decay=self.weight_decay, momentum=self.momentum, **fast)
         raise ValueError(f"unknown optimizer {self.optimizer!r}; available: adam, rmsprop, sgd")
 
     def make_lr_scheduler(self, optimizer):

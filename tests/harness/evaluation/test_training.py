@@ -1,5 +1,6 @@
 """Training one model with PML's trainer (`train_model`): what the loader does around it."""
 
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -143,15 +144,41 @@ def test_a_keyed_item_draws_its_augmentation_from_its_seed_alone(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd", "rmsprop"])
-def test_on_a_gpu_adam_and_sgd_take_the_fused_step_and_on_the_cpu_the_per_parameter_one(optimizer):
+def test_on_a_gpu_adam_and_sgd_take_the_fused_step_and_on_the_cpu_the_foreach_one(optimizer):
     """The fused step launches one kernel where the default launches one per operation (on
-    CUDA, tests/test_cuda.py); the CPU keeps the step that made the committed tables."""
+    CUDA, tests/test_cuda.py); the CPU takes the foreach step (the same bits as its
+    per-parameter default: the next test)."""
     config = dataclasses.replace(TrainingConfig.from_budget(resolve("glyphs")), optimizer=optimizer, momentum=0.0)
     parameters = list(torch.nn.Linear(3, 2).parameters())
-    fused = {}
+    flags = {}
     for device in ("cpu", "cuda"):
         made = dataclasses.replace(config, device=device).make_optimizer(parameters, 1e-3)
         assert type(made).__name__.lower() == optimizer
-        fused[device] = bool(made.defaults.get("fused"))
-        assert not made.defaults.get("foreach")
-    assert fused == {"cpu": False, "cuda": optimizer != "rmsprop"}
+        flags[device] = (bool(made.defaults.get("fused")), bool(made.defaults.get("foreach")))
+    fused_on_cuda = optimizer != "rmsprop"
+    assert flags == {"cpu": (False, True), "cuda": (fused_on_cuda, not fused_on_cuda)}
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "rmsprop"])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-3])
+def test_the_cpu_optimizer_steps_the_same_bits_as_torchs_per_parameter_default(optimizer, weight_decay):
+    """The committed tables were made with torch's per-parameter step on the CPU: the
+    foreach one `make_optimizer` gives must not move a parameter by one bit."""
+    config = TrainingConfig.from_budget(resolve("glyphs"))
+    config = dataclasses.replace(config, optimizer=optimizer, weight_decay=weight_decay, momentum=0.9)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)
+    )
+    nets = [net, copy.deepcopy(net)]
+    made = config.make_optimizer(nets[0].parameters(), 3e-3)
+    default = type(made)(nets[1].parameters(), **{**made.defaults, "foreach": False})
+    assert made.defaults["foreach"] and not default.defaults["foreach"]
+    for _ in range(25):
+        images = torch.randn(6, 1, 8, 8)
+        for model, step in zip(nets, (made, default)):
+            step.zero_grad()
+            model(images).square().mean().backward()
+            step.step()
+    for (name, a), b in zip(nets[0].state_dict().items(), nets[1].state_dict().values()):
+        assert torch.equal(a, b), name
