@@ -172,7 +172,8 @@ def markdown(out):
         lines.append("")
     if out.get("sweep seconds by processes per GPU"):
         lines += [
-            "## Glyph bench subset (4 rows x 2 seeds, reference rows, 2 epochs) by processes per GPU: wall seconds",
+            "## Glyph bench subset (4 rows x 2 seeds, reference rows, 2 epochs) by processes per GPU: wall seconds"
+            " (cpu: on the CPU cores alone, one process per core)",
             "",
             " | ".join(f"{p}: {s}" for p, s in out["sweep seconds by processes per GPU"].items()),
             "",
