@@ -83,6 +83,7 @@ def build(report):
         (json.loads(line)["rows"] for line in reversed(steps.splitlines()) if line.startswith('{"device"')), None
     )
     out["profile"] = read(report / "profile" / "profile.md")
+    out["profile under autocast"] = read(report / "profile-amp" / "profile.md")
     out["kernel settings"] = read(report / "kernels.md")
     sweep = {}
     for step in out["steps"]:
@@ -133,6 +134,8 @@ def markdown(out):
             lines.append("")
     if out.get("profile"):
         lines += ["## Where a call's time goes (.ci/gpu_profile.py)", "", *out["profile"].splitlines()[2:], ""]
+    if out.get("profile under autocast"):
+        lines += ["## Under float16 autocast (--amp)", "", *out["profile under autocast"].splitlines()[2:], ""]
     if out.get("kernel settings"):
         lines += ["## " + out["kernel settings"].lstrip("# "), ""]
     if out.get("knn"):
