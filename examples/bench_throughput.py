@@ -35,9 +35,10 @@ from pytorch_metric_learning import losses
 from pml_rank.harness import runner
 from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
 from pml_rank.harness.budget import TRUNKS, dataset_argument, resolve
+from pml_rank.harness.datasets import Transformed
 from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
 from pml_rank.harness.evaluation.loaders import embedding_loaders, training_loaders
-from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, default_sampler, train_model
+from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, SeededDraws, default_sampler, train_model
 from pml_rank.harness.workers import default_loader_workers
 
 
@@ -78,6 +79,22 @@ def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps
         step(b)
     synchronize(device)
     return (time.perf_counter() - started) / steps
+
+
+def loader_batch_seconds(train_set, budget, batches=5):
+    """Seconds one process takes to prepare a training batch of the bench's sampler (read,
+    decode, augment, normalise, collate; images keyed by their seeds, as the trainer's
+    loader reads them): with the raw step's time, how many loader processes keep a device fed."""
+    sampler = torch.utils.data.BatchSampler(
+        default_sampler(train_set.labels, budget["batch_size"]), budget["batch_size"], drop_last=True
+    )
+    keyed = SeededDraws(sampler, seed=0) if isinstance(train_set, Transformed) else sampler
+    seconds = []
+    for batch in itertools.islice(keyed, batches + 1):  # the first warms the caches
+        started = time.perf_counter()
+        torch.utils.data.default_collate([train_set[key] for key in batch])
+        seconds.append(time.perf_counter() - started)
+    return seconds[1:]
 
 
 def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, loaders=(None, None)):
@@ -168,6 +185,8 @@ def main(argv=None):
             profile = cProfile.Profile()
             profile.runcall(bench_iteration_seconds, train_set, val_set, config, make_trunk, make_embedder, shared)
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
+    with torch.random.fork_rng(devices=[]):
+        loader = loader_batch_seconds(train_set, budget)
 
     def spread(values, scale=1.0):
         return f"{scale * statistics.median(values):.2f} ({scale * min(values):.2f}-{scale * max(values):.2f})"
@@ -187,6 +206,10 @@ def main(argv=None):
         f"{spread(bench, 1000)} ms per iteration"
     )
     print(f"throughput ratio bench / raw step: {spread(ratios)}")
+    print(
+        f"a training batch prepared by one loader process: {spread(loader, 1000)} ms, "
+        f"{statistics.median(loader) / statistics.median(raw):.2g} raw steps"
+    )
     if args.profile:
         print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)

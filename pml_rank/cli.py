@@ -250,8 +250,8 @@ def add_budget_arguments(parser, command):
         "--loader-workers",
         type=arguments.non_negative_int,
         help="data-loading processes per worker for image decoding, >= 0 (default: 0 on the CPU and for the "
-        "glyphs; on a GPU, 4 per worker within the cores: a ResNet-50 step at 224 px outruns one decoding "
-        "process; 12 measured slower). Results do not depend on it (augmentations are seeded by each image's "
+        "glyphs; on a GPU, 8 per worker within the cores: a ResNet-50 step at 224 px is 5-6 times faster than "
+        "one process prepares its batch). Results do not depend on it (augmentations are seeded by each image's "
         "place in the training), but for the N-pair rows' class mining, which mines the batches read ahead",
     )
     parser.add_argument(

@@ -19,11 +19,13 @@ from .storage import StorageUnavailable, unavailable_in
 # 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
 # fills the GPU alone.
 PROCESSES_PER_GPU = {"small-cnn": 4}
-# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (18 ms) needs a
-# batch of 32 JPEGs decoded and cropped in that time, which one process cannot do. 12 were
-# measured slower (a fold model at 0.31 of the raw step's rate on an H200, against 0.37 with
-# 4): each process costs its start.
-LOADER_WORKERS_PER_GPU_PROCESS = 4
+# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (21.8 ms on an H200)
+# needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
+# one process 100-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
+# could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with a third to
+# spare. (12 had measured slower than 4 when every fold model started its own processes; a job
+# now starts them once.)
+LOADER_WORKERS_PER_GPU_PROCESS = 8
 
 
 def default_processes(devices, trunk, cores=None):

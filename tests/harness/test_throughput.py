@@ -22,6 +22,9 @@ def test_the_throughput_script_prints_the_ratio_and_where_a_profiled_fold_model_
     median, spread = ratio.removeprefix("throughput ratio bench / raw step: ").split(" ", 1)
     low, high = map(float, spread.strip("()").split("-"))
     assert 0 < low <= float(median) <= high
+    loader = next(line for line in printed.splitlines() if line.startswith("a training batch prepared by one "))
+    milliseconds, steps = loader.split(": ", 1)[1].split(" ms, ")
+    assert float(milliseconds.split()[0]) > 0 and float(steps.removesuffix(" raw steps")) > 0
     assert "its 12 functions of most cumulative time" in printed
     # The profiled fold model: the whole training call, and the trainer's steps inside it.
     profiled = printed.split("most cumulative time:", 1)[1]

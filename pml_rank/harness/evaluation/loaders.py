@@ -6,13 +6,15 @@ an epoch, the test pass), which starts its ``dataloader_num_workers`` processes 
 after the pass: with 4 processes, 0.17 s a pass on this 2-core CPU for 96 images that take
 0.05 s to decode, and far longer where starting a process is slow (a sandboxed GPU machine).
 `EmbeddingLoaders` starts them once, at the first pass, over every data set the experiment
-embeds; each pass gives PML's tester the batches its own loader would have given.
+embeds; each pass gives PML's tester the batches its own loader would have given, each read by
+all the processes at once (a validation set is often one batch: one process would read it alone).
 
 PML's trainer likewise starts its loader anew for each model and each pass over its sampler,
 and every pass starts with no batch read ahead. `TrainingLoaders` starts its processes once,
 for every fold model's training set, and reads each model's passes as one stream.
 """
 
+import collections.abc
 import contextlib
 import math
 
@@ -61,11 +63,14 @@ def _index_of(datasets, dataset):
 class EmbeddingLoaders:
     """Loader processes (`workers` > 0 of them) that live until `close` and serve the passes
     over `datasets` in order, `batch_size` items a batch, collated by torch's default, as
-    PML's evaluation loader (``c_f.get_eval_dataloader``) would. The processes start at
-    the first pass; they hold the data sets as they were then."""
+    PML's evaluation loader (``c_f.get_eval_dataloader``) would. Each batch is read in
+    `workers` pieces, one a process, and put together here (`concatenated`): PML's loader
+    gives a batch to one process, so a 96-image validation set in a batch of 128 took one
+    process four times as long as four. The processes start at the first pass; they hold
+    the data sets as they were then."""
 
     def __init__(self, datasets, batch_size, workers):
-        self.datasets, self.batch_size = list(datasets), int(batch_size)
+        self.datasets, self.batch_size, self.workers = list(datasets), int(batch_size), int(workers)
         self._current = _CurrentPass()
         self._loader = torch.utils.data.DataLoader(
             _Keyed(self.datasets), batch_sampler=self._current, num_workers=workers, persistent_workers=True
@@ -80,15 +85,45 @@ class EmbeddingLoaders:
 
     def _iterate(self, which):
         size, count = self.batch_size, len(self.datasets[which])
-        self._current.batches = [[(which, i) for i in range(s, min(s + size, count))] for s in range(0, count, size)]
+        batches = [range(s, min(s + size, count)) for s in range(0, count, size)]
+        pieces = [[[(which, i) for i in piece] for piece in _split(batch, self.workers)] for batch in batches]
+        self._current.batches = [piece for batch in pieces for piece in batch]
         if self._passes:  # the persistent iterator drew it once, PML's loader once a pass
             _draw_as_a_new_iterator()
         self._passes += 1
-        return iter(self._loader)
+        read = iter(self._loader)
+        return (concatenated([next(read) for _ in batch]) for batch in pieces)
 
     def close(self):
         """Ends the processes (they end with the loader's last reference)."""
         self._loader = None
+
+
+def _split(items, parts):
+    """`items` (a range) in at most `parts` contiguous pieces of near-equal length, none empty."""
+    parts = max(1, min(parts, len(items)))
+    bounds = [len(items) * k // parts for k in range(parts + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def concatenated(pieces):
+    """What torch's `default_collate` gives for all the items of `pieces` (each its collation
+    of consecutive items) at once: tensors concatenated, strings listed, and the fields of
+    mappings, named tuples and sequences put together each."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    if torch.is_tensor(first):
+        return torch.cat(pieces)
+    if isinstance(first, collections.abc.Mapping):
+        return {key: concatenated([piece[key] for piece in pieces]) for key in first}
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concatenated(list(field)) for field in zip(*pieces)))
+    if isinstance(first, (list, tuple)) and all(isinstance(item, str) for item in first):  # a batch of strings
+        return type(first)(item for piece in pieces for item in piece)
+    if isinstance(first, collections.abc.Sequence):
+        return [concatenated(list(field)) for field in zip(*pieces)]
+    raise TypeError(f"EmbeddingLoaders: cannot put together batches of {type(first).__name__}")
 
 
 class _Pass:

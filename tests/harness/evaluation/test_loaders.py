@@ -1,6 +1,7 @@
 """`EmbeddingLoaders`: one set of loader processes serving many embedding passes, each the
 batches PML's tester would have read."""
 
+import collections
 import dataclasses
 import multiprocessing
 import os
@@ -12,7 +13,7 @@ from pytorch_metric_learning.utils import common_functions as c_f
 
 from pml_rank.harness.budget import resolve
 from pml_rank.harness.evaluation import Recipe, TrainingConfig, run_protocol
-from pml_rank.harness.evaluation.loaders import embedding_loaders
+from pml_rank.harness.evaluation.loaders import concatenated, embedding_loaders
 from pml_rank.losses import SmoothAPLoss
 
 
@@ -42,8 +43,39 @@ def test_passes_give_pmls_batches_from_one_set_of_processes_and_draw_as_pmls_loa
         assert len(pooled_pass) == len(expected_pass)  # 3, 1, 3 batches: the last ones short
         for (x, labels), (expected_x, expected_labels) in zip(pooled_pass, expected_pass):
             assert torch.equal(x[:, :-1], expected_x[:, :-1]) and torch.equal(labels, expected_labels)
+            assert len(set(x[:, -1].long().tolist())) == 2  # each batch read by both processes
             pids.update(x[:, -1].long().tolist())
     assert len(pids) == 2 and os.getpid() not in pids
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    "make_item",
+    [
+        lambda k: (torch.full((2, 3), float(k)), k),  # an image and its label, as the tester reads
+        lambda k: {"image": torch.full((3,), k / 7), "name": f"item{k}", "labels": (k, k % 2)},
+        lambda k: Point(torch.tensor([k, -k]), [f"a{k}", f"b{k}"]),
+        lambda k: f"path/{k}.jpg",
+    ],
+)
+@pytest.mark.parametrize("cuts", [[5], [1, 4], [2, 1, 2], [1, 1, 1, 1, 1]])
+def test_batches_read_in_pieces_are_put_together_as_torch_collates_them_at_once(make_item, cuts):
+    items = [make_item(k) for k in range(sum(cuts))]
+    starts = [sum(cuts[:i]) for i in range(len(cuts))]
+    pieces = [torch.utils.data.default_collate(items[a : a + n]) for a, n in zip(starts, cuts)]
+
+    def same(a, b):
+        if torch.is_tensor(a):
+            return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    assert same(concatenated(pieces), torch.utils.data.default_collate(items))
 
 
 def test_without_loader_processes_there_are_no_loaders():
