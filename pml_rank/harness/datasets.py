@@ -229,7 +229,8 @@ def image_transforms(budget, channels):
     mean, std = (
         (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((np.mean(IMAGENET_MEAN),), (np.mean(IMAGENET_STD),))
     )
-    tail = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    # In place: ToTensor's tensor is new (the same bits, without a copy of each image).
+    tail = [transforms.ToTensor(), transforms.Normalize(mean, std, inplace=True)]
     size, resize = budget["image_size"], budget["resize"]
     if budget["augmentation"] == "random-resized-crop":
         train = [transforms.Resize(resize), transforms.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3))]
