@@ -90,7 +90,7 @@ def build(report):
         if step["step"].startswith("sweep-") and step["rc"] == "0":
             sweep[step["step"].removeprefix("sweep-")] = float(step["seconds"])
     out["sweep seconds by processes per GPU"] = sweep
-    for name in ("bench-amp", "bench"):  # the last lines: the table's end, or how far it got
+    for name in ("bench-amp", "bench", "bench-cpu"):  # the last lines: the table's end, or how far it got
         lines = [line.strip() for line in read(logs / f"{name}.log").splitlines() if line.strip()]
         out[f"{name} log"] = lines[-4:]
     bench = report / "bench" / "bench.json"
@@ -101,7 +101,22 @@ def build(report):
             "rows": len(data["rows"]),
             "log": read(logs / "bench.log").splitlines()[-3:],
         }
+    out["bench-cpu against the committed table"] = committed_rows_reproduced(report / "bench-cpu" / "bench.csv")
     return out
+
+
+def committed_rows_reproduced(path, committed=Path("examples/results/bench-tuned/bench.csv")):
+    """How many rows of the bench table `path` equal the committed one's in every column but the
+    seconds, of how many; None without both tables."""
+    if not (path.exists() and committed.exists()):
+        return None
+    with path.open() as ran, committed.open() as kept:
+        rows = {r["row"]: r for r in csv.DictReader(ran)}
+        expected = list(csv.DictReader(kept))
+    same = sum(
+        r["row"] in rows and all(rows[r["row"]].get(k) == v for k, v in r.items() if k != "seconds") for r in expected
+    )
+    return {"equal rows": same, "committed rows": len(expected), "rows run": len(rows)}
 
 
 def markdown(out):
@@ -181,9 +196,21 @@ def markdown(out):
             " | ".join(f"{p}: {s}" for p, s in out["sweep seconds by processes per GPU"].items()),
             "",
         ]
-    for name, title in (("bench-amp", "Every bench row under float16 autocast"), ("bench", "Default glyph bench")):
+    benches = (
+        ("bench-amp", "Every bench row under float16 autocast"),
+        ("bench", "Default glyph bench"),
+        ("bench-cpu", "Default glyph bench on the CPU cores (no --device)"),
+    )
+    for name, title in benches:
         if out.get(f"{name} log"):
             lines += [f"## {title}: the log's last lines", "", *[f"    {t[:160]}" for t in out[f"{name} log"]], ""]
+    if out.get("bench-cpu against the committed table"):
+        found = out["bench-cpu against the committed table"]
+        lines += [
+            f"On the CPU cores: {found['equal rows']} of the {found['committed rows']} committed rows equal to the"
+            f" last digit ({found['rows run']} rows run).",
+            "",
+        ]
     if out.get("glyph bench"):
         lines += [
             "## Default glyph bench on CUDA",
