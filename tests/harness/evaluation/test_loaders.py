@@ -107,6 +107,42 @@ def test_an_experiments_embedding_passes_share_one_set_of_loader_processes():
     assert (with_workers.concatenated, with_workers.separated) == (in_process.concatenated, in_process.separated)
 
 
+@pytest.mark.cuda
+@pytest.mark.slow  # starts loader processes
+def test_on_cuda_images_from_loader_processes_are_those_read_in_the_calling_process(tmp_path):
+    """On a GPU the training batches come from the loader processes' pinned memory without
+    waiting, and each embedding pass in pieces from all of them: the trunk trains on the same
+    images as with PML's loader in the calling process, and embeds a data set alike."""
+    from loader_probes import FlatTrunk, write_image_folder
+
+    from pml_rank.harness.datasets import ImageFolder, image_transforms
+    from pml_rank.harness.evaluation import test_set_and_folds
+    from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, compute_embeddings
+
+    images = ImageFolder(write_image_folder(tmp_path / "images", classes=8), cache_dir=tmp_path)
+    transforms = image_transforms({"augmentation": "random-resized-crop", "image_size": 8, "resize": 12}, 3)
+    budget = dict(resolve("glyphs"), epochs=2, iterations_per_epoch=2, batch_size=8, num_folds=2)
+    trunks = []
+
+    def make_trunk():
+        trunks.append(FlatTrunk())
+        return trunks[-1]
+
+    for workers in (3, 0):
+        config = dataclasses.replace(TrainingConfig.from_budget(budget), loader_workers=workers, device="cuda")
+        result = run_protocol(images, Recipe(make_loss=SmoothAPLoss), make_trunk, config, transforms=transforms)
+        assert [[e["epoch"] for e in history] for history in result.histories] == [[1, 2]] * 2
+    assert [len(trunk.seen) for trunk in trunks] == [4] * 4
+    for a, b in zip(trunks[:2], trunks[2:]):
+        assert all(x.is_cuda and torch.equal(x, y) for x, y in zip(a.seen, b.seen, strict=True))
+    _, test_set = test_set_and_folds(images, 2, transforms)
+    trunk = trunks[0].eval()
+    with embedding_loaders([test_set], EMBEDDING_BATCH, 3) as loaders:
+        pooled, pooled_labels = compute_embeddings(trunk, test_set, None, "cuda", loader_workers=3, loaders=loaders)
+    alone, labels = compute_embeddings(trunk, test_set, None, "cuda")
+    assert len(alone) == len(test_set) and torch.equal(pooled, alone) and (pooled_labels == labels).all()
+
+
 @pytest.mark.slow  # starts loader processes
 def test_an_experiment_on_images_trains_as_in_the_calling_process_with_one_set_of_training_loader_processes(
     tmp_path,
