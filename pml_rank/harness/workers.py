@@ -21,8 +21,8 @@ from .storage import StorageUnavailable, unavailable_in
 PROCESSES_PER_GPU = {"small-cnn": 4}
 # Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (21.8 ms on an H200)
 # needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
-# one process 100-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
-# could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with a third to
+# one process 75-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
+# could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with room to
 # spare. (12 had measured slower than 4 when every fold model started its own processes; a job
 # now starts them once.)
 LOADER_WORKERS_PER_GPU_PROCESS = 8

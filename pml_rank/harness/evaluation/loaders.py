@@ -86,13 +86,13 @@ class EmbeddingLoaders:
     def _iterate(self, which):
         size, count = self.batch_size, len(self.datasets[which])
         batches = [range(s, min(s + size, count)) for s in range(0, count, size)]
-        pieces = [[[(which, i) for i in piece] for piece in _split(batch, self.workers)] for batch in batches]
-        self._current.batches = [piece for batch in pieces for piece in batch]
+        pieces_of = [[[(which, i) for i in piece] for piece in _split(batch, self.workers)] for batch in batches]
+        self._current.batches = [piece for pieces in pieces_of for piece in pieces]
         if self._passes:  # the persistent iterator drew it once, PML's loader once a pass
             _draw_as_a_new_iterator()
         self._passes += 1
         read = iter(self._loader)
-        return (concatenated([next(read) for _ in batch]) for batch in pieces)
+        return (concatenated([next(read) for _ in pieces]) for pieces in pieces_of)
 
     def close(self):
         """Ends the processes (they end with the loader's last reference)."""
