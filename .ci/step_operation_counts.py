@@ -52,7 +52,7 @@ def counting_steps(way, totals):
     adam_init, step = torch.optim.Adam.__init__, training.MetricLossOnly.forward_and_backward
 
     def init(self, *args, **kwargs):
-        adam_init(self, *args, **dict(kwargs, **{way: True}))
+        adam_init(self, *args, **dict(kwargs, foreach=way == "foreach", fused=way == "fused"))
 
     def counted_step(trainer):
         counted = operation_counts.counted_run(lambda: step(trainer), StepCounted())
