@@ -1,6 +1,8 @@
 """pml_rank.ranking: blackbox ranking (RaMBO Algorithm 1), the AP / mAP / APC losses, and
 the scale of the incoming gradient, against the straightforward reference."""
 
+import math
+
 import pytest
 import torch
 
@@ -217,10 +219,13 @@ def test_map_loss_wants_a_batch_of_class_scores():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(3000,), (1, 3000), (4, 750)])
-def test_descending_order_is_a_stable_descending_sort(dtype, shape):
-    """One CPU sequence is sorted by integer keys; ties, signed zeros and infinities
-    must come out as a stable float sort puts them."""
+@pytest.mark.parametrize(
+    "shape, keyed", [((3000,), False), ((4, 750), False), ((9000,), True), ((1, 9000), True), ((4, 2250), True)]
+)
+def test_descending_order_is_a_stable_descending_sort(dtype, shape, keyed):
+    """Many scores on a CPU are sorted by integer keys, a few as floats; ties, signed zeros
+    and infinities must come out as a stable float sort puts them."""
+    assert (math.prod(shape) >= ranking._KEYS_FROM) == keyed  # both ways tested
     x = torch.randint(-3, 4, shape, generator=torch.Generator().manual_seed(8)).to(dtype)
     flat = x.view(-1)
     flat[::7], flat[::11], flat[::13] = -0.0, 1e-30, -1e-30
