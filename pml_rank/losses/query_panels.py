@@ -121,7 +121,7 @@ def occurrences(indices, length):
     return counts.index_add_(0, indices, torch.ones_like(indices))
 
 
-def query_panels(pair_query, num_queries, num_references, elements=None, slices=True):
+def query_panels(pair_query, num_queries, num_references, elements=None, slices=True, per_query=None):
     """The pairs (`pair_query`: their queries, sorted) in panels of queries with equally
     many pairs c: a list of ``(queries, pairs)``, where `queries` selects the panel's r
     queries from a [queries, ...] tensor (a slice when they are consecutive, else an
@@ -131,10 +131,12 @@ def query_panels(pair_query, num_queries, num_references, elements=None, slices=
     when one query's c · `num_references` are more, that. The host waits for the device
     three times (`bincount`'s size, two read-backs), whatever the number of panels and of
     distinct counts; twice without `slices` (every `queries` an index tensor: the read-back
-    of the counts' first and last queries is what finds the slices)."""
+    of the counts' first and last queries is what finds the slices). `per_query`:
+    ``occurrences(pair_query, num_queries)``, when the caller has it."""
     if elements is None:
         elements = panel_elements(pair_query.device, num_queries, num_references)
-    per_query = occurrences(pair_query, num_queries)
+    if per_query is None:
+        per_query = occurrences(pair_query, num_queries)
     per_pair = per_query[pair_query]
     queries_with = torch.bincount(per_query).tolist()  # how many queries have c pairs, for every c
     # The pairs ordered by their query's count, stably: each count's pairs are one run, its
@@ -161,12 +163,12 @@ def query_panels(pair_query, num_queries, num_references, elements=None, slices=
     return panels
 
 
-def jacobian_buffer(scores, pair_query):
+def jacobian_buffer(scores, per_query):
     """An uninitialised matrix like `scores` for the rows of a Jacobian that the panels
-    write, with zeros in the rows of the queries without pairs (a fill of the whole
-    matrix would be one more pass over it)."""
+    write, with zeros in the rows of the queries without pairs (`per_query`: each row's
+    number of pairs; a fill of the whole matrix would be one more pass over it)."""
     jacobian = torch.empty_like(scores)
-    without_pairs = occurrences(pair_query, len(scores)) == 0
+    without_pairs = per_query == 0
     if bool(without_pairs.any()):
         jacobian[without_pairs] = 0
     return jacobian
@@ -392,7 +394,7 @@ def _fused(
     if not uniform:
         # One group per number of pairs c, whatever its size: the formula's [r, c] tensors are small.
         elements = scores.numel() * max(1, len(pair_query))
-        groups = query_panels(pair_query, *scores.shape, elements=elements, slices=False)
+        groups = query_panels(pair_query, *scores.shape, elements=elements, slices=False, per_query=per_query)
     sums, slopes, own = fused_ranks.pair_sums(
         scores, weights, pair_query, pair_positive, kernel.fused, scale, with_gradient, skip_own
     )
@@ -481,8 +483,9 @@ def _panel_by_panel(
     if scale != 1:
         own = own * scale
     values = scores.new_zeros(len(scores))
-    jacobian = jacobian_buffer(scores, pair_query) if with_jacobian else None
-    panels = query_panels(pair_query, *scores.shape)
+    per_query = occurrences(pair_query, len(scores))
+    jacobian = jacobian_buffer(scores, per_query) if with_jacobian else None
+    panels = query_panels(pair_query, *scores.shape, per_query=per_query)
     buffer = panel_buffer(scores, panels, scores.shape[1])
     # On the CPU a panel whose gradient moves few pairs takes only their slopes (a host
     # wait per panel); on an accelerator every panel takes the same dense kernels.
