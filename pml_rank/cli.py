@@ -250,7 +250,8 @@ def add_budget_arguments(parser, command):
         "--loader-workers",
         type=arguments.non_negative_int,
         help="data-loading processes per worker for image decoding, >= 0 (default: 0 on the CPU and for the "
-        "glyphs; on a GPU, 8 per worker within the cores: a ResNet-50 step at 224 px is 5-6 times faster than "
+        f"glyphs; on a GPU, {arguments.LOADER_WORKERS_PER_GPU_PROCESS} per worker within the cores: a ResNet-50 "
+        "step at 224 px is 5-6 times faster than "
         "one process prepares its batch). Results do not depend on it (augmentations are seeded by each image's "
         "place in the training), but for the N-pair rows' class mining, which mines the batches read ahead",
     )
@@ -280,7 +281,8 @@ def add_budget_arguments(parser, command):
         "--workers",
         type=arguments.positive_int,
         help="local worker processes on the storage (default: on the CPU one per core, or per --devices; on a "
-        "GPU, measured per trunk: 4 per GPU for the small CNN, 1.9 times the jobs per second of one process on "
+        f"GPU, measured per trunk: {arguments.PROCESSES_PER_GPU['small-cnn']} per GPU for the small CNN, 1.9 times "
+        "the jobs per second of one process on "
         "an H200, more gaining nothing as the GPU time-slices their contexts; 1 per GPU for the ImageNet trunks, "
         "whose steps fill it; at most one per core)",
     )

@@ -1,4 +1,5 @@
-"""Command-line argument types shared by `pml-rank` and the example scripts.
+"""Command-line argument types shared by `pml-rank` and the example scripts, and the measured
+defaults of the processes per GPU that `--help` quotes (defined here, where importing is cheap).
 
 Each is an ``argparse`` ``type=`` callable that turns a bad value into an
 ``argparse.ArgumentTypeError``, so argparse reports it in one line naming the option
@@ -8,6 +9,21 @@ and exits with status 2 before any work. Importing this module imports no torch;
 
 import argparse
 import math
+
+# How many processes share one GPU, by trunk, measured on one H200 (`bash .ci/gpu`'s sweep,
+# examples/results/gpu-check.md: 11 glyph jobs of 2 epochs): the small CNN's steps are
+# launch-bound, yet the GPU time-slices between the processes' CUDA contexts, so each job
+# slows as processes are added (1.44 x its time with 2 processes, 2.14 x with 4): 1.4 and
+# 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
+# fills the GPU alone.
+PROCESSES_PER_GPU = {"small-cnn": 4}
+# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (21.8 ms on an H200)
+# needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
+# one process 75-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
+# could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with room to
+# spare. (12 had measured slower than 4 when every fold model started its own processes; a job
+# now starts them once.)
+LOADER_WORKERS_PER_GPU_PROCESS = 8
 
 
 class ArgumentParser(argparse.ArgumentParser):

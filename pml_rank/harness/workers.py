@@ -10,22 +10,8 @@ import threading
 import time
 import warnings
 
+from .arguments import LOADER_WORKERS_PER_GPU_PROCESS, PROCESSES_PER_GPU
 from .storage import StorageUnavailable, unavailable_in
-
-# How many processes share one GPU, by trunk, measured on one H200 (`bash .ci/gpu`'s sweep,
-# examples/results/gpu-check.md: 11 glyph jobs of 2 epochs): the small CNN's steps are
-# launch-bound, yet the GPU time-slices between the processes' CUDA contexts, so each job
-# slows as processes are added (1.44 x its time with 2 processes, 2.14 x with 4): 1.4 and
-# 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
-# fills the GPU alone.
-PROCESSES_PER_GPU = {"small-cnn": 4}
-# Image-decoding processes per worker on a GPU: a ResNet-50 step at 224 px (21.8 ms on an H200)
-# needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
-# one process 75-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
-# could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with room to
-# spare. (12 had measured slower than 4 when every fold model started its own processes; a job
-# now starts them once.)
-LOADER_WORKERS_PER_GPU_PROCESS = 8
 
 
 def default_processes(devices, trunk, cores=None):
