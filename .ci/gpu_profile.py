@@ -70,10 +70,10 @@ def _builtin(name):
     return re.sub(r"^<built-in method (.*)>$", r"\1", name)
 
 
-def host_side(fn, inputs, device, calls=20):
+def host_side(fn, inputs, device, calls=20, functions=5):
     """The host's ms a call, `calls` calls queued back to back (the waits inside a call
-    included), and the functions with the most own time a call under cProfile (inflated by
-    the profiler alike for all): ``[[file:function, ms], ...]``."""
+    included), and the `functions` functions with the most own time a call under cProfile
+    (inflated by the profiler alike for all): ``[[file:function, ms, calls a call], ...]``."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     synchronize(device)
     start = time.perf_counter()
@@ -88,15 +88,15 @@ def host_side(fn, inputs, device, calls=20):
     synchronize(device)
     profiler.disable()
     own = {
-        (Path(file).name if file != "~" else "", name): stat[2]
+        (Path(file).name if file != "~" else "", name): (stat[2], stat[1])
         for (file, _, name), stat in pstats.Stats(profiler).stats.items()
     }
-    top = sorted(own.items(), key=lambda item: -item[1])[:5]
+    top = sorted(own.items(), key=lambda item: -item[1][0])[:functions]
     return {
         "host_ms": host_ms,
         "top_host": [
-            [f"{file}:{name}" if file else _builtin(name), round(seconds / calls * 1e3, 3)]
-            for (file, name), seconds in top
+            [f"{file}:{name}" if file else _builtin(name), round(seconds / calls * 1e3, 3), round(count / calls, 1)]
+            for (file, name), (seconds, count) in top
         ],
     }
 
@@ -109,6 +109,7 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--amp", action="store_true")
+    parser.add_argument("--host-functions", type=int, default=5, help="host functions listed per row (default 5)")
     args = parser.parse_intermixed_args()
     device = torch.device(args.device)
     names = args.losses or sorted(set(registry.losses()) | set(speed.CASES))  # `pml-rank speed`'s cases
@@ -127,7 +128,7 @@ def main():
                 speed._run(fn, inputs)
                 row = {"loss": name, "size": size, "seconds": wall_seconds(fn, inputs, device, args.repeats)}
                 row.update(profiled(fn, inputs, device))
-                row.update(host_side(fn, inputs, device))
+                row.update(host_side(fn, inputs, device, functions=args.host_functions))
             except Exception as error:  # one loss's failure must not hide the others' figures
                 row = {"loss": name, "size": size, "error": f"{type(error).__name__}: {error}"[:300]}
             rows.append(row)
@@ -147,7 +148,7 @@ def main():
             lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | | | |")
             continue
         top = "; ".join(f"{k} {ms} ({n})" for k, ms, n in r["top"][:5])
-        host = "; ".join(f"{name} {ms}" for name, ms in r["top_host"])
+        host = "; ".join(f"{name} {ms}" for name, ms, _ in r["top_host"][:5])
         lines.append(
             f"| {r['loss']} | {r['size']} | {r['seconds'] * 1e3:.2f} | {r['seconds'] / floors[r['size']]:.2f} |"
             f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} | {r['host_ms']:.2f} | {host} |"
