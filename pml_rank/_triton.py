@@ -4,6 +4,7 @@ under Triton's interpreter (TRITON_INTERPRET=1), which is how the CPU's tests ho
 kernel equal to its plain-torch path. A leaf module: it imports nothing from pml-rank."""
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -33,11 +34,25 @@ def runs_on(tensor, dtypes=(torch.float32,)):
     if triton is None or tensor.dtype not in dtypes:
         return False
     if tensor.device.type == "cuda":
-        return torch.cuda.get_device_capability(tensor.device) >= MIN_CAPABILITY
+        return _compiles_for(tensor.device.index)
     return _INTERPRETED and tensor.device.type == "cpu"
+
+
+@functools.cache
+def _compiles_for(index):
+    """Whether Triton compiles for CUDA device `index`: asked once per device, as a loss call
+    asks several times and torch's query costs microseconds of the host's time that a call
+    at batch 2048 on a GPU is made of (`.ci/gpu_profile.py`)."""
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+
+
+_ALREADY_CURRENT = contextlib.nullcontext()
 
 
 def on_device(device):
     """The context that makes `device` current for a launch: Triton launches on the current
-    CUDA device, which need not be the tensors' (cuda:1 while cuda:0 is current)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    CUDA device, which need not be the tensors' (cuda:1 while cuda:0 is current). Nothing to
+    enter where it is current already (about 8 µs of the host's time a launch otherwise)."""
+    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+        return _ALREADY_CURRENT
+    return torch.cuda.device(device)

@@ -5,6 +5,7 @@ primitive and every form of left-out pairs, weights and references: on CUDA unde
 process, since Triton reads it when a kernel is defined)."""
 
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -740,6 +741,8 @@ def test_plain_torch_path_where_the_kernels_cannot_run():
 def test_kernels_run_on_the_gpus_triton_compiles_for(capability, runs, monkeypatch):
     """A CUDA GPU older than Triton supports (a Pascal card) takes the plain-torch path."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    # The answer is kept per device: a fresh memory for this test's made-up GPU.
+    monkeypatch.setattr(_triton, "_compiles_for", functools.cache(_triton._compiles_for.__wrapped__))
     scores = types.SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0))
     assert fused_ranks.runs_on(scores) == (runs and fused_ranks.triton is not None)
     assert not fused_ranks.runs_on(types.SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0)))
