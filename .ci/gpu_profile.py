@@ -101,6 +101,30 @@ def host_side(fn, inputs, device, calls=20, functions=5):
     }
 
 
+def markdown(rows, device_name, amp):
+    """The report's table: a row per loss and batch size, every listed host function (with its
+    calls a call, where the rows have them)."""
+    floors = {r["size"]: r["seconds"] for r in rows if r["loss"] == "floor" and "seconds" in r}
+    lines = [
+        f"# Loss calls profiled on {device_name} (torch {torch.__version__}{', autocast' if amp else ''})",
+        "",
+        "| loss | batch | ms | / floor | kernels | host waits | kernel ms | top device operators (ms, calls) |"
+        " host ms | top host functions (own ms a call, profiled) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | | | |")
+            continue
+        top = "; ".join(f"{k} {ms} ({n})" for k, ms, n in r["top"][:5])
+        host = "; ".join(f"{name} {ms}" + (f" ({calls[0]})" if calls else "") for name, ms, *calls in r["top_host"])
+        lines.append(
+            f"| {r['loss']} | {r['size']} | {r['seconds'] * 1e3:.2f} | {r['seconds'] / floors[r['size']]:.2f} |"
+            f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} | {r['host_ms']:.2f} | {host} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
@@ -134,27 +158,10 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "profile.json").write_text(json.dumps({"device": str(device), "amp": args.amp, "rows": rows}))
-    floors = {r["size"]: r["seconds"] for r in rows if r["loss"] == "floor" and "seconds" in r}
-    lines = [
-        f"# Loss calls profiled on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
-        f" (torch {torch.__version__}{', autocast' if args.amp else ''})",
-        "",
-        "| loss | batch | ms | / floor | kernels | host waits | kernel ms | top device operators (ms, calls) |"
-        " host ms | top host functions (own ms a call, profiled) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['loss']} | {r['size']} | {r['error']} | | | | | | | |")
-            continue
-        top = "; ".join(f"{k} {ms} ({n})" for k, ms, n in r["top"][:5])
-        host = "; ".join(f"{name} {ms}" for name, ms, _ in r["top_host"][:5])
-        lines.append(
-            f"| {r['loss']} | {r['size']} | {r['seconds'] * 1e3:.2f} | {r['seconds'] / floors[r['size']]:.2f} |"
-            f" {r['kernels']} | {r['host_waits']} | {r['kernel_ms']:.2f} | {top} | {r['host_ms']:.2f} | {host} |"
-        )
-    (out / "profile.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    table = markdown(rows, name, args.amp)
+    (out / "profile.md").write_text(table)
+    print(table, end="")
     return 0
 
 
