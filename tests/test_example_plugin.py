@@ -110,6 +110,55 @@ def test_binomial_deviance_keeps_under_four_similarity_matrices():
     assert peak < 4 * n * n * 4, f"{peak / (n * n * 4):.2f} matrices"
 
 
+@pytest.mark.parametrize("references", ["batch", "ref_emb"])
+def test_binomial_deviance_by_row_blocks_equals_the_whole_matrix(references, monkeypatch):
+    """A large matrix's passes run on row blocks (uneven here: 203 rows in 4 blocks): the same
+    value and gradients as the whole matrix at once, self-pairs left out of every block."""
+    from pml_rank_example import binomial_deviance
+
+    loss_cls = pml_rank.registry.losses()["BinomialDevianceLoss"]
+    generator = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, 30, (203,), generator=generator)
+    inputs = {"embeddings": torch.randn(203, 16, generator=generator, dtype=torch.float64)}
+    if references == "ref_emb":
+        inputs.update(ref_emb=torch.randn(150, 16, generator=generator, dtype=torch.float64), ref_labels=labels[:150])
+    results = []
+    for blocked_from in (binomial_deviance.BLOCKED_FROM, 1000):
+        monkeypatch.setattr(binomial_deviance, "BLOCKED_FROM", blocked_from)
+        given = {k: v.clone().requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
+        value = loss_cls(alpha=2.0, beta=0.4, cost=5.0)(labels=labels, **given)
+        results.append((value, *torch.autograd.grad(value, [v for v in given.values() if v.requires_grad])))
+    assert len(binomial_deviance._row_blocks(torch.empty(203, 150))) == 4
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-15)
+    assert results[1][0] > 0.1 and results[1][1].abs().max() > 1e-4
+
+
+def test_binomial_deviance_keeps_a_half_precision_product_as_it_is(monkeypatch):
+    """Under autocast the product stays bfloat16 (no float32 copy kept for the backward pass),
+    and with row blocks the float32 working copies take a quarter of the matrix at once: a
+    float32 matrix's worth less at the peak. The gradient is the same bit for bit."""
+    from pml_rank_example import binomial_deviance
+
+    n = 512
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(n, 32, generator=generator).requires_grad_()
+    layer = torch.nn.Linear(32, 32)
+    loss = pml_rank.registry.losses()["BinomialDevianceLoss"]()
+
+    def under_autocast(x, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss(layer(x), labels)
+
+    labels = torch.arange(n) // 4
+    peaks, gradients = [], []
+    for blocked_from in (binomial_deviance.BLOCKED_FROM, 1000):
+        monkeypatch.setattr(binomial_deviance, "BLOCKED_FROM", blocked_from)
+        peaks.append(peak_memory(under_autocast, (embeddings, labels), torch.device("cpu")) / (n * n * 4))
+        gradients.append(torch.autograd.grad(under_autocast(embeddings, labels), embeddings)[0])
+    assert peaks[1] < peaks[0] - 0.5, f"{peaks} float32 matrices"
+    assert torch.equal(gradients[0], gradients[1])
+
+
 def _clustered_dataset(num_classes=8, per_class=16, dim=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
     centres = torch.randn(num_classes, dim, generator=generator) * 2

@@ -23,23 +23,22 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         # batch against itself: PML's distance then normalises it once.
         sim = self.distance(embeddings.to(dtype), None if ref_emb is embeddings else ref_emb.to(dtype))
         with torch.autocast(embeddings.device.type, enabled=False):
-            sim = sim.to(dtype)
             if indices_tuple is None:
                 loss = self.all_pairs_loss(sim, labels, ref_labels)
             else:
-                loss = self.listed_pairs_loss(sim, labels, indices_tuple, ref_labels)
+                loss = self.listed_pairs_loss(sim, labels, indices_tuple, ref_labels, dtype)
         if loss is None:
             return self.zero_losses()
         return {"loss": {"losses": loss, "indices": None, "reduction_type": "already_reduced"}}
 
-    def listed_pairs_loss(self, sim, labels, indices_tuple, ref_labels):
+    def listed_pairs_loss(self, sim, labels, indices_tuple, ref_labels, dtype):
         """The loss over the pairs of `indices_tuple` (None when it has no positive or no
-        negative pair)."""
+        negative pair), in `dtype`."""
         a1, p, a2, n = lmu.convert_to_pairs(indices_tuple, labels, ref_labels)
         if len(a1) == 0 or len(a2) == 0:
             return None
-        positive = F.softplus(-self.alpha * (sim[a1, p] - self.beta))
-        negative = F.softplus(self.alpha * self.cost * (sim[a2, n] - self.beta))
+        positive = F.softplus(-self.alpha * (sim[a1, p].to(dtype) - self.beta))
+        negative = F.softplus(self.alpha * self.cost * (sim[a2, n].to(dtype) - self.beta))
         return positive.mean() + negative.mean()
 
     def all_pairs_loss(self, sim, labels, ref_labels):
@@ -67,21 +66,32 @@ class BinomialDevianceLoss(BaseMetricLossFunction):
         return CosineSimilarity()
 
 
+# Beyond this many pairs the deviance's passes run on `ROW_BLOCKS` blocks of the matrix's rows,
+# so that its float32 working copies (the arguments, the deviances, their gradients) take a
+# quarter of a matrix at once: a call launches at most 4 times the kernels, whatever the batch.
+BLOCKED_FROM = 1 << 24
+ROW_BLOCKS = 4
+
+
 class _PairMeans(torch.autograd.Function):
     """The mean deviance softplus(m (s − β)) of the positive pairs (m = −α) plus that of the
     negative pairs (m = α · cost) of a similarity matrix, self-pairs (its diagonal, when
-    `no_diagonal`) in neither. The backward pass recomputes m (s − β) from the
-    similarities: what autograd would keep of the elementwise steps (m, the arguments,
-    the masked deviances) is three more matrices at once, at batch 8192 over 5 times the
-    similarity product's own peak memory."""
+    `no_diagonal`) in neither, computed in float32 (float64 for a float64 matrix) from a
+    matrix kept as it is (autocast's half-precision product: no float32 copy). The backward
+    pass recomputes m (s − β) from the similarities: what autograd would keep of the
+    elementwise steps (m, the arguments, the masked deviances) is three more matrices at
+    once, at batch 8192 over 5 times the similarity product's own peak memory."""
 
     @staticmethod
     def forward(ctx, sim, positive, no_diagonal, num_positive, num_negative, alpha, beta, cost):
-        deviance = F.softplus(_arguments(sim, positive, alpha, beta, cost))
-        if no_diagonal:
-            deviance.diagonal().zero_()
-        positive_sum = deviance.where(positive, 0).sum()
-        negative_sum = deviance.sum() - positive_sum
+        positive_sum = negative_sum = 0
+        for rows in _row_blocks(sim):
+            deviance = F.softplus(_arguments(sim[rows], positive[rows], alpha, beta, cost))
+            if no_diagonal:  # the block's own pairs (i, i): its diagonal from column rows.start
+                deviance.diagonal(rows.start).zero_()
+            block_positive = deviance.where(positive[rows], 0).sum()
+            positive_sum = positive_sum + block_positive
+            negative_sum = negative_sum + (deviance.sum() - block_positive)
         ctx.save_for_backward(sim, positive, num_positive, num_negative)
         ctx.constants = no_diagonal, alpha, beta, cost
         return positive_sum / num_positive.clamp(min=1) + negative_sum / num_negative.clamp(min=1)
@@ -90,15 +100,35 @@ class _PairMeans(torch.autograd.Function):
     def backward(ctx, grad):
         sim, positive, num_positive, num_negative = ctx.saved_tensors
         no_diagonal, alpha, beta, cost = ctx.constants
-        # d/ds of softplus(m (s − β)) / count is σ(m (s − β)) · m / count.
-        grad_sim = _arguments(sim, positive, alpha, beta, cost).sigmoid_()
-        positive_count, negative_count = (n.clamp(min=1).to(sim.dtype) for n in (num_positive, num_negative))
-        grad_sim.mul_(torch.where(positive, -alpha / positive_count, alpha * cost / negative_count).mul_(grad))
-        if no_diagonal:
-            grad_sim.fill_diagonal_(0)
+        dtype = torch.promote_types(sim.dtype, torch.float32)
+        positive_count, negative_count = (n.clamp(min=1).to(dtype) for n in (num_positive, num_negative))
+        blocks = _row_blocks(sim)
+        # Rounded to the matrix's precision once, where each block is stored.
+        grad_sim = torch.empty_like(sim) if len(blocks) > 1 else None
+        for rows in blocks:
+            # d/ds of softplus(m (s − β)) / count is σ(m (s − β)) · m / count.
+            block = _arguments(sim[rows], positive[rows], alpha, beta, cost).sigmoid_()
+            scales = torch.where(positive[rows], -alpha / positive_count, alpha * cost / negative_count)
+            block.mul_(scales.mul_(grad))
+            if no_diagonal:
+                block.diagonal(rows.start).zero_()
+            if grad_sim is None:  # one block: it is the gradient
+                return block.to(sim.dtype), None, None, None, None, None, None, None
+            grad_sim[rows] = block
         return grad_sim, None, None, None, None, None, None, None
 
 
+def _row_blocks(sim):
+    """Slices of `sim`'s rows: all of them, or `ROW_BLOCKS` blocks of a matrix of more than
+    `BLOCKED_FROM` entries."""
+    blocks = ROW_BLOCKS if sim.numel() > BLOCKED_FROM else 1
+    bounds = [len(sim) * k // blocks for k in range(blocks + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:]) if stop > start]
+
+
 def _arguments(sim, positive, alpha, beta, cost):
-    """m (s − β): −α at the positive pairs, α · cost elsewhere."""
-    return torch.full_like(sim, alpha * cost).masked_fill_(positive, -alpha).mul_(sim - beta)
+    """m (s − β) in float32 (or float64): −α at the positive pairs, α · cost elsewhere."""
+    dtype = torch.promote_types(sim.dtype, torch.float32)
+    # s − β on a copy that is float32's (or float64's) already: a half-precision s's own copy
+    shifted = sim - beta if sim.dtype == dtype else sim.to(dtype).sub_(beta)
+    return torch.full_like(sim, alpha * cost, dtype=dtype).masked_fill_(positive, -alpha).mul_(shifted)
