@@ -76,7 +76,7 @@ def build(report):
         out[name] = [
             line
             for line in read(logs / f"{name}.log").splitlines()
-            if re.match(r"(raw step|bench|throughput|resnet|small-cnn)", line)
+            if re.match(r"(raw step|bench|throughput|resnet|small-cnn|one more fold model by phase)", line)
         ]
     steps = read(logs / "glyph-steps.log")
     out["glyph steps"] = next(

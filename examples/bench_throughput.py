@@ -15,12 +15,14 @@ a GPU, times are synchronised.
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
     python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
     python examples/bench_throughput.py ... --profile 40   (then where one more fold model's time goes)
+    python examples/bench_throughput.py ... --phases       (one more fold model's time by phase)
 
 The glyphs' small CNN runs on one thread (as a bench worker does); an ImageNet trunk from
 random weights (no weights file needed), on `--threads` threads on the CPU.
 """
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import dataclasses
@@ -28,6 +30,7 @@ import itertools
 import pstats
 import statistics
 import time
+from unittest import mock
 
 import torch
 from pytorch_metric_learning import losses
@@ -36,7 +39,7 @@ from pml_rank.harness import runner
 from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
 from pml_rank.harness.budget import TRUNKS, dataset_argument, resolve
 from pml_rank.harness.datasets import Transformed
-from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds
+from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds, training
 from pml_rank.harness.evaluation.loaders import embedding_loaders, training_loaders
 from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, SeededDraws, default_sampler, train_model
 from pml_rank.harness.workers import default_loader_workers
@@ -119,6 +122,53 @@ def bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedde
     return (time.perf_counter() - started) / (config.epochs * config.iterations_per_epoch)
 
 
+PHASES = ("batch", "step", "epoch end", "other")
+
+
+def phase_seconds(run, device):
+    """Seconds of ``run()`` (one fold model) by phase, the device synchronised at each phase's
+    end: "batch" (the trainer's `get_batch`: waiting for the loader and the copy to the device),
+    "step" (the rest of its `forward_and_backward`: forward, loss, backward, optimizer step),
+    "epoch end" (validation, records, the best models kept) and "other" (the rest: the hooks
+    after each iteration, the learning-rate schedulers, setup), and the number of iterations.
+    Synchronising takes away the overlap of the host's work with the device's, so on a GPU the
+    phases add up to more than an unsynchronised run."""
+    seconds, iterations = collections.Counter(), [0]
+
+    def timed(phase, method):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            result = method(*args, **kwargs)
+            synchronize(device)
+            seconds[phase] += time.perf_counter() - started
+            return result
+
+        return wrapper
+
+    get_batch = training.MetricLossOnly.get_batch
+    forward_and_backward = training.MetricLossOnly.forward_and_backward
+    end_of_epoch = training._EpochRecorder.end_of_epoch
+
+    def iteration(self):
+        iterations[0] += 1
+        before = seconds["batch"]
+        started = time.perf_counter()
+        forward_and_backward(self)
+        synchronize(device)
+        seconds["step"] += time.perf_counter() - started - (seconds["batch"] - before)
+
+    with (
+        mock.patch.object(training.MetricLossOnly, "get_batch", timed("batch", get_batch)),
+        mock.patch.object(training.MetricLossOnly, "forward_and_backward", iteration),
+        mock.patch.object(training._EpochRecorder, "end_of_epoch", timed("epoch end", end_of_epoch)),
+    ):
+        synchronize(device)
+        started = time.perf_counter()
+        run()
+        seconds["other"] = time.perf_counter() - started - sum(seconds.values())
+    return seconds, iterations[0]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -146,6 +196,12 @@ def main(argv=None):
         help="after the rounds, profile one more fold model (cProfile) and print its N functions of most "
         "cumulative time: where a fold model's time beyond the raw steps goes (on a GPU, a function that "
         "waits for the device holds the time of what it waits for)",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="after the rounds, time one more fold model by phase (batch, step, epoch end, other), the device "
+        "synchronised at each phase's end: which part of a fold model is slower than the raw steps",
     )
     args = parser.parse_args(argv)
     glyphs = resolve("glyphs")
@@ -184,6 +240,11 @@ def main(argv=None):
         if args.profile:
             profile = cProfile.Profile()
             profile.runcall(bench_iteration_seconds, train_set, val_set, config, make_trunk, make_embedder, shared)
+        if args.phases:
+            phases, iterations = phase_seconds(
+                lambda: bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, shared),
+                config.device,
+            )
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
     with torch.random.fork_rng(devices=[]):
         loader = loader_batch_seconds(train_set, budget)
@@ -210,6 +271,12 @@ def main(argv=None):
         f"a training batch prepared by one loader process: {spread(loader, 1000)} ms, "
         f"{statistics.median(loader) / statistics.median(raw):.2g} raw steps"
     )
+    if args.phases:
+        per_iteration = ", ".join(f"{name} {1000 * phases[name] / iterations:.2f}" for name in PHASES)
+        print(
+            f"one more fold model by phase, synchronised at each phase's end, ms per iteration ({iterations}): "
+            f"{per_iteration}; raw step {1000 * statistics.median(raw):.2f}"
+        )
     if args.profile:
         print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)

@@ -11,14 +11,14 @@ SCRIPT = Path(__file__).parents[2] / "examples" / "bench_throughput.py"
 
 
 @pytest.mark.slow  # trains fold models
-def test_the_throughput_script_prints_the_ratio_and_where_a_profiled_fold_model_spends_its_time(
+def test_the_throughput_script_prints_the_ratio_and_where_a_fold_model_spends_its_time(
     glyph_cache, monkeypatch, capsys
 ):
     monkeypatch.setattr(glyphs, "DEFAULT_CACHE_DIR", glyph_cache)
     main = runpy.run_path(str(SCRIPT))["main"]
     # 10 steps: their cumulative time several times a validation's, so that the trainer's step stays
     # among the 12 most costly functions on a loaded machine too (with 2 they were even, and it fell out).
-    main(["--epochs", "1", "--iterations", "10", "--repeats", "2", "--profile", "12"])
+    main(["--epochs", "1", "--iterations", "10", "--repeats", "2", "--profile", "12", "--phases"])
     printed = capsys.readouterr().out
     ratio = next(line for line in printed.splitlines() if line.startswith("throughput ratio bench / raw step: "))
     median, spread = ratio.removeprefix("throughput ratio bench / raw step: ").split(" ", 1)
@@ -32,3 +32,9 @@ def test_the_throughput_script_prints_the_ratio_and_where_a_profiled_fold_model_
     profiled = printed.split("most cumulative time:", 1)[1]
     assert "training.py" in profiled and "(train_model)" in profiled and "(forward_and_backward)" in profiled
     assert "due to restriction <12>" in profiled
+    # One more fold model by phase: its 10 iterations, each phase's time per iteration.
+    phases = next(line for line in printed.splitlines() if line.startswith("one more fold model by phase"))
+    assert "ms per iteration (10): " in phases
+    timed = dict(item.rsplit(" ", 1) for item in phases.split(": ", 1)[1].split("; ")[0].split(", "))
+    assert set(timed) == {"batch", "step", "epoch end", "other"}
+    assert all(float(ms) >= 0 for ms in timed.values()) and float(timed["step"]) > 0 and float(timed["batch"]) > 0
