@@ -101,21 +101,27 @@ class _PairMeans(torch.autograd.Function):
         sim, positive, num_positive, num_negative = ctx.saved_tensors
         no_diagonal, alpha, beta, cost = ctx.constants
         dtype = torch.promote_types(sim.dtype, torch.float32)
-        positive_count, negative_count = (n.clamp(min=1).to(dtype) for n in (num_positive, num_negative))
+        counts = [n.clamp(min=1).to(dtype) for n in (num_positive, num_negative)]
+        # d/ds of softplus(m (s − β)) / count is σ(m (s − β)) · m / count; rounded to the
+        # matrix's precision once, where each block is stored.
+        scales = (-alpha / counts[0] * grad, alpha * cost / counts[1] * grad)
         blocks = _row_blocks(sim)
-        # Rounded to the matrix's precision once, where each block is stored.
-        grad_sim = torch.empty_like(sim) if len(blocks) > 1 else None
-        for rows in blocks:
-            # d/ds of softplus(m (s − β)) / count is σ(m (s − β)) · m / count.
-            block = _arguments(sim[rows], positive[rows], alpha, beta, cost).sigmoid_()
-            scales = torch.where(positive[rows], -alpha / positive_count, alpha * cost / negative_count)
-            block.mul_(scales.mul_(grad))
-            if no_diagonal:
-                block.diagonal(rows.start).zero_()
-            if grad_sim is None:  # one block: it is the gradient
-                return block.to(sim.dtype), None, None, None, None, None, None, None
-            grad_sim[rows] = block
+        if len(blocks) == 1:
+            grad_sim = _block_gradient(sim, positive, blocks[0], no_diagonal, scales, alpha, beta, cost).to(sim.dtype)
+        else:
+            grad_sim = torch.empty_like(sim)
+            for rows in blocks:
+                grad_sim[rows] = _block_gradient(sim, positive, rows, no_diagonal, scales, alpha, beta, cost)
         return grad_sim, None, None, None, None, None, None, None
+
+
+def _block_gradient(sim, positive, rows, no_diagonal, scales, alpha, beta, cost):
+    """The gradient of rows `rows`: σ(m (s − β)) times the positive or the negative pairs' scale."""
+    block = _arguments(sim[rows], positive[rows], alpha, beta, cost).sigmoid_()
+    block.mul_(torch.where(positive[rows], *scales))
+    if no_diagonal:  # the block's own pairs (i, i): its diagonal from column rows.start
+        block.diagonal(rows.start).zero_()
+    return block
 
 
 def _row_blocks(sim):
