@@ -38,10 +38,9 @@ from pytorch_metric_learning import losses
 from pml_rank.harness import runner
 from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
 from pml_rank.harness.budget import TRUNKS, dataset_argument, resolve
-from pml_rank.harness.datasets import Transformed
 from pml_rank.harness.evaluation import TrainingConfig, test_set_and_folds, training
 from pml_rank.harness.evaluation.loaders import embedding_loaders, training_loaders
-from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, SeededDraws, default_sampler, train_model
+from pml_rank.harness.evaluation.training import EMBEDDING_BATCH, default_sampler, train_model, training_batches
 from pml_rank.harness.workers import default_loader_workers
 
 
@@ -88,10 +87,8 @@ def loader_batch_seconds(train_set, budget, batches=5):
     """Seconds one process takes to prepare a training batch of the bench's sampler (read,
     decode, augment, normalise, collate; images keyed by their seeds, as the trainer's
     loader reads them): with the raw step's time, how many loader processes keep a device fed."""
-    sampler = torch.utils.data.BatchSampler(
-        default_sampler(train_set.labels, budget["batch_size"]), budget["batch_size"], drop_last=True
-    )
-    keyed = SeededDraws(sampler, seed=0) if isinstance(train_set, Transformed) else sampler
+    batch_size = budget["batch_size"]
+    keyed = training_batches(train_set, default_sampler(train_set.labels, batch_size), batch_size, draws_seed=0)
     seconds = []
     for batch in itertools.islice(keyed, batches + 1):  # the first warms the caches
         started = time.perf_counter()

@@ -11,7 +11,7 @@ import argparse
 import math
 
 # How many processes share one GPU, by trunk, measured on one H200 (`bash .ci/gpu`'s sweep,
-# examples/results/gpu-check.md: 11 glyph jobs of 2 epochs): the small CNN's steps are
+# examples/results/gpu-check-sweep.md: 11 glyph jobs of 2 epochs): the small CNN's steps are
 # launch-bound, yet the GPU time-slices between the processes' CUDA contexts, so each job
 # slows as processes are added (1.44 x its time with 2 processes, 2.14 x with 4): 1.4 and
 # 1.9 times the jobs per second of one process, no gain beyond 4. An ImageNet trunk's step
@@ -21,8 +21,8 @@ PROCESSES_PER_GPU = {"small-cnn": 4}
 # needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
 # one process 75-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
 # could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with room to
-# spare. (12 had measured slower than 4 when every fold model started its own processes; a job
-# now starts them once.)
+# spare (on the H200 machine: 83-94 ms a batch in one process, a fold model at 0.63). (12 had
+# measured slower than 4 when every fold model started its own processes; a job now starts them once.)
 LOADER_WORKERS_PER_GPU_PROCESS = 8
 
 

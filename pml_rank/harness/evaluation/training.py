@@ -326,6 +326,17 @@ class SeededDraws:
             yield list(zip(batch, seeds))
 
 
+def training_batches(dataset, sampler, batch_size, draws_seed):
+    """The batches a trainer reads from `dataset`: `sampler`'s, in batches of `batch_size`
+    without a short last one (PML's loader's own), or a random order's when `sampler` is None;
+    keyed by `SeededDraws` from `draws_seed` for a `datasets.Transformed`."""
+    batches = sampler
+    if not isinstance(batches, torch.utils.data.BatchSampler):
+        items = torch.utils.data.RandomSampler(dataset) if batches is None else batches
+        batches = torch.utils.data.BatchSampler(items, int(batch_size), drop_last=True)
+    return SeededDraws(batches, draws_seed) if isinstance(dataset, Transformed) else batches
+
+
 class MetricLossOnly(trainers.MetricLossOnly):
     """PML's `MetricLossOnly` whose data-loading processes (``dataloader_num_workers`` > 0)
     live through the whole training and end with it, with batches in pinned memory for a
@@ -384,12 +395,7 @@ class MetricLossOnly(trainers.MetricLossOnly):
 
     def initialize_dataloader(self):
         workers = self.dataloader_num_workers
-        batches = self.sampler
-        if not isinstance(batches, torch.utils.data.BatchSampler):  # PML's loader's own, with drop_last
-            items = torch.utils.data.RandomSampler(self.dataset) if batches is None else batches
-            batches = torch.utils.data.BatchSampler(items, int(self.batch_size), drop_last=True)
-        if isinstance(self.dataset, Transformed):
-            batches = SeededDraws(batches, self.draws_seed)
+        batches = training_batches(self.dataset, self.sampler, self.batch_size, self.draws_seed)
         stream = None
         if self.loaders is not None and self.batches_to_read and self.collate_fn is None:
             stream = self.loaders.stream(self.dataset, batches, self.batches_to_read)
