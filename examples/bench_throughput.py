@@ -1,21 +1,23 @@
 """The bench's training throughput as a ratio to the raw step.
 
 The raw step is what a bench job cannot go below: the trunk (and embedding layer) forward,
-PML's TripletMarginLoss, backward and the budget's optimizer step on a batch already on the
-device, nothing else. The bench's rate is one fold model of `pml-rank bench` (PML's
-MetricLossOnly trainer with its hooks, the record-keeper, the sampler and data loader with
-the device's default loader processes, validation after every epoch and the best epoch's
-models kept) in iterations per second. With loader processes, the timed fold models share one
-set that reads their training (each one's sampler passes as one stream) and one that serves
-their validations, as the fold models of a bench job do; the warm-up's fold model starts them,
-as a job's first fold model does (`--fresh-loaders`: each fold model starts its own). Both
-run in this one process, alternately, so that other load on the machine hits them alike; on
-a GPU, times are synchronised.
+PML's TripletMarginLoss, backward and the budget's optimizer steps (the trunk's and the
+embedding layer's, as the trainer takes them) on a batch already on the device, the trunk's
+BatchNorm layers frozen where the budget freezes them, nothing else. The bench's rate is one
+fold model of `pml-rank bench` (PML's MetricLossOnly trainer with its hooks, the record-keeper,
+the sampler and data loader with the device's default loader processes, validation after every
+epoch and the best epoch's models kept) in iterations per second. With loader processes, the
+timed fold models share one set that reads their training (each one's sampler passes as one
+stream) and one that serves their validations, as the fold models of a bench job do; the warm-
+up's fold model starts them, as a job's first fold model does (`--fresh-loaders`: each fold
+model starts its own). Both run in this one process, alternately, so that other load on the
+machine hits them alike; on a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
     python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
     python examples/bench_throughput.py ... --profile 40   (then where one more fold model's time goes)
     python examples/bench_throughput.py ... --phases       (one more fold model's time by phase)
+    python examples/bench_throughput.py ... --trace 8 [--trace-dir DIR]  (raw steps and a fold model profiled)
 
 The glyphs' small CNN runs on one thread (as a bench worker does); an ImageNet trunk from
 random weights (no weights file needed), on `--threads` threads on the CPU.
@@ -26,14 +28,19 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
+import gzip
 import itertools
+import json
+import pathlib
 import pstats
+import re
 import statistics
 import time
 from unittest import mock
 
 import torch
 from pytorch_metric_learning import losses
+from pytorch_metric_learning.utils import common_functions as c_f
 
 from pml_rank.harness import runner
 from pml_rank.harness.arguments import DEVICE_HELP, device, non_negative_int, positive_int
@@ -49,9 +56,10 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps=20, warmup=5):
+def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps=20, warmup=5, trace=None):
     """Seconds per raw step: `steps` steps on batches drawn by the bench's sampler, already
-    on the device."""
+    on the device; with `trace` (a scheduled `torch.profiler.profile`), those steps under it
+    instead (returns None)."""
     torch.manual_seed(0)
     batch_size, device = budget["batch_size"], config.device
     # One pass of the sampler holds about len(train_set) samples: draw passes until every
@@ -61,20 +69,30 @@ def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps
     indices = list(itertools.islice(passes, batch_size * min(steps + warmup, 8)))
     images = torch.stack([train_set[i][0] for i in indices]).to(device)
     labels = torch.tensor([int(train_set.labels[i]) for i in indices], device=device)
-    trunk = make_trunk().to(device)
-    embedder = make_embedder().to(device) if make_embedder else torch.nn.Identity()
-    parameters = [*trunk.parameters(), *embedder.parameters()]
-    loss, optimizer = losses.TripletMarginLoss(), config.make_optimizer(parameters, config.lr)
+    trunk = make_trunk().to(device).train()
+    embedder = (make_embedder() if make_embedder else torch.nn.Identity()).to(device).train()
+    if config.freeze_batchnorm:  # as the trainer's models train (PML's freeze_trunk_batchnorm)
+        trunk.apply(c_f.set_layers_to_eval("BatchNorm"))
+    loss = losses.TripletMarginLoss()
+    optimizers = list(training._optimized(config, trunk, embedder, loss, None, None)[1].values())
     batches = len(indices) // batch_size
 
     def step(b):
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         batch = slice((b % batches) * batch_size, (b % batches + 1) * batch_size)
         loss(embedder(trunk(images[batch])), labels[batch]).backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
 
     for b in range(warmup):
         step(b)
+    if trace is not None:
+        with trace:
+            for b in range(steps):
+                step(b)
+                trace.step()
+        return None
     synchronize(device)
     started = time.perf_counter()
     for b in range(steps):
@@ -166,6 +184,63 @@ def phase_seconds(run, device):
     return seconds, iterations[0]
 
 
+def profiler(device, iterations, skip=0):
+    """A torch.profiler stepped once an iteration, recording `iterations` of them after `skip`
+    (and one warm-up iteration), with Python's functions (`with_stack`) to see what the host
+    does where the device idles."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = torch.device(device).type == "cuda"
+    return profile(
+        activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+        schedule=schedule(wait=skip, warmup=1, active=iterations, repeat=1),
+        with_stack=True,
+    )
+
+
+def traced_fold_model(run, trace):
+    """``run()`` (one fold model) with `trace` stepped after each of its iterations."""
+    forward_and_backward = training.MetricLossOnly.forward_and_backward
+
+    def iteration(self):
+        forward_and_backward(self)
+        trace.step()
+
+    with trace, mock.patch.object(training.MetricLossOnly, "forward_and_backward", iteration):
+        run()
+
+
+def trace_summary(trace, top=12):
+    """From a finished `profiler`: its recorded iterations' median ms, the device's busy ms an
+    iteration (the union of its kernels' intervals), the host's waits for the device an
+    iteration, and the `top` operators of most own host time (ms an iteration)."""
+    events = trace.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    steps = [e for e in events if e.name.startswith("ProfilerStep") and e.device_type != cuda]
+    if not steps:
+        return {}
+    start, end, host = min(e.time_range.start for e in steps), max(e.time_range.end for e in steps), steps[0].thread
+    within = [e for e in events if start <= e.time_range.start < end and not e.name.startswith("ProfilerStep")]
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in within if e.device_type == cuda)
+    busy, reach = 0, start
+    for begin, finish in kernels:
+        busy += max(0, finish - max(begin, reach))
+        reach = max(reach, finish)
+    waits = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    own = collections.Counter()
+    for e in within:
+        if e.device_type != cuda and e.thread == host:
+            own[re.sub(r" at 0x[0-9a-f]+>$", ">", e.name)] += e.self_cpu_time_total
+    n = len(steps)
+    return {
+        "iterations": n,
+        "ms": round(statistics.median(e.time_range.elapsed_us() for e in steps) / 1e3, 2),
+        "device busy ms": round(busy / n / 1e3, 2),
+        "waits": round(sum(1 for e in within if e.name in waits) / n, 1),
+        "host ms": {name: round(us / n / 1e3, 2) for name, us in own.most_common(top)},
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -200,6 +275,15 @@ def main(argv=None):
         help="after the rounds, time one more fold model by phase (batch, step, epoch end, other), the device "
         "synchronised at each phase's end: which part of a fold model is slower than the raw steps",
     )
+    parser.add_argument(
+        "--trace",
+        type=positive_int,
+        metavar="N",
+        help="after the rounds, N raw steps and N iterations of one more fold model (after its first 10, where it "
+        "has that many) under "
+        "torch.profiler: ms an iteration, the device's busy ms, the host's waits and busiest operators",
+    )
+    parser.add_argument("--trace-dir", help="with --trace, where to write the two Chrome traces (.json.gz)")
     args = parser.parse_args(argv)
     glyphs = resolve("glyphs")
     given = {"trunk": args.trunk, "image_size": args.image_size}
@@ -242,6 +326,18 @@ def main(argv=None):
                 lambda: bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, shared),
                 config.device,
             )
+        if args.trace:
+            with profiler(config.device, 1):  # the H200's first profiling in a process timed no kernels
+                torch.ones(1, device=config.device).add_(1)
+            raw_trace = profiler(config.device, args.trace)
+            raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, args.trace + 1, trace=raw_trace)
+            # Past the first iterations (the loader's first batches), where the training has that many.
+            skip = max(0, min(10, config.epochs * config.iterations_per_epoch - args.trace - 1))
+            fold_trace = profiler(config.device, args.trace, skip=skip)
+            traced_fold_model(
+                lambda: bench_iteration_seconds(train_set, val_set, config, make_trunk, make_embedder, shared),
+                fold_trace,
+            )
     ratios = [r / b for r, b in zip(raw, bench)]  # per round: both halves met the same load
     with torch.random.fork_rng(devices=[]):
         loader = loader_batch_seconds(train_set, budget)
@@ -274,6 +370,16 @@ def main(argv=None):
             f"one more fold model by phase, synchronised at each phase's end, ms per iteration ({iterations}): "
             f"{per_iteration}; raw step {1000 * statistics.median(raw):.2f}"
         )
+    if args.trace:
+        for name, trace in (("raw steps", raw_trace), ("fold model", fold_trace)):
+            print(f"{name} under torch.profiler: {json.dumps(trace_summary(trace))}")
+            if args.trace_dir:
+                pathlib.Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                path = pathlib.Path(args.trace_dir) / f"{name.replace(' ', '-')}.json"
+                trace.export_chrome_trace(str(path))
+                with open(path, "rb") as raw_file, gzip.open(f"{path}.gz", "wb") as packed:
+                    packed.write(raw_file.read())
+                path.unlink()
     if args.profile:
         print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)

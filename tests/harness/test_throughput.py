@@ -1,5 +1,6 @@
 """examples/bench_throughput.py, run as its main on a short fold model of the glyphs."""
 
+import json
 import runpy
 from pathlib import Path
 
@@ -12,13 +13,16 @@ SCRIPT = Path(__file__).parents[2] / "examples" / "bench_throughput.py"
 
 @pytest.mark.slow  # trains fold models
 def test_the_throughput_script_prints_the_ratio_and_where_a_fold_model_spends_its_time(
-    glyph_cache, monkeypatch, capsys
+    glyph_cache, monkeypatch, capsys, tmp_path
 ):
     monkeypatch.setattr(glyphs, "DEFAULT_CACHE_DIR", glyph_cache)
     main = runpy.run_path(str(SCRIPT))["main"]
     # 10 steps: their cumulative time several times a validation's, so that the trainer's step stays
     # among the 12 most costly functions on a loaded machine too (with 2 they were even, and it fell out).
-    main(["--epochs", "1", "--iterations", "10", "--repeats", "2", "--profile", "12", "--phases"])
+    main(
+        ["--epochs", "1", "--iterations", "10", "--repeats", "2", "--profile", "12", "--phases"]
+        + ["--trace", "2", "--trace-dir", str(tmp_path)]
+    )
     printed = capsys.readouterr().out
     ratio = next(line for line in printed.splitlines() if line.startswith("throughput ratio bench / raw step: "))
     median, spread = ratio.removeprefix("throughput ratio bench / raw step: ").split(" ", 1)
@@ -38,3 +42,10 @@ def test_the_throughput_script_prints_the_ratio_and_where_a_fold_model_spends_it
     timed = dict(item.rsplit(" ", 1) for item in phases.split(": ", 1)[1].split("; ")[0].split(", "))
     assert set(timed) == {"batch", "step", "epoch end", "other"}
     assert all(float(ms) >= 0 for ms in timed.values()) and float(timed["step"]) > 0 and float(timed["batch"]) > 0
+    # Two raw steps and two of one more fold model's iterations under torch.profiler.
+    for name in ("raw steps", "fold model"):
+        line = next(line for line in printed.splitlines() if line.startswith(f"{name} under torch.profiler: "))
+        summary = json.loads(line.split(": ", 1)[1])
+        assert summary["iterations"] == 2 and summary["ms"] > 0 and summary["device busy ms"] == 0  # the CPU's
+        assert summary["host ms"] and all(ms >= 0 for ms in summary["host ms"].values())
+        assert (tmp_path / f"{name.replace(' ', '-')}.json.gz").stat().st_size > 0

@@ -182,3 +182,39 @@ def test_the_cpu_optimizer_steps_the_same_bits_as_torchs_per_parameter_default(o
             step.step()
     for (name, a), b in zip(nets[0].state_dict().items(), nets[1].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_trainers_zero_grad_clears_every_gradient_pmls_clears_and_sees_a_parameter_added_before_training():
+    """`MetricLossOnly.zero_grad` keeps a list of the parameters instead of asking every model
+    and optimizer at each step, as PML's does: the same gradients cleared, a loss's parameters
+    in an optimizer but in no model among them, and a list made anew for each training."""
+    from pytorch_metric_learning import losses
+
+    from pml_rank.harness.evaluation.training import MetricLossOnly
+
+    trunk, embedder = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), torch.nn.Linear(3, 2)
+    loss = losses.ProxyAnchorLoss(num_classes=3, embedding_size=2)
+    optimizers = {
+        "trunk_optimizer": torch.optim.SGD(trunk.parameters(), lr=0.1),
+        "metric_loss_optimizer": torch.optim.SGD(loss.parameters(), lr=0.1),
+    }
+    dataset = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.arange(8) % 3)
+    dataset.labels = (torch.arange(8) % 3).tolist()
+    trainer = MetricLossOnly(
+        models={"trunk": trunk, "embedder": embedder},
+        optimizers=optimizers,
+        batch_size=4,
+        loss_funcs={"metric_loss": loss},
+        dataset=dataset,
+    )
+    cleared = [*trunk.parameters(), *embedder.parameters(), *loss.parameters()]
+    for _ in range(2):  # the list made at the first call serves the second
+        for parameter in cleared:
+            parameter.grad = torch.ones_like(parameter)
+        trainer.zero_grad()
+        assert all(parameter.grad is None for parameter in cleared)
+    embedder.extra = torch.nn.Parameter(torch.ones(1))  # a parameter added between two trainings
+    embedder.extra.grad = torch.ones(1)
+    trainer.train(num_epochs=0)  # a training that takes no step makes the list anew
+    trainer.zero_grad()
+    assert embedder.extra.grad is None
