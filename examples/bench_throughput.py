@@ -8,10 +8,10 @@ fold model of `pml-rank bench` (PML's MetricLossOnly trainer with its hooks, the
 the sampler and data loader with the device's default loader processes, validation after every
 epoch and the best epoch's models kept) in iterations per second. With loader processes, the
 timed fold models share one set that reads their training (each one's sampler passes as one
-stream) and one that serves their validations, as the fold models of a bench job do; the warm-
-up's fold model starts them, as a job's first fold model does (`--fresh-loaders`: each fold
-model starts its own). Both run in this one process, alternately, so that other load on the
-machine hits them alike; on a GPU, times are synchronised.
+stream) and one that serves their validations, as the fold models of a bench job do; the
+warm-up's fold model starts them, as a job's first fold model does (`--fresh-loaders`: each
+fold model starts its own). Both run in this one process, alternately, so that other load on
+the machine hits them alike; on a GPU, times are synchronised.
 
     python examples/bench_throughput.py [--epochs 10 --iterations 60] [--repeats 5]
     python examples/bench_throughput.py --dataset folder:DIR --trunk resnet50 --image-size 224 --device cuda
