@@ -309,7 +309,7 @@ def main(argv=None):
         if not args.fresh_loaders:
             cuda = torch.device(args.device).type == "cuda"
             shared = (
-                stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, loader_workers)),
+                stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, loader_workers, args.device)),
                 stack.enter_context(training_loaders([train_set], loader_workers, cuda)),
             )
         # Imports, first-call costs, (CUDA) kernel selection and the shared loaders' start, once.

@@ -174,7 +174,7 @@ def run_protocol(
     embedded = [val_set for _, val_set in folds] + ([] if validation_only else [test_set])
     pin_memory = torch.device(config.device).type == "cuda"
     with (
-        embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders,
+        embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers, config.device) as loaders,
         training_loaders([train_set for train_set, _ in folds], config.loader_workers, pin_memory) as training,
     ):
         for k, (train_set, val_set) in enumerate(folds):
@@ -268,7 +268,7 @@ def run_standard_protocol(
         c_f.save_dict_of_models(models, config.epochs, f"{model_folder}/models", assert_success=True)
 
     embedded = [splits.query] + ([] if splits.reference is None else [splits.reference])
-    with embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers) as loaders:
+    with embedding_loaders(embedded, EMBEDDING_BATCH, config.loader_workers, config.device) as loaders:
 
         def embed(dataset):
             return compute_embeddings(

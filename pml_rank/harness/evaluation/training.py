@@ -569,7 +569,9 @@ def _loaders(stack, config, train_set, val_set, loaders, training_loaders):
     """``(loaders, training_loaders)``: those given, or with ``config.loader_workers``, a
     training's own over `val_set` and `train_set`, closed with `stack`."""
     if loaders is None and val_set is not None:
-        loaders = stack.enter_context(embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers))
+        loaders = stack.enter_context(
+            embedding_loaders([val_set], EMBEDDING_BATCH, config.loader_workers, config.device)
+        )
     if training_loaders is None:
         cuda = torch.device(config.device).type == "cuda"
         training_loaders = stack.enter_context(open_training_loaders([train_set], config.loader_workers, cuda))

@@ -76,6 +76,22 @@ def test_batches_read_in_pieces_are_put_together_as_torch_collates_them_at_once(
         return a == b
 
     assert same(concatenated(pieces), torch.utils.data.default_collate(items))
+    # Toward a device (here torch's meta device, which keeps shapes and dtypes): the floating-point
+    # tensors (the images) are put together there, the rest as on the CPU.
+    moved, expected = concatenated(pieces, torch.device("meta")), torch.utils.data.default_collate(items)
+
+    def on_meta(a, b):
+        if torch.is_tensor(a):
+            if b.is_floating_point():
+                return a.is_meta and a.shape == b.shape and a.dtype == b.dtype
+            return same(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(on_meta(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(on_meta(x, y) for x, y in zip(a, b))
+        return a == b
+
+    assert on_meta(moved, expected)
 
 
 def test_without_loader_processes_there_are_no_loaders():
@@ -137,7 +153,7 @@ def test_on_cuda_images_from_loader_processes_are_those_read_in_the_calling_proc
         assert all(x.is_cuda and torch.equal(x, y) for x, y in zip(a.seen, b.seen, strict=True))
     _, test_set = test_set_and_folds(images, 2, transforms)
     trunk = trunks[0].eval()
-    with embedding_loaders([test_set], EMBEDDING_BATCH, 3) as loaders:
+    with embedding_loaders([test_set], EMBEDDING_BATCH, 3, "cuda") as loaders:  # pieces put together there
         pooled, pooled_labels = compute_embeddings(trunk, test_set, None, "cuda", loader_workers=3, loaders=loaders)
     alone, labels = compute_embeddings(trunk, test_set, None, "cuda")
     assert len(alone) == len(test_set) and torch.equal(pooled, alone) and (pooled_labels == labels).all()
