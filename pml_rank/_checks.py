@@ -18,7 +18,8 @@ import torch
 
 def check_embeddings(component, **tensors):
     """Raise TypeError for non-float and ValueError for non-finite tensors, naming
-    `component` (an instance or a name) and the tensor. `None` values are skipped."""
+    `component` (an instance or a name) and the tensor; return the largest magnitude in
+    each, ``{name: float}``. `None` values are skipped."""
     owner = component if isinstance(component, str) else type(component).__name__
     given, tensors = tensors, {}
     for name, tensor in given.items():  # None skipped, and a tensor given twice checked once
@@ -28,23 +29,26 @@ def check_embeddings(component, **tensors):
         if not torch.is_tensor(tensor) or not torch.is_floating_point(tensor):
             kind = tensor.dtype if torch.is_tensor(tensor) else type(tensor).__name__
             raise TypeError(f"{owner}: {name} must be a floating-point tensor, got {kind}")
-    # One cheap pass each (isfinite is 10 times slower) and their sums read back at once: on
-    # a GPU, a kernel a tensor and one wait, where isfinite on a sum launches four more.
+    # One cheap pass each (isfinite is 10 times slower) and their results read back at once:
+    # on a GPU, a kernel a tensor and one wait. The largest magnitude is NaN or inf exactly
+    # where a value is, and never overflows (a sum of finite values can).
     with torch.no_grad():  # no autograd node for a check
-        sums = [tensor.sum() for tensor in tensors.values()]
-    if len(sums) > 1 and len({s.device for s in sums}) == 1:
-        # float32 (MPS has no float64): a finite float64 sum beyond its range only takes the slow path.
-        sums = torch.stack([s.to(torch.float32) for s in sums]).tolist()
-    for (name, tensor), total in zip(tensors.items(), sums):
-        if math.isfinite(total):
-            continue
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):  # else the sum overflowed
+        largest = [torch.linalg.vector_norm(t, math.inf) if t.numel() else t.new_zeros(()) for t in tensors.values()]
+    if len(largest) > 1 and len({m.device for m in largest}) == 1:
+        # float32 (MPS has no float64): a float64 magnitude beyond its range is read again alone.
+        read = torch.stack([m.to(torch.float32) for m in largest]).tolist()
+    else:
+        read = [float(m) for m in largest]
+    magnitudes = [m if math.isfinite(m) else float(exact) for m, exact in zip(read, largest)]
+    for (name, tensor), magnitude in zip(tensors.items(), magnitudes):
+        if not math.isfinite(magnitude):
+            finite = torch.isfinite(tensor)
             bad = (~finite).nonzero()[0].tolist()
             raise ValueError(
                 f"{owner}: {name} contains {int((~finite).sum())} NaN/Inf value(s), "
                 f"first at index {tuple(bad)}: {tensor[tuple(bad)].item()}"
             )
+    return dict(zip(tensors, magnitudes))
 
 
 def check_numbers(component, bound, **values):

@@ -140,6 +140,8 @@ class AUCLoss(RankLossBase):
     Recorded statistics: ``num_anchors``, ``mean_hardest_pos_sim``, ``mean_hardest_neg_sim``.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(
         self, step: float = 0.005, slope: float | None = None, t_min: float = -1.0, t_max: float = 1.0, **kwargs
     ):

@@ -44,6 +44,8 @@ class FastAPLoss(RankLossBase):
     returned, in float32; float64 stays float64.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(self, num_bins: int = 10, **kwargs):
         super().__init__(**kwargs)
         c_f.assert_distance_type(self, LpDistance, normalize_embeddings=True, p=2, power=2)

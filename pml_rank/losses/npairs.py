@@ -39,6 +39,8 @@ class NPairsMCLoss(RankLossBase):
             (cosine similarity); pass ``DotProductSimilarity()`` to get that.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(self, l2_reg_weight: float = 0.002, **kwargs):
         check_numbers(self, ">= 0", l2_reg_weight=l2_reg_weight)
         if l2_reg_weight > 0:

@@ -63,6 +63,8 @@ class PNPLoss(RankLossBase):
     query without another positive is left out.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     VARIANTS = ("O", "Ds", "Dq", "Iu", "Ib")
 
     def __init__(self, b: float = 2, alpha: float = 4, anneal: float = 0.01, variant: str = "Dq", **kwargs):

@@ -101,6 +101,8 @@ _warned_settings = set()
 
 
 class _RaMBOLoss(RankLossBase):
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(self, lambda_val: float, margin: float, memory_size: int, memory_variant: str, **kwargs):
         super().__init__(**kwargs)
         owner = type(self).__name__

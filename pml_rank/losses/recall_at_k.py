@@ -105,6 +105,8 @@ class RecallAtKSurrogateLoss(RankLossBase):
     Recorded statistic: ``num_queries``.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(
         self,
         k_values: tuple | list = PAPER_K_VALUES,

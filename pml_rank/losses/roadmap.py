@@ -99,6 +99,8 @@ class SupAPLoss(RankLossBase):
     the default MeanReducer gives the authors' 1 − mAP.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(
         self,
         temperature: float = 0.01,

@@ -67,6 +67,8 @@ class SmoothAPLoss(RankLossBase):
     default MeanReducer gives the authors' loss, 1 − the mean AP over queries.
     """
 
+    finite_for_bounded_scores = True  # see RankLossBase
+
     def __init__(self, temperature: float = 0.01, include_query: bool = True, **kwargs):
         super().__init__(**kwargs)
         check_numbers(self, "> 0", temperature=temperature)

@@ -32,8 +32,8 @@ def test_non_finite_ref_emb_is_rejected():
 
 
 def test_embeddings_and_ref_emb_are_checked_with_one_read_back(monkeypatch):
-    """One read-back for both (on a GPU, one wait), the sums in their own dtypes: a
-    float16 sum that overflows still falls back to the elementwise check."""
+    """One read-back for both (on a GPU, one wait), their largest magnitudes in their own
+    dtypes; a float64 one beyond float32's range read again alone."""
     embeddings, large = torch.ones(2, 3), torch.full((4, 3), 30000.0, dtype=torch.float16)
     lists, tolist = [], torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: lists.append(tensor) or tolist(tensor))
@@ -44,11 +44,12 @@ def test_embeddings_and_ref_emb_are_checked_with_one_read_back(monkeypatch):
     large[1, 1] = float("inf")
     with pytest.raises(ValueError, match=r"Named: ref_emb contains 1 NaN/Inf value\(s\), first at index \(1, 1\)"):
         check_embeddings("Named", embeddings=embeddings, ref_emb=large)
-    huge = torch.full((2, 3), 1e300, dtype=torch.float64)  # finite; its sum is beyond float32's range
-    check_embeddings("Named", embeddings=embeddings, ref_emb=huge)
+    huge = torch.full((2, 3), -1e300, dtype=torch.float64)  # finite, beyond float32's range
+    assert check_embeddings("Named", embeddings=embeddings, ref_emb=huge) == {"embeddings": 1.0, "ref_emb": 1e300}
+    assert check_embeddings("Named", embeddings=torch.tensor([[1.0, -3.0]]), ref_emb=None) == {"embeddings": 3.0}
     with OperationNames() as counted:  # the batch as its own references: checked once
         check_embeddings("Named", embeddings=embeddings, ref_emb=embeddings)
-    assert counted.names["aten::sum"] == 1
+    assert counted.names["aten::linalg_vector_norm"] == 1
 
 
 def test_integer_embeddings_are_a_type_error():
@@ -142,3 +143,76 @@ def test_unit_rows_are_f_normalize_with_its_gradient():
     torch.testing.assert_close(ours, theirs)
     l1 = LpDistance(p=1)
     assert torch.equal(normalized(l1, x), torch.nn.functional.normalize(x, p=1, dim=1))
+
+
+class _Bounded(_Toy):
+    finite_for_bounded_scores = True
+
+
+def _loss_read_backs(loss, embeddings, monkeypatch, autocast=None):
+    """How many times `loss` reads its own value back (`Tensor.item` on a 0-d float32 result)."""
+    reads, item = [], torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t.dim()) or item(t))
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss(embeddings, torch.arange(len(embeddings)))
+    monkeypatch.undo()
+    return len(reads)
+
+
+def test_the_loss_is_read_back_to_be_checked_only_where_the_embeddings_could_make_it_overflow(monkeypatch):
+    """A loss that says `finite_for_bounded_scores` is read back only where the scores could
+    exceed 2^20 (2^10 for a float16 product): never for normalised rows (cosine similarity),
+    for raw dot products or distances by the embeddings' largest magnitude m (dim (2m)^2), and
+    always with an embedding regularizer on raw rows, another distance, or a loss that does
+    not say so."""
+    from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimilarity, LpDistance, SNRDistance
+    from pytorch_metric_learning.regularizers import LpRegularizer
+
+    dim = 4
+    at_the_bound = (2.0**20 / dim) ** 0.5 / 2  # dim (2m)^2 = 2^20
+    rows = torch.full((3, dim), at_the_bound)
+    raw = DotProductSimilarity(normalize_embeddings=False)
+    assert _loss_read_backs(_Bounded(distance=CosineSimilarity()), rows * 1e30, monkeypatch) == 0
+    assert _loss_read_backs(_Bounded(distance=raw), rows, monkeypatch) == 0
+    assert _loss_read_backs(_Bounded(distance=raw), rows * 1.01, monkeypatch) == 1
+    assert _loss_read_backs(_Bounded(distance=LpDistance(normalize_embeddings=False, power=2)), rows, monkeypatch) == 0
+    assert _loss_read_backs(_Bounded(distance=LpDistance(p=1)), rows, monkeypatch) == 1
+    assert _loss_read_backs(_Bounded(distance=SNRDistance()), rows / 1e6, monkeypatch) == 1
+    regularized = _Bounded(distance=CosineSimilarity(), embedding_regularizer=LpRegularizer())
+    assert _loss_read_backs(regularized, rows, monkeypatch) == 0
+    assert _loss_read_backs(regularized, rows * 2, monkeypatch) == 1
+    assert _loss_read_backs(_Toy(distance=CosineSimilarity()), rows, monkeypatch) == 1
+    # A float16 product under autocast: 2^10; bfloat16 has float32's range.
+    small = rows * 2**-5  # dim (2m)^2 = 2^10
+    assert _loss_read_backs(_Bounded(distance=raw), small, monkeypatch, autocast=torch.bfloat16) == 0
+    assert _loss_read_backs(_Bounded(distance=raw), small, monkeypatch, autocast=torch.float16) == 0
+    assert _loss_read_backs(_Bounded(distance=raw), small * 1.01, monkeypatch, autocast=torch.float16) == 1
+    assert _loss_read_backs(_Bounded(distance=raw), small * 1.01, monkeypatch, autocast=torch.bfloat16) == 0
+
+
+def test_every_loss_that_skips_the_check_is_finite_with_scores_at_the_bound():
+    """What `finite_for_bounded_scores` promises, held for every registered loss that says it:
+    raw dot products of rows whose scores reach 2^20 (the same rows normalised, for a loss that
+    takes its own distance alone), ties and all, give a finite loss and a finite gradient."""
+    from pytorch_metric_learning.distances import DotProductSimilarity
+
+    from pml_rank.plugins import registry
+
+    checked = []
+    dim = 8
+    largest = (2.0**20 / dim) ** 0.5 / 2
+    for name, loss_class in sorted(registry.losses().items()):
+        if not getattr(loss_class, "finite_for_bounded_scores", False):
+            continue
+        signs = torch.randint(0, 2, (32, dim), generator=torch.Generator().manual_seed(1)) * 2 - 1
+        embeddings = (signs * largest).float().requires_grad_()
+        try:
+            loss = loss_class(distance=DotProductSimilarity(normalize_embeddings=False))
+            value = loss(embeddings, torch.arange(32) // 4)
+        except AssertionError:  # PML's check of a loss that takes its own distance alone (FastAP's unit rows)
+            loss = loss_class()
+            value = loss(embeddings, torch.arange(32) // 4)
+        value.backward()
+        assert torch.isfinite(value) and torch.isfinite(embeddings.grad).all(), name
+        checked.append(name)
+    assert len(checked) >= 10, checked

@@ -261,12 +261,13 @@ def test_interpreted_fused_ranks_wait_for_the_device_before_the_sums_kernel(inpu
 @pytest.mark.parametrize("name", ["SmoothAP", "SmoothAP-no-query", "Recall@k", "SupAP", "PNP", "ROADMAP"])
 def test_interpreted_losses_by_labels_read_nothing_back_after_the_similarity_product(name):
     """With as many pairs for every query, the counts are read back before the product is
-    queued; after it, only the finiteness check of the loss itself waits for the device."""
+    queued; after it nothing waits for the device: unit rows bound the scores, so the loss
+    is not read back to be checked (`RankLossBase._may_overflow`)."""
     embeddings = torch.randn(40, 16, generator=torch.Generator().manual_seed(0))
     with ReadBacks() as read_backs:
         LOSSES[name]()(embeddings, torch.arange(40) // 4)
     events = read_backs.events
-    assert events[events.index("product") + 1 :] == ["wait"], events
+    assert events[events.index("product") + 1 :] == [], events
 
 
 def test_a_count_of_pairs_per_query_that_does_not_add_up_is_refused():
