@@ -21,8 +21,8 @@ PROCESSES_PER_GPU = {"small-cnn": 4}
 # needs a batch of 32 images decoded, resized, cropped and normalised in that time, which took
 # one process 75-125 ms on a 2-core Xeon (`examples/bench_throughput.py` prints it): 4 processes
 # could not keep up (the fold model ran at 0.47 of the raw step's rate); 8 can, with room to
-# spare (on the H200 machine: 83-94 ms a batch in one process, a fold model at 0.63). (12 had
-# measured slower than 4 when every fold model started its own processes; a job now starts them once.)
+# spare (on the H200 machine: 83-108 ms a batch in one process; a fold model at 0.62 with 8 processes,
+# 0.57 with 4, 0.56 with 12, one machine, examples/results/gpu-check.md).
 LOADER_WORKERS_PER_GPU_PROCESS = 8
 
 
