@@ -26,21 +26,20 @@ _UNCHECKED_SCORE = {None: 2.0**20, torch.float16: 2.0**10}
 
 @checked_constructor
 class RankLossBase(BaseMetricLossFunction):
-    """Base of pml-rank's losses: PML's `BaseMetricLossFunction` that first rejects bad
-    input with an error naming the loss and the offending value, so that a NaN never
-    travels silently into training (and, where the inputs' scale could make it overflow,
-    checks the loss it returns: `_may_overflow`), and computes in float32 whatever the input's dtype
-    and whether `torch.autocast` is on: float16/bfloat16 input is upcast and autocast is
-    switched off inside the loss, so counts, ranks and sums are float32 and the loss is a
-    float32 number (in bfloat16, 256 + 1 = 256). Only the similarity matrix's product
-    (`similarity_matrix`) runs in the caller's autocast precision, on the tensor cores,
-    its result upcast to float32 (or read as it is by kernels that convert each score to
-    float32 as they load it: the relaxed ranks', ROADMAP's calibration's and AUC's hardest
-    pairs' on a GPU, and in float16 FastAP's): its rounding is all the loss inherits from half
-    precision. The gradient
-    flows back in the input's dtype. PML's `c_f.to_dtype` is a
-    no-op under autocast, so PML's own losses leave this to each loss. A batch without
-    rows, or without references, gives PML's zero loss.
+    """Base of pml-rank's losses: PML's `BaseMetricLossFunction` that first rejects bad input with
+    an error naming the loss and the offending value, so that a NaN never travels silently into
+    training (and, where the inputs' scale could make it overflow, checks the loss it returns:
+    `_may_overflow`), and computes in float32 whatever the input's dtype and whether
+    `torch.autocast` is on: float16/bfloat16 input is upcast and autocast is switched off
+    inside the loss, so counts, ranks and sums are float32 and the loss is a float32 number (in
+    bfloat16, 256 + 1 = 256). Only the similarity matrix's product (`similarity_matrix`) runs
+    in the caller's autocast precision, on the tensor cores, its result upcast to float32 (or
+    read as it is by kernels that convert each score to float32 as they load it: the relaxed
+    ranks', ROADMAP's calibration's and AUC's hardest pairs' on a GPU, and in float16
+    FastAP's): its rounding is all the loss inherits from half precision. The gradient flows
+    back in the input's dtype. PML's `c_f.to_dtype` is a no-op under autocast, so PML's own
+    losses leave this to each loss. A batch without rows, or without references, gives PML's
+    zero loss.
 
     Every constructor argument of a subclass is checked against the annotations of its
     ``__init__`` (``step: float = 0.005``), which every parameter must have, before any
