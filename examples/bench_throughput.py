@@ -280,8 +280,8 @@ def main(argv=None):
         type=positive_int,
         metavar="N",
         help="after the rounds, N raw steps and N iterations of one more fold model (after its first 10, where it "
-        "has that many) under "
-        "torch.profiler: ms an iteration, the device's busy ms, the host's waits and busiest operators",
+        "has that many) under torch.profiler: ms an iteration, the device's busy ms, the host's waits and busiest "
+        "operators",
     )
     parser.add_argument("--trace-dir", help="with --trace, where to write the two Chrome traces (.json.gz)")
     args = parser.parse_args(argv)
