@@ -150,7 +150,8 @@ class _Bounded(_Toy):
 
 
 def _loss_read_backs(loss, embeddings, monkeypatch, autocast=None):
-    """How many times `loss` reads its own value back (`Tensor.item` on a 0-d float32 result)."""
+    """How many times `loss` reads its own value back: its calls of `Tensor.item` (the input
+    check reads with `float` and `tolist`)."""
     reads, item = [], torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t.dim()) or item(t))
     with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
