@@ -10,6 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The throughput steps of `.ci/gpu` whose lines the report keeps (ResNet-50's and the glyph bench's small CNN's).
+THROUGHPUTS = {
+    "throughput": "ResNet-50",
+    "throughput-60": "ResNet-50, 60 iterations an epoch,",
+    "throughput-glyphs": "Glyph bench (small CNN)",
+}
+
 
 def triton_version():
     try:
@@ -72,7 +79,7 @@ def build(report):
     out["speed autocast float16"] = speed_table(report / "speed-cuda-amp.json")
     knn = read(logs / "knn.log")
     out["knn"] = json.loads(knn[knn.index("{") :]) if "{" in knn and knn.rstrip().endswith("}") else None
-    for name in ("throughput", "throughput-60", "throughput-glyphs"):  # ResNet-50's and the glyph bench's small CNN's
+    for name in THROUGHPUTS:
         out[name] = [
             line
             for line in read(logs / f"{name}.log").splitlines()
@@ -171,8 +178,7 @@ def markdown(out):
             f"{k['faiss-cpu']['seconds']} s; largest metric difference {k['largest difference']:.2e}",
             "",
         ]
-    titles = {"throughput": "ResNet-50", "throughput-60": "ResNet-50, 60 iterations an epoch,"}
-    for name, title in {**titles, "throughput-glyphs": "Glyph bench (small CNN)"}.items():
+    for name, title in THROUGHPUTS.items():
         if out.get(name):
             lines += [
                 f"## {title} throughput (examples/bench_throughput.py; its profile in logs/{name}.log)",

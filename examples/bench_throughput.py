@@ -28,7 +28,6 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
-import gzip
 import itertools
 import json
 import pathlib
@@ -380,11 +379,7 @@ def main(argv=None):
             print(f"{name} under torch.profiler: {json.dumps(trace_summary(trace))}")
             if args.trace_dir:
                 pathlib.Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-                path = pathlib.Path(args.trace_dir) / f"{name.replace(' ', '-')}.json"
-                trace.export_chrome_trace(str(path))
-                with open(path, "rb") as raw_file, gzip.open(f"{path}.gz", "wb") as packed:
-                    packed.write(raw_file.read())
-                path.unlink()
+                trace.export_chrome_trace(str(pathlib.Path(args.trace_dir) / f"{name.replace(' ', '-')}.json.gz"))
     if args.profile:
         print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)

@@ -75,14 +75,15 @@ class EmbeddingLoaders:
 
     def __init__(self, datasets, batch_size, workers, device="cpu"):
         self.datasets, self.batch_size, self.workers = list(datasets), int(batch_size), int(workers)
-        self.device = torch.device(device)
+        # Where the pieces' images are put together: a GPU, or None (the CPU, as they come).
+        self._gathered_on = torch.device(device) if torch.device(device).type == "cuda" else None
         self._current = _CurrentPass()
         self._loader = torch.utils.data.DataLoader(
             _Keyed(self.datasets),
             batch_sampler=self._current,
             num_workers=workers,
             persistent_workers=True,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self._gathered_on is not None,
         )
         self._passes = 0
 
@@ -101,8 +102,7 @@ class EmbeddingLoaders:
             _draw_as_a_new_iterator()
         self._passes += 1
         read = iter(self._loader)
-        device = self.device if self.device.type == "cuda" else None
-        return (concatenated([next(read) for _ in pieces], device) for pieces in pieces_of)
+        return (concatenated([next(read) for _ in pieces], self._gathered_on) for pieces in pieces_of)
 
     def close(self):
         """Ends the processes (they end with the loader's last reference)."""
