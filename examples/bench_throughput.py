@@ -284,6 +284,13 @@ def main(argv=None):
     )
     parser.add_argument("--trace-dir", help="with --trace, where to write the two Chrome traces (.json.gz)")
     args = parser.parse_args(argv)
+    if args.trace_dir is not None:
+        if not args.trace:
+            parser.error("--trace-dir: given without --trace")
+        try:  # before any work: a folder that cannot be made fails now, not after the rounds
+            pathlib.Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--trace-dir: cannot make {args.trace_dir!r}: {error.strerror}")
     glyphs = resolve("glyphs")
     given = {"trunk": args.trunk, "image_size": args.image_size}
     if args.trunk not in (None, "small-cnn"):
@@ -378,7 +385,6 @@ def main(argv=None):
         for name, trace in (("raw steps", raw_trace), ("fold model", fold_trace)):
             print(f"{name} under torch.profiler: {json.dumps(trace_summary(trace))}")
             if args.trace_dir:
-                pathlib.Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
                 trace.export_chrome_trace(str(pathlib.Path(args.trace_dir) / f"{name.replace(' ', '-')}.json.gz"))
     if args.profile:
         print(f"one more fold model under cProfile, its {args.profile} functions of most cumulative time:")

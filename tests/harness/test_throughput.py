@@ -49,3 +49,16 @@ def test_the_throughput_script_prints_the_ratio_and_where_a_fold_model_spends_it
         assert summary["iterations"] == 2 and summary["ms"] > 0 and summary["device busy ms"] == 0  # the CPU's
         assert summary["host ms"] and all(ms >= 0 for ms in summary["host ms"].values())
         assert (tmp_path / f"{name.replace(' ', '-')}.json.gz").stat().st_size > 0
+
+
+@pytest.mark.parametrize("given_trace", [False, True])
+def test_a_trace_folder_that_cannot_serve_fails_at_once_in_one_line(given_trace, tmp_path, capsys):
+    main = runpy.run_path(str(SCRIPT))["main"]
+    (tmp_path / "file").write_text("")
+    argv, message = ["--trace-dir", str(tmp_path)], "--trace-dir: given without --trace"
+    if given_trace:  # a folder inside a file cannot be made: said before the rounds, not after them
+        argv, message = ["--trace", "2", "--trace-dir", str(tmp_path / "file" / "sub")], "--trace-dir: cannot make"
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and f": error: {message}" in error[-1]  # argparse's line, after its usage
