@@ -118,7 +118,7 @@ def test_fastap_waits_for_the_gpu_once_beside_the_input_check(memory_policy):
     none (no nonzero, no boolean index, no scatter of their gradients). Its unit rows bound
     its scores, so its loss is not read back (`RankLossBase._may_overflow`)."""
     count = counted(FastAPLoss(), 256)
-    assert count.waits == {"aten::_local_scalar_dense": 2}, count.waits
+    assert count.waits == {"aten::_local_scalar_dense": 1, "tolist": 1}, count.waits
 
 
 def test_rambo_waits_for_the_gpu_only_where_the_numbers_decide_the_work(memory_policy):
@@ -131,7 +131,7 @@ def test_rambo_waits_for_the_gpu_only_where_the_numbers_decide_the_work(memory_p
     without collect_stats, and no output check (its unit rows bound its scores: `RankLossBase._may_overflow`)."""
     for loss in (RaMBORecallLoss(memory_size=0), RaMBOAPLoss(memory_size=0)):
         count = counted(loss, 256)
-        assert count.waits == {"aten::_local_scalar_dense": 1, "aten::nonzero": 1, "tolist": 2}, count.waits
+        assert count.waits == {"aten::nonzero": 1, "tolist": 3}, count.waits
     # The "rows" memory adds nothing on the GPU (its stored shapes are read on the host).
     count = counted(RaMBORecallLoss(memory_size=3), 256, calls=4)
     assert count.waits["aten::nonzero"] == 1 and "aten::bincount" not in count.waits, count.waits
@@ -150,7 +150,7 @@ def test_the_ap_losses_on_scores_wait_for_the_gpu_twice(loss, memory_policy):
     targets = torch.rand(64, 5, generator=generator) < 0.1
     with DispatchCount() as count:
         loss(scores, targets).backward()
-    assert count.waits == {"aten::_local_scalar_dense": 1, "tolist": 1}, count.waits
+    assert count.waits == {"tolist": 2}, count.waits
 
 
 @pytest.mark.parametrize("memory_size", [0, 3])
