@@ -27,6 +27,8 @@ from .data.glyphs import DEFAULT_CACHE_DIR
 from .images import GRAYSCALE_MODES, ImageReadError, image_modes, open_8bit
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# For one channel (grayscale images), their means.
+IMAGENET_MEAN_GRAY, IMAGENET_STD_GRAY = (float(np.mean(IMAGENET_MEAN)),), (float(np.mean(IMAGENET_STD)),)
 # File names Pillow is asked to open in a folder: anything else (README, .DS_Store) is skipped.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
@@ -221,16 +223,13 @@ def image_transforms(budget, channels):
     Check: shorter side to ``resize``, a random crop of 16-100% of the area with aspect
     3/4-4/3 to ``image_size``, flip; eval: shorter side ``resize``, centre crop) or
     "crop-flip" (resize to ``resize`` square, random ``image_size`` crop, flip; eval: centre
-    crop). Both but "none" normalise with ImageNet's statistics (their mean for one channel)."""
+    crop). All but the first give 8-bit images (uint8, channels first), which the trunk
+    normalises on its own device (`NormalizedImages`)."""
     from torchvision import transforms
 
     if budget["augmentation"] == "none" and budget["image_size"] is None:
         return transforms.ToTensor(), transforms.ToTensor()
-    mean, std = (
-        (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((np.mean(IMAGENET_MEAN),), (np.mean(IMAGENET_STD),))
-    )
-    # In place: ToTensor's tensor is new (the same bits, without a copy of each image).
-    tail = [transforms.ToTensor(), transforms.Normalize(mean, std, inplace=True)]
+    tail = [transforms.PILToTensor()]
     size, resize = budget["image_size"], budget["resize"]
     if budget["augmentation"] == "random-resized-crop":
         train = [transforms.Resize(resize), transforms.RandomResizedCrop(size, scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3))]
@@ -244,6 +243,47 @@ def image_transforms(budget, channels):
         transforms.Compose(train + [transforms.RandomHorizontalFlip()] + tail),
         transforms.Compose(test + tail),
     )
+
+
+def normalized_images(images, mean, std):
+    """8-bit `images` (uint8, [..., channels, height, width]) as ImageNet trunks read them:
+    float32 in [0, 1] less `mean`, over `std` (float32 tensors of one value a channel, on the
+    images' device). torchvision's ToTensor then Normalize, the same operations: the same bits."""
+    return images.float().div_(255).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+
+
+class NormalizedImages:
+    """A trunk's forward pre-hook (`attach`): a batch of 8-bit images, as `image_transforms`
+    gives them, normalised with ImageNet's statistics (their means for one channel) on the
+    batch's own device; any other input passes unchanged (the glyphs' float images). The
+    loader processes hand a quarter of the bytes and skip the float arithmetic, which took
+    0.63 of 2.1 ms an image at 224 px on a CPU core; on a GPU it is one pass over the batch."""
+
+    def __init__(self, channels):
+        mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (IMAGENET_MEAN_GRAY, IMAGENET_STD_GRAY)
+        statistics = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+        self._statistics = {torch.device("cpu"): statistics}
+
+    @classmethod
+    def attach(cls, trunk, channels):
+        """`trunk`, which now reads 8-bit images of `channels` channels too (returned)."""
+        trunk.register_forward_pre_hook(cls(channels))
+        return trunk
+
+    def __call__(self, module, inputs):
+        """The hook: `inputs` with its images normalised; None where they are not 8-bit."""
+        images = self.normalized(inputs[0])
+        return None if images is inputs[0] else (images, *inputs[1:])
+
+    def normalized(self, images):
+        """8-bit `images` normalised on their device; anything else, itself."""
+        if not torch.is_tensor(images) or images.dtype != torch.uint8:
+            return images
+        if images.device not in self._statistics:
+            # Copied once a device: a copy at every batch would make the host wait for the GPU.
+            mean, std = self._statistics[torch.device("cpu")]
+            self._statistics[images.device] = (mean.to(images.device), std.to(images.device))
+        return normalized_images(images, *self._statistics[images.device])
 
 
 class Transformed:

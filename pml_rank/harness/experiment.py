@@ -10,7 +10,7 @@ from . import backbones
 from .budget import class_count
 from .data import SmallCNN, real
 from .data.glyphs import DEFAULT_CACHE_DIR
-from .datasets import DataError, Transformed, data_root_missing, image_transforms, load_dataset
+from .datasets import DataError, NormalizedImages, Transformed, data_root_missing, image_transforms, load_dataset
 from .evaluation import StandardSplits
 
 # The papers' data sets, which the standard protocol reads, are colour photographs.
@@ -39,16 +39,18 @@ class ChannelsToRGB(torch.nn.Module):
 
 def model_factories(budget, channels, load_weights=True):
     """``(make_trunk, make_embedder)`` for the budget's trunk on images of `channels`
-    channels; `make_embedder` is None for the small CNN, which embeds by itself.
+    channels (8-bit ones normalised by the trunk: `datasets.NormalizedImages`); `make_embedder`
+    is None for the small CNN, which embeds by itself.
     ``load_weights=False``: the same networks without reading ImageNet weights."""
     name, size = budget["trunk"], budget["embedding_size"]
     if name == "small-cnn":
-        return (lambda: SmallCNN(embedding_size=size, in_channels=channels)), None
+        return (lambda: NormalizedImages.attach(SmallCNN(embedding_size=size, in_channels=channels), channels)), None
     features = backbones.BACKBONES[name].features
 
     def make_trunk():
         trunk = backbones.build_trunk(name, pretrained=not budget["random_init"], load_weights=load_weights)
-        return trunk if channels == 3 else torch.nn.Sequential(ChannelsToRGB(), trunk)
+        trunk = trunk if channels == 3 else torch.nn.Sequential(ChannelsToRGB(), trunk)
+        return NormalizedImages.attach(trunk, channels)
 
     return make_trunk, (lambda: torch.nn.Linear(features, size))
 

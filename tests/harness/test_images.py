@@ -195,3 +195,69 @@ def test_an_unwritable_cache_only_costs_the_checks(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         data = ImageFolder(write_colour_folder(tmp_path / "photos"), cache_dir=blocker)
     assert len(data) == 12 and "image check cache" in caplog.text
+
+
+AUGMENTATIONS = [
+    {"augmentation": "crop-flip", "image_size": 16, "resize": 20},
+    {"augmentation": "random-resized-crop", "image_size": 16, "resize": 20},
+    {"augmentation": "none", "image_size": 16, "resize": 20},
+]
+
+
+@pytest.mark.parametrize("budget", AUGMENTATIONS, ids=lambda b: b["augmentation"])
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_images_come_in_8_bits_and_normalised_are_torchvisions_normalised_images(budget, mode):
+    """The loaders hand uint8 images; normalised (by the trunk, on its device) they are the
+    bits torchvision's ToTensor then Normalize give, ImageNet's statistics (their means for one
+    channel), for the training transform (its random draws repeated) and the evaluation one."""
+    import torch
+    from torchvision import transforms
+
+    from pml_rank.harness.datasets import NormalizedImages, image_transforms
+
+    channels = 3 if mode == "RGB" else 1
+    pixels = _pixels(7, size=30)
+    image = Image.fromarray(pixels if channels == 3 else pixels[..., 0], mode)
+    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.449,), (0.226,))
+    as_floats = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    normalised = NormalizedImages(channels).normalized
+    for transform in image_transforms(budget, channels):
+        torch.manual_seed(3)
+        eight_bits = transform(image)
+        torch.manual_seed(3)
+        expected = transforms.Compose(transform.transforms[:-1] + as_floats)(image)
+        assert eight_bits.dtype == torch.uint8 and eight_bits.shape == (channels, 16, 16)
+        batch = normalised(torch.stack([eight_bits, eight_bits]))
+        assert batch.dtype == torch.float32
+        assert torch.equal(batch[1], expected)
+
+
+def test_a_trunk_reads_8_bit_images_as_their_normalised_floats_and_other_inputs_as_they_are():
+    """Every trunk the runner builds (the small CNN, an ImageNet trunk, on colour or grayscale
+    images) computes on a batch of 8-bit images what it computes on the batch normalised; a
+    float batch (the glyphs') goes in unchanged. On another device the statistics are copied
+    there once."""
+    import torch
+
+    from pml_rank.harness.budget import resolve
+    from pml_rank.harness.datasets import NormalizedImages
+    from pml_rank.harness.experiment import model_factories
+
+    generator = torch.Generator().manual_seed(0)
+    for trunk_name, channels in (("small-cnn", 3), ("small-cnn", 1), ("resnet50", 3), ("resnet50", 1)):
+        budget = resolve("glyphs", trunk=trunk_name, random_init=True, embedding_size=8)
+        torch.manual_seed(0)
+        trunk = model_factories(budget, channels)[0]().eval()
+        images = torch.randint(0, 256, (2, channels, 32, 32), dtype=torch.uint8, generator=generator)
+        floats = NormalizedImages(channels).normalized(images)
+        assert not torch.equal(floats, images.float() / 255)
+        with torch.no_grad():
+            assert torch.equal(trunk(images), trunk(floats)), (trunk_name, channels)
+            unnormalised = images.float() / 255
+            assert not torch.equal(trunk(unnormalised), trunk(floats))  # a float batch is taken as it is
+    normalized = NormalizedImages(3)
+    images = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8, generator=generator)
+    on_meta = normalized.normalized(images.to("meta"))
+    assert on_meta.is_meta and on_meta.dtype == torch.float32 and on_meta.shape == images.shape
+    assert set(normalized._statistics) == {torch.device("cpu"), torch.device("meta")}
+    assert normalized.normalized(on_meta) is on_meta

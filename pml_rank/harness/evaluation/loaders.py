@@ -67,7 +67,7 @@ class EmbeddingLoaders:
     `workers` pieces, one a process, and put together here (`concatenated`): PML's loader
     gives a batch to one process, so a 96-image validation set in a batch of 128 took one
     process four times as long as four. With a CUDA `device`, the pieces come in pinned
-    memory and their floating-point tensors (the images) are put together on the device,
+    memory and their tensors of more than one dimension (the images) are put together on the device,
     the same bits: concatenating 96 images of 224 px on the CPU took 38 ms of a 190-ms
     validation on the H200 machine, and copying them from unpinned memory 9 more
     (examples/bench_throughput.py --trace). The processes start at the first pass; they hold
@@ -119,11 +119,12 @@ def _split(items, parts):
 def concatenated(pieces, device=None):
     """What torch's `default_collate` gives for all the items of `pieces` (each its collation
     of consecutive items) at once: tensors concatenated, strings listed, and the fields of
-    mappings, named tuples and sequences put together each; with `device`, floating-point
-    tensors concatenated there (copied without waiting, from pinned memory)."""
+    mappings, named tuples and sequences put together each; with `device`, tensors of more than
+    one dimension (images, not labels) concatenated there (copied without waiting, from pinned
+    memory)."""
     first = pieces[0]
     if torch.is_tensor(first):
-        if device is not None and first.is_floating_point():
+        if device is not None and first.dim() > 1:
             pieces = [piece.to(device, non_blocking=True) for piece in pieces]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     if len(pieces) == 1 and device is None:

@@ -16,7 +16,7 @@ import torch
 from pytorch_metric_learning.utils import common_functions as c_f
 
 from ..budget import NUM_FOLDS
-from ..datasets import Transformed
+from ..datasets import NormalizedImages, Transformed
 from .loaders import embedding_loaders, training_loaders
 from .metrics import METRICS, accuracy, concatenated_and_separated, mean_and_ci
 from .splits import LabelledSubset, class_disjoint_split, cross_validation_folds
@@ -290,10 +290,12 @@ def run_standard_protocol(
 
 def raw_input_accuracy(dataset, transform=None):
     """Accuracy on the protocol's test classes of the flattened, L2-normalised inputs
-    (the "raw input" row: what retrieval gives without any network); `transform` turns a
-    data set's images into tensors (its evaluation transform)."""
+    (the "raw input" row: what retrieval gives without any network), 8-bit images normalised
+    as the trunks normalise them; `transform` turns a data set's images into tensors (its
+    evaluation transform)."""
     _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
-    inputs = torch.stack([test_set[i][0].reshape(-1).float() for i in range(len(test_set))])
+    images = torch.stack([test_set[i][0] for i in range(len(test_set))])
+    inputs = NormalizedImages(images.shape[1]).normalized(images).flatten(1).float()
     return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
 
 

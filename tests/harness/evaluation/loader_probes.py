@@ -5,6 +5,8 @@ import os
 import numpy as np
 import torch
 
+from pml_rank.harness.datasets import NormalizedImages
+
 
 class PidStamped(torch.utils.data.Dataset):
     """Points of `classes` classes (labels from `first_label`), `per_class` each, whose last
@@ -52,12 +54,14 @@ def write_image_folder(root, classes=4, per_class=6, size=16):
 
 class FlatTrunk(torch.nn.Module):
     """A linear layer over flattened 3 x 8 x 8 images that keeps every training batch it saw,
-    after a dropout of probability `dropout`: torch's generator draws at every step."""
+    after a dropout of probability `dropout`: torch's generator draws at every step. It reads
+    8-bit images (`image_transforms`'), normalised as the harness's trunks normalise them."""
 
     def __init__(self, dropout=0.0):
         super().__init__()
         self.linear, self.dropout = torch.nn.Linear(3 * 8 * 8, 4), torch.nn.Dropout(dropout)
         self.seen = []
+        NormalizedImages.attach(self, 3)
 
     def forward(self, x):
         if self.training:

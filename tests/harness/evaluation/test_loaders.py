@@ -55,6 +55,7 @@ Point = collections.namedtuple("Point", "x y")
     "make_item",
     [
         lambda k: (torch.full((2, 3), float(k)), k),  # an image and its label, as the tester reads
+        lambda k: (torch.full((1, 2, 3), k, dtype=torch.uint8), k),  # an 8-bit image, as `image_transforms` gives
         lambda k: {"image": torch.full((3,), k / 7), "name": f"item{k}", "labels": (k, k % 2)},
         lambda k: Point(torch.tensor([k, -k]), [f"a{k}", f"b{k}"]),
         lambda k: f"path/{k}.jpg",
@@ -76,13 +77,14 @@ def test_batches_read_in_pieces_are_put_together_as_torch_collates_them_at_once(
         return a == b
 
     assert same(concatenated(pieces), torch.utils.data.default_collate(items))
-    # Toward a device (here torch's meta device, which keeps shapes and dtypes): the floating-point
-    # tensors (the images) are put together there, the rest as on the CPU.
+    # Toward a device (here torch's meta device, which keeps shapes and dtypes): the tensors of
+    # more than one dimension (the images, 8-bit or not) are put together there, the rest (labels)
+    # as on the CPU.
     moved, expected = concatenated(pieces, torch.device("meta")), torch.utils.data.default_collate(items)
 
     def on_meta(a, b):
         if torch.is_tensor(a):
-            if b.is_floating_point():
+            if b.dim() > 1:
                 return a.is_meta and a.shape == b.shape and a.dtype == b.dtype
             return same(a, b)
         if isinstance(a, dict):

@@ -193,3 +193,29 @@ def test_record_keepers_database_commits_without_a_disk_sync(tmp_path):
     assert database.conn.execute("PRAGMA synchronous").fetchone()[0] == 0  # OFF
     database.conn.close()
     assert [row["total_loss"] for row in database.query("SELECT total_loss FROM losses")] == [0.5, 0.25]
+
+
+def test_the_raw_input_row_reads_8_bit_images_normalised_as_the_trunks_read_them(tmp_path):
+    """The "raw input" row's retrieval on a folder of images: the flattened images as
+    torchvision's ToTensor then Normalize give them, L2-normalised (what it was before the
+    loaders handed 8-bit images), on the protocol's test classes."""
+    from unittest import mock
+
+    from loader_probes import write_image_folder
+    from torchvision import transforms
+
+    from pml_rank.harness.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFolder, image_transforms
+    from pml_rank.harness.evaluation import protocol, raw_input_accuracy, test_set_and_folds
+
+    images = ImageFolder(write_image_folder(tmp_path / "images", classes=8, per_class=5), cache_dir=tmp_path)
+    transform = image_transforms({"augmentation": "crop-flip", "image_size": 8, "resize": 12}, 3)[1]
+    as_floats = transforms.Compose(
+        transform.transforms[:-1] + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
+    _, test_set = test_set_and_folds(images, 2, (as_floats, as_floats))
+    expected = F.normalize(torch.stack([test_set[i][0] for i in range(len(test_set))]).flatten(1), dim=1)
+    with mock.patch.object(protocol, "accuracy", wraps=accuracy) as measured:
+        scores = raw_input_accuracy(images, transform)
+    [(inputs, labels), _] = measured.call_args
+    assert torch.equal(inputs, expected) and list(labels) == list(test_set.labels)
+    assert scores == accuracy(expected, test_set.labels)
