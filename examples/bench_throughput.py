@@ -102,8 +102,9 @@ def raw_step_seconds(train_set, budget, config, make_trunk, make_embedder, steps
 
 def loader_batch_seconds(train_set, budget, batches=5):
     """Seconds one process takes to prepare a training batch of the bench's sampler (read,
-    decode, augment, normalise, collate; images keyed by their seeds, as the trainer's
-    loader reads them): with the raw step's time, how many loader processes keep a device fed."""
+    decode, augment, collate: 8-bit images, which the trunk normalises; images keyed by their
+    seeds, as the trainer's loader reads them): with the raw step's time, how many loader
+    processes keep a device fed."""
     batch_size = budget["batch_size"]
     keyed = training_batches(train_set, default_sampler(train_set.labels, batch_size), batch_size, draws_seed=0)
     seconds = []
