@@ -149,12 +149,10 @@ class LossScale:
         return _RecordScale.apply(loss, self)
 
     def factor(self, like):
-        """k as a 0-d float64 tensor on `like`'s device (1 before a backward pass set it):
-        λ / k and k / (λ n) computed from it round as the same numbers in Python would,
-        without reading k back."""
+        """k as a 0-d tensor on `like`'s device (1 before a backward pass set it)."""
         if self.value is None:
             return torch.ones((), dtype=torch.float64, device=like.device)
-        return self.value.to(like.device, torch.float64)
+        return self.value.to(like.device)
 
     def record_moved(self, moved):
         """The rankers' flag (a bool tensor): whether any rank moved."""
@@ -225,7 +223,10 @@ def _algorithm_1_factors(loss_scale, lambda_val, n, like):
     if loss_scale is None:
         return lambda_val, 1 / (lambda_val * n)
     k = loss_scale.factor(like)
-    return k.new_full((), lambda_val).div_(k), k / (lambda_val * n)  # λ / k as one division
+    # λ and λ n as float64 CPU scalars: each factor is one float64 division on k's device, rounded
+    # as the same numbers in Python would be, without reading k back.
+    lambda_, lambda_n = (torch.tensor(number, dtype=torch.float64) for number in (lambda_val, lambda_val * n))
+    return torch.div(lambda_, k), torch.div(k, lambda_n)
 
 
 def _rank_change(values, step):
@@ -551,7 +552,7 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
         shifted, positives, lambda_val, loss_scale, indices, counts
     )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
-    precision = among_positives.to(scores.dtype) / (ranks * n)
+    precision = among_positives / (ranks * n)  # the integers converted by the division
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
     num_positives = counts.per_sequence
     mean = summed / num_positives.clamp(min=1)
