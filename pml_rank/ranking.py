@@ -149,12 +149,10 @@ class LossScale:
         return _RecordScale.apply(loss, self)
 
     def factor(self, like):
-        """k as a 0-d float64 tensor on `like`'s device (1 before a backward pass set it):
-        λ / k and k / (λ n) computed from it round as the same numbers in Python would,
-        without reading k back."""
+        """k as a 0-d tensor on `like`'s device (1 before a backward pass set it)."""
         if self.value is None:
             return torch.ones((), dtype=torch.float64, device=like.device)
-        return self.value.to(like.device, torch.float64)
+        return self.value.to(like.device)
 
     def record_moved(self, moved):
         """The rankers' flag (a bool tensor): whether any rank moved."""
@@ -225,7 +223,10 @@ def _algorithm_1_factors(loss_scale, lambda_val, n, like):
     if loss_scale is None:
         return lambda_val, 1 / (lambda_val * n)
     k = loss_scale.factor(like)
-    return k.new_full((), lambda_val).div_(k), k / (lambda_val * n)  # λ / k as one division
+    # λ and λ n as float64 CPU scalars: each factor is one float64 division on k's device, rounded
+    # as the same numbers in Python would be, without reading k back.
+    lambda_, lambda_n = (torch.tensor(number, dtype=torch.float64) for number in (lambda_val, lambda_val * n))
+    return torch.div(lambda_, k), torch.div(k, lambda_n)
 
 
 def _rank_change(values, step):
@@ -268,6 +269,10 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, 
     counts = positive_counts(positives) if counts is None else counts
     # Measured break-even (2048 sequences, CPU): about 12 positives at n = 2047, 22 at n = 8191.
     if sequences and counts.most <= math.log2(max(n, 2)):
+        if fused_counts.applies(scores):
+            indices = true_indices(positives, counts.total) if indices is None else indices
+            ranks, among = _FusedCountedRanks.apply(scores, float(lambda_val), loss_scale, indices[1], counts)
+            return indices, ranks, among
         slots = _Slots(positives, counts, indices)
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
@@ -395,9 +400,7 @@ def _ranks_and_ties(scores, values):
     large as its value (its rank, the positive itself included, where no other element
     equals it) and the count of slots at least as large (its rank among them, where no
     two are equal), int32 and int64 (padding: 0 and 0); and [sequences] whether another
-    element equals some slot's value (a tie). On a GPU in one kernel (`fused_counts.ranks`)."""
-    if fused_counts.applies(scores, values):
-        return fused_counts.ranks(scores, values)
+    element equals some slot's value (a tie)."""
     greater, rank = _counts(scores, values)
     among = torch.count_nonzero(values[:, None, :] >= values[:, :, None], -1)
     return rank, among, (rank - greater > 1).any(-1)
@@ -455,14 +458,39 @@ class _CountedRanks(torch.autograd.Function):
         return change.mul_(change_factor), None, None, None, None
 
 
+class _FusedCountedRanks(torch.autograd.Function):
+    """`_CountedRanks` in one kernel per pass (`fused_counts`), on the positives as
+    `true_indices` lists them (`element`: their positions; `counts`: `positive_counts`):
+    the kernels follow the stable order's rules in every sequence, so none is redone and
+    no tie is read back; a few operations a pass, where the padded slots take a dozen."""
+
+    @staticmethod
+    def forward(ctx, scores, lambda_val, loss_scale, element, counts):
+        per_sequence, most = counts.per_sequence, counts.most
+        ends = per_sequence.cumsum(0)
+        rank, among = fused_counts.ranks(scores, element, per_sequence, ends, most)
+        ctx.lambda_val, ctx.loss_scale, ctx.most = lambda_val, loss_scale, most
+        ctx.save_for_backward(scores, element, per_sequence, ends)
+        ctx.mark_non_differentiable(among)
+        ctx.set_materialize_grads(False)  # the among-positives ranks take no gradient: no zeros for them
+        return rank / scores.shape[-1], among
+
+    @staticmethod
+    def backward(ctx, grad_ranks, _grad_among):
+        scores, element, per_sequence, ends = ctx.saved_tensors
+        step_factor, change_factor = _algorithm_1_factors(ctx.loss_scale, ctx.lambda_val, scores.shape[-1], scores)
+        change, own = fused_counts.crossings(scores, element, per_sequence, ends, ctx.most, grad_ranks * step_factor)
+        if ctx.loss_scale is not None:
+            ctx.loss_scale.record_moved(own.any())
+        return change.mul_(change_factor), None, None, None, None
+
+
 def _crossings_without_ties(scores, values, new_values, rank):
     """rk(perturbed) − rk(scores) per element that is no positive, and per positive
     slot (`own`), in the scores' dtype, exact in every sequence where no other element
     equals a positive's value before the perturbation. The comparisons use the
     unperturbed scores; the positives' own columns, where that is wrong, are corrected
-    slot by slot. `rank`: the slots' ranks. On a GPU in one kernel (`fused_counts.crossings`)."""
-    if fused_counts.applies(scores, values):
-        return fused_counts.crossings(scores, values, new_values, rank)
+    slot by slot. `rank`: the slots' ranks."""
     # Ties with a perturbed value keep the forward order: an element equal to a positive
     # that moved up was above it (x > value), so it stays above (x >= new value: x > the
     # float just below it, the step toward the old value); one equal to a positive that
@@ -524,7 +552,7 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
         shifted, positives, lambda_val, loss_scale, indices, counts
     )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
-    precision = among_positives.to(scores.dtype) / (ranks * n)
+    precision = among_positives / (ranks * n)  # the integers converted by the division
     summed = scores.new_zeros(len(scores)).index_add(0, sequence, precision)
     num_positives = counts.per_sequence
     mean = summed / num_positives.clamp(min=1)

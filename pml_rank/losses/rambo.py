@@ -390,8 +390,8 @@ class RaMBORecallLoss(_RaMBOLoss):
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
             shifted, positives, self.lambda_val, self._loss_scale, *positions
         )
-        # r = rank among all − rank among positives, as counts.
-        negatives_above = ranks * scores.shape[-1] - among_positives.to(scores.dtype)
+        # r = rank among all − rank among positives, as counts (the integers converted by the subtraction).
+        negatives_above = ranks * scores.shape[-1] - among_positives
         counts = negatives_above.detach()
         self.watch_gradient(scores, lambda: (counts > 0.5).any())
         return negatives_above, rows, columns
@@ -453,13 +453,16 @@ class RaMBOAPLoss(_RaMBOLoss):
     def losses_per_query(self, scores, positives, positions, exclude_self, references=None):
         precision, has_positive = self.precision(scores, positives, positions)
         queries = true_rows(has_positive, positions[1].sequences_with_one)
-        return {"loss": {"losses": 1 - precision[queries], "indices": queries, "reduction_type": "element"}}
+        if len(queries) < len(precision):
+            precision = precision[queries]
+        return {"loss": {"losses": 1 - precision, "indices": queries, "reduction_type": "element"}}
 
     def mean_over_rows(self, scores, positives, positions, stored_precisions, total_rows):
         """1 − the mean precision over the current and the stored rows with a positive;
         returns it and this batch's precisions (to store)."""
         precision, has_positive = self.precision(scores, positives, positions)
-        precision = precision[true_rows(has_positive, positions[1].sequences_with_one)]
+        if positions[1].sequences_with_one < len(precision):
+            precision = precision[true_rows(has_positive, positions[1].sequences_with_one)]
         return 1 - torch.cat([precision, stored_precisions]).mean(), precision.detach()
 
     def precision(self, scores, positives, positions):
