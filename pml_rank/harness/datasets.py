@@ -245,13 +245,6 @@ def image_transforms(budget, channels):
     )
 
 
-def normalized_images(images, mean, std):
-    """8-bit `images` (uint8, [..., channels, height, width]) as ImageNet trunks read them:
-    float32 in [0, 1] less `mean`, over `std` (float32 tensors of one value a channel, on the
-    images' device). torchvision's ToTensor then Normalize, the same operations: the same bits."""
-    return images.float().div_(255).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
-
-
 class NormalizedImages:
     """A trunk's forward pre-hook (`attach`): a batch of 8-bit images, as `image_transforms`
     gives them, normalised with ImageNet's statistics (their means for one channel) on the
@@ -276,14 +269,17 @@ class NormalizedImages:
         return None if images is inputs[0] else (images, *inputs[1:])
 
     def normalized(self, images):
-        """8-bit `images` normalised on their device; anything else, itself."""
+        """8-bit `images` ([..., channels, height, width]) as ImageNet trunks read them, on
+        their device: float32 in [0, 1] less the mean, over the standard deviation (torchvision's
+        ToTensor then Normalize, the same operations: the same bits); anything else, itself."""
         if not torch.is_tensor(images) or images.dtype != torch.uint8:
             return images
         if images.device not in self._statistics:
             # Copied once a device: a copy at every batch would make the host wait for the GPU.
             mean, std = self._statistics[torch.device("cpu")]
             self._statistics[images.device] = (mean.to(images.device), std.to(images.device))
-        return normalized_images(images, *self._statistics[images.device])
+        mean, std = self._statistics[images.device]
+        return images.float().div_(255).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
 
 
 class Transformed:

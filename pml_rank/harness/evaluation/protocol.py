@@ -295,7 +295,9 @@ def raw_input_accuracy(dataset, transform=None):
     evaluation transform)."""
     _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
     images = torch.stack([test_set[i][0] for i in range(len(test_set))])
-    inputs = NormalizedImages(images.shape[1]).normalized(images).flatten(1).float()
+    if images.dtype == torch.uint8:
+        images = NormalizedImages(images.shape[1]).normalized(images)
+    inputs = images.reshape(len(images), -1).float()
     return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
 
 
