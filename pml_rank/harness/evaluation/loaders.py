@@ -76,7 +76,8 @@ class EmbeddingLoaders:
     def __init__(self, datasets, batch_size, workers, device="cpu"):
         self.datasets, self.batch_size, self.workers = list(datasets), int(batch_size), int(workers)
         # Where the pieces' images are put together: a GPU, or None (the CPU, as they come).
-        self._gathered_on = torch.device(device) if torch.device(device).type == "cuda" else None
+        device = torch.device(device)
+        self._gathered_on = device if device.type == "cuda" else None
         self._current = _CurrentPass()
         self._loader = torch.utils.data.DataLoader(
             _Keyed(self.datasets),
