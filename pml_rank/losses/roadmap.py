@@ -27,6 +27,7 @@ from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.utils import common_functions as c_f
 
+from .. import _device_policy
 from .._checks import check_numbers
 from . import fused_calibration
 from .base import (
@@ -265,10 +266,13 @@ class ROADMAPLoss(SupAPLoss):
             ap_loss = self.ap_losses_by_label(matrix, labels, by_label)
         if torch.is_tensor(ap_loss["losses"]):
             ap_loss["losses"] = ap_loss["losses"] * (1 - self.lambda_)
-        if self.reads_half_product() and fused_calibration.applies(matrix):
+        if self.averaged_here("pos_loss") and self.averaged_here("neg_loss"):
+            # Each term that reducer's mean over the non-zero losses, taken here: picking the pairs out
+            # (index tensors as long as the pairs, then the reducer's own boolean selection) costs more
+            # memory and time than the rest of the term, and waits for the device.
             sign = 1.0 if self.distance.is_inverted else -1.0
             pairs = labels if by_label is not None else (positive, negative)
-            terms = fused_calibration.calibration_terms(
+            terms = (fused_calibration.calibration_terms if fused_calibration.applies(matrix) else calibration_terms)(
                 matrix, pairs, self.pos_margin, self.neg_margin, self.lambda_, sign
             )
             pos_loss, neg_loss = (
@@ -285,23 +289,9 @@ class ROADMAPLoss(SupAPLoss):
         }
 
     def calibration(self, name, shortfall, pairs):
-        """PML loss info of the calibration term `name`: λ · relu(shortfall) at the pairs
-        of the mask `pairs`. Going to the default reducer (`averaged_here`), the term is
-        that reducer's mean over the non-zero losses, taken here over the whole matrix
-        with the other pairs zeroed: picking the pairs out (index tensors as long as the
-        pairs, then the reducer's own boolean selection) costs more memory and time than
-        the rest of the term, and waits for the device. Otherwise, as PML's contrastive
-        loss: the losses of the pairs and their indices."""
-        if self.averaged_here(name):
-            # λ · relu(x) as relu(λ · x) (λ >= 0), in place: two matrices where four would be.
-            losses = shortfall.where(pairs, 0).mul_(self.lambda_).relu_()
-            # The reducer counts losses > 0: these are >= 0. (A bool sum converts to int64 first.)
-            non_zero = torch.count_nonzero(losses)
-            return {
-                "losses": losses.sum() / non_zero.clamp(min=1),
-                "indices": None,
-                "reduction_type": "already_reduced",
-            }
+        """PML loss info of the calibration term `name` for a reducer of the caller's, as PML's
+        contrastive loss gives it: λ · relu(shortfall) at the pairs of the mask `pairs`, and
+        their indices."""
         indices = pairs.nonzero(as_tuple=True)
         if len(indices[0]) == 0:
             return self.zero_loss()
@@ -320,3 +310,84 @@ class ROADMAPLoss(SupAPLoss):
         while isinstance(reducer, MultipleReducers):
             reducer = reducer.reducers[name] if name in reducer.reducers else reducer.default_reducer
         return type(reducer) is AvgNonZeroReducer and not reducer.collect_stats
+
+
+def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
+    """`fused_calibration.calibration_terms` in torch operations, wherever its kernels do not run
+    (the CPU): (positive term, negative term), each λ · the mean of the non-zero shortfalls
+    relu(sign · (α − s)) of the positive pairs and relu(sign · (s − β)) of the negative ones (PML's
+    ContrastiveLoss with its AvgNonZeroReducer), differentiable with respect to `matrix`. `pairs`:
+    the (positive, negative) boolean masks, or the labels of a batch that is its own references."""
+    return _CalibrationTerms.apply(matrix, pairs, (pos_margin, neg_margin, lambda_, sign))
+
+
+class _CalibrationTerms(torch.autograd.Function):
+    """A panel of rows at a time (`_device_policy`: in a CPU core's cache), each pass over it
+    forward and backward, where the whole-matrix expression (margin, mask, weight, relu, count,
+    sum; and autograd's pass for each) went through memory a dozen times each way and kept as many
+    matrices; pairs by label compared a panel at a time, no [B, B] masks. The masks weigh the
+    shortfalls as 1.0 and 0.0 (a boolean `where` is 8 times slower on the CPU): the same numbers,
+    and with one panel the same sums, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, matrix, pairs, parameters):
+        lambda_ = parameters[2]
+        totals, counts = [0, 0], [0, 0]
+        for rows in _row_panels(matrix):
+            for term, losses in enumerate(_panel_losses(matrix, pairs, rows, parameters)):
+                # λ · relu(x) as relu(λ · x), λ >= 0; the reducer counts the losses > 0.
+                losses = losses.mul_(lambda_).relu_()
+                totals[term] = totals[term] + losses.sum()
+                counts[term] = counts[term] + torch.count_nonzero(losses)
+        counts = [torch.as_tensor(count, device=matrix.device).clamp(min=1) for count in counts]
+        masks = isinstance(pairs, tuple)
+        ctx.save_for_backward(matrix, *counts, *(pairs if masks else (pairs,)))
+        ctx.parameters, ctx.masks = parameters, masks
+        return tuple(torch.as_tensor(total, dtype=matrix.dtype, device=matrix.device) / count
+                     for total, count in zip(totals, counts))  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad_positive, grad_negative):
+        matrix, *counts_and_pairs = ctx.saved_tensors
+        counts, pairs = counts_and_pairs[:2], (tuple(counts_and_pairs[2:]) if ctx.masks else counts_and_pairs[2])
+        _, _, lambda_, sign = ctx.parameters
+        # d/ds of each term at a pair with a loss: (incoming / count) · λ times d shortfall / ds,
+        # −sign for the positive pairs and sign for the negative ones (as autograd's steps round them).
+        slopes = [
+            (grad / count).mul(lambda_) * direction
+            for grad, count, direction in zip((grad_positive, grad_negative), counts, (-sign, sign))
+        ]
+        grad = torch.empty_like(matrix)
+        for rows in _row_panels(matrix):
+            positive, negative = (
+                losses.mul_(lambda_).gt_(0) for losses in _panel_losses(matrix, pairs, rows, ctx.parameters)
+            )
+            torch.mul(positive, slopes[0], out=grad[rows]).addcmul_(negative, slopes[1])
+        return grad, None, None
+
+
+def _row_panels(matrix):
+    """Slices of `matrix`'s rows, as many as `_device_policy.work_budget` holds (at least one)."""
+    rows, columns = matrix.shape
+    step = max(1, _device_policy.work_budget(matrix.device, matrix.numel()) // max(columns, 1))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def _panel_losses(matrix, pairs, rows, parameters):
+    """The shortfalls of the positive and the negative pairs of rows `rows`, 0 at the other pairs:
+    α − s and s − β for a similarity (sign 1), the opposite for a distance, the numbers PML's
+    `margin` gives."""
+    pos_margin, neg_margin, _, sign = parameters
+    panel = matrix[rows]
+    if isinstance(pairs, tuple):  # the masks
+        positive, negative = (mask[rows] for mask in pairs)
+        pos, neg = torch.where(positive, panel, pos_margin), torch.where(negative, panel, neg_margin)
+    else:  # labels of a batch that is its own references: the same label, (i, i) aside; another label
+        same = torch.eq(pairs[rows].unsqueeze(1), pairs.unsqueeze(0))
+        pos, neg = torch.where(same, panel, pos_margin), torch.where(same, neg_margin, panel)
+    # In place; the margins' own entries become exactly 0. (−s + α is α − s, bit for bit.)
+    pos = pos.neg_().add_(pos_margin) if sign > 0 else pos.sub_(pos_margin)
+    neg = neg.sub_(neg_margin) if sign > 0 else neg.neg_().add_(neg_margin)
+    if not isinstance(pairs, tuple):
+        pos.diagonal(rows.start).zero_()
+    return pos, neg

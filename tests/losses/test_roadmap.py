@@ -11,11 +11,12 @@ from aten_counts import OperationNames
 from loss_checks import LAYOUTS, assert_same_loss_and_gradients, grads, seeded
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners
-from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.distances import CosineSimilarity, LpDistance
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, DoNothingReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.regularizers import LpRegularizer
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
+from pml_rank import _device_policy
 from pml_rank.harness.references import roadmap as reference
 from pml_rank.harness.speed import peak_memory
 from pml_rank.losses import ROADMAPLoss, SmoothAPLoss, SupAPLoss
@@ -214,6 +215,29 @@ def test_the_calibration_averaged_in_the_loss_equals_pmls_avg_non_zero_reducer(r
         kwargs = {"indices_tuple": miners.MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
     ours = ROADMAPLoss(lambda_=lambda_)(embeddings, labels, **kwargs)
     pmls = ROADMAPLoss(lambda_=lambda_, reducer=_reducing_in_pml())(embeddings, labels, **kwargs)
+    assert_same_loss_and_gradients(ours, pmls, tensors)
+
+
+@pytest.mark.parametrize("references", ["batch", "ref_emb", "miner", "distance"])
+def test_the_calibration_by_panels_of_rows_equals_pmls_avg_non_zero_reducer(monkeypatch, references):
+    """On the CPU the calibration's terms go a panel of rows at a time (`_device_policy`): panels
+    of one to a few rows, each term's sums and counts added over them, give PML's value and
+    gradients; pairs by label (no masks), by `ref_emb`, by a miner; for a similarity and for a
+    distance (its margins the other way round)."""
+    monkeypatch.setattr(_device_policy, "PANEL_ELEMENTS", 100)
+    generator = torch.Generator().manual_seed(8)
+    labels = torch.randint(0, 9, (45,), generator=generator)
+    embeddings = seeded(45, seed=8, scale=3.0)
+    kwargs, tensors, settings = {}, (embeddings,), {"lambda_": 0.7}
+    if references == "ref_emb":
+        kwargs = {"ref_emb": seeded(30, seed=9, scale=3.0), "ref_labels": labels[:30]}
+        tensors = (embeddings, kwargs["ref_emb"])
+    elif references == "miner":
+        kwargs = {"indices_tuple": miners.MultiSimilarityMiner(epsilon=0.3)(embeddings, labels)}
+    elif references == "distance":
+        settings.update(distance=LpDistance(), pos_margin=0.6, neg_margin=1.3, temperature=0.05)
+    ours = ROADMAPLoss(**settings)(embeddings, labels, **kwargs)
+    pmls = ROADMAPLoss(**settings, reducer=_reducing_in_pml())(embeddings, labels, **kwargs)
     assert_same_loss_and_gradients(ours, pmls, tensors)
 
 
