@@ -49,6 +49,8 @@ class SupAPBound:
         self.temperature, self.rho, self.offset, self.delta, self.start = temperature, rho, offset, delta, start
         self.jump = offset - start - 1 / (1 + math.exp(-max(min(delta / temperature, SIGMOID_CLAMP), -SIGMOID_CLAMP)))
         self.fused = FusedForm(temperature, SIGMOID_CLAMP, delta, rho, start, self.jump)
+        # (x, σ(min(x, δ) / τ)) of the last `value`, for `slope` on the same x.
+        self._sigmoid_of = None
 
     def value(self, x):
         # H⁻(x) = σ(min(x, δ) / τ) + start·[x > 0] + ρ·[x − δ]₊ + jump·[x > δ], with jump
@@ -56,25 +58,30 @@ class SupAPBound:
         # no boolean indexing (a B x B nonzero costs more than the rest).
         extra = (x - self.delta).clamp_(min=0).mul_(self.rho)
         # The steps as 1.0 and 0.0 written straight into floats (boolean tensors are several
-        # times slower to make and to add), into the buffer that then takes the values.
+        # times slower to make and to add), into the buffer that then takes the sigmoids.
         buffer = torch.empty_like(x)
         if self.jump:
             extra.add_(torch.gt(x, self.delta, out=buffer), alpha=self.jump)
         if self.start:
             extra.add_(torch.gt(x, 0, out=buffer), alpha=self.start)
         # The clamp keeps float32 away from the denormals of σ(−88) and below; x stays
-        # as it is for `slope`.
-        values = torch.clamp(x, max=self.delta, out=buffer)
-        values = values.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
-        return values.add_(extra)
+        # as it is for `slope`, which takes these sigmoids (the dearest pass) as they are.
+        sigmoid = torch.clamp(x, max=self.delta, out=buffer)
+        sigmoid = sigmoid.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        self._sigmoid_of = (x, sigmoid)
+        return extra.add_(sigmoid)
 
     def slope(self, x, values):
         # ρ beyond δ, σ's slope up to it, as slope − slope · [x > δ] + ρ · [x > δ] in floats
         # (the same numbers as a boolean masked_fill_, several times faster), in the
-        # buffers of x and of the values.
+        # buffers of the values and of the sigmoids. Up to δ, min(x, δ) is x: the sigmoids of
+        # `value` on this x are σ(x / τ); beyond it their slope is taken away, whatever it is.
         beyond = torch.gt(x, self.delta, out=values)
-        # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
-        sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
+        kept, self._sigmoid_of = self._sigmoid_of, None
+        if kept is not None and kept[0] is x:
+            sigmoid = kept[1]
+        else:  # Beyond the clamp the authors' gradient is 0, this one σ'(±50) / τ ≈ 2e-22 / τ.
+            sigmoid = x.div_(self.temperature).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP).sigmoid_()
         slopes = sigmoid.addcmul_(sigmoid, sigmoid, value=-1).div_(self.temperature)
         return slopes.addcmul_(slopes, beyond, value=-1).add_(beyond, alpha=self.rho)
 
