@@ -1,4 +1,4 @@
-"""ROADMAP's calibration terms with their default reducer (`ROADMAPLoss.calibration`) on a GPU
+"""ROADMAP's calibration terms with their default reducer (`roadmap.calibration_terms`) on a GPU
 in one Triton pass over the similarity matrix forward and one backward, instead of a dozen
 elementwise passes each way (margin, mask, weight, relu, count, sum; and their gradients).
 
@@ -14,7 +14,7 @@ counts) into the two terms. The pairs come as two
 boolean masks, or as the batch's labels when it is its own references (positive: the same
 label, (i, i) aside; negative: another label), read instead of two [B, B] masks. Backward: each pair
 with a shortfall moves by ∓ sign · λ · the incoming gradient / its term's count. The plain
-torch terms (`ROADMAPLoss.calibration`) stay the reference and the path wherever this one
+torch terms (`roadmap.calibration_terms`, a panel of rows at a time) stay the reference and the path wherever this one
 cannot run (`applies`); the tests hold the two equal.
 """
 
