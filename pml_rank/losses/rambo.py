@@ -28,7 +28,6 @@ from ..ranking import (
     blackbox_ranks_of_positives,
     positive_counts,
     precision_at_positives,
-    shift_by_margin,
     true_indices,
 )
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
@@ -386,9 +385,8 @@ class RaMBORecallLoss(_RaMBOLoss):
     def negatives_above(self, scores, positives, positions):
         """r per positive pair (eq. 17, after the margin shift; differentiable by Algorithm
         1), with its (row, column) index. `positions`: `positions_and_counts(positives)`."""
-        shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
-            shifted, positives, self.lambda_val, self._loss_scale, *positions
+            scores, positives, self.lambda_val, self._loss_scale, *positions, margin=self.margin
         )
         # r = rank among all − rank among positives, as counts (the integers converted by the subtraction).
         negatives_above = ranks * scores.shape[-1] - among_positives
