@@ -30,6 +30,7 @@ from ..ranking import (
     precision_at_positives,
     true_indices,
 )
+from . import fused_without_self
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 from .query_panels import true_rows
 
@@ -307,7 +308,8 @@ def _off_diagonal(flat_square):
 class _SimilaritiesWithoutSelf(torch.autograd.Function):
     """``without_self(q @ q.T)``, q the rows of `queries`. The backward pass is one matrix
     product, (G + Gᵀ) @ q, where autograd takes two, and writes G (zero diagonal) once,
-    where autograd's slicing backward fills and copies twice."""
+    where autograd's slicing backward fills and copies twice; where Triton runs, G + Gᵀ in
+    one kernel (`fused_without_self`)."""
 
     @staticmethod
     def forward(ctx, queries):
@@ -318,11 +320,19 @@ class _SimilaritiesWithoutSelf(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (queries,) = ctx.saved_tensors
-        n = len(queries)
-        full = grad.new_empty(n, n)
-        _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
-        full.diagonal().zero_()
-        return symmetrize_(full) @ queries
+        if fused_without_self.applies(grad):
+            return fused_without_self.symmetric_with_zero_diagonal(grad) @ queries
+        return symmetric_with_zero_diagonal(grad) @ queries
+
+
+def symmetric_with_zero_diagonal(grad):
+    """G + Gᵀ [n, n], G the [n, n - 1] `grad` of `without_self`'s output with the diagonal put
+    back as zeros."""
+    n = len(grad)
+    full = grad.new_empty(n, n)
+    _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
+    full.diagonal().zero_()
+    return symmetrize_(full)
 
 
 def reference_index(queries, columns, exclude_self):
