@@ -11,6 +11,9 @@ scores the one at the lower position ranks higher; ties among perturbed scores k
 their forward order), so a sequence with ties needs no second pass, and the host never
 waits to find one.
 
+0. `_counts_kernel` (`ranking.positive_counts`): each sequence's number of positives and
+   the numbers the host reads back (the most in one sequence, the total, the sequences with
+   one), in one launch where torch takes four reductions and a stack.
 1. `_ranks_kernel` (forward): per positive, its rank (the elements above it, plus one)
    and its rank among its sequence's positives.
 2. `_crossings_kernel` (backward): per element, how many positives passed it on their
@@ -39,9 +42,30 @@ if triton is not None:
 ELEMENTS_PER_STEP = 1024
 
 
-def applies(scores):
-    """Whether the kernels count for these `scores` [sequences, n]."""
-    return _triton.runs_on(scores)
+def applies(scores, dtypes=(torch.float32,)):
+    """Whether the kernels count for these `scores` [sequences, n] (or, of `dtypes`, a mask)."""
+    return _triton.runs_on(scores, dtypes)
+
+
+def counts(positives):
+    """Of a boolean [sequences, n] mask (any strides): each sequence's number of True entries
+    (int32) and [3] int64: the most in one sequence, their total and the number of sequences
+    with one, which `ranking.positive_counts` reads back. Integer atomics: the same numbers
+    whatever order the sequences' programs run in."""
+    per_sequence = torch.empty(len(positives), dtype=torch.int32, device=positives.device)
+    numbers = torch.zeros(3, dtype=torch.int64, device=positives.device)
+    if len(positives):
+        with _triton.on_device(positives.device):
+            _counts_kernel[(len(positives),)](
+                positives.view(torch.uint8),
+                per_sequence,
+                numbers,
+                positives.shape[1],
+                positives.stride(0),
+                positives.stride(1),
+                BLOCK_N=ELEMENTS_PER_STEP,
+            )
+    return per_sequence, numbers
 
 
 def ranks(scores, element, per_sequence, ends, most, half_margin=0.0):
@@ -76,8 +100,10 @@ def crossings(scores, element, per_sequence, ends, most, grad, step_factor, chan
     The factors (Algorithm 1's, `ranking._algorithm_1_factors`) are numbers or 0-d float64
     tensors on the scores' device, rounded to float32 as torch's products round them."""
     scores, element = scores.contiguous(), element.contiguous()
+    # Numbers (no loss scale) filled on the device: a tensor made from them would be a copy
+    # that makes a GPU's host wait.
     step_factor, change_factor = (
-        f if torch.is_tensor(f) else torch.tensor(f, dtype=torch.float64, device=scores.device)
+        f if torch.is_tensor(f) else torch.full((), f, dtype=torch.float64, device=scores.device)
         for f in (step_factor, change_factor)
     )
     change, own = torch.empty_like(scores), torch.empty_like(grad)
@@ -110,6 +136,20 @@ def _block(count):
 
 
 if triton is not None:
+
+    @triton.jit
+    def _counts_kernel(positives, per_sequence, numbers, n, stride_sequence, stride_element, BLOCK_N: tl.constexpr):
+        sequence = tl.program_id(0).to(tl.int64)
+        total = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for first in range(0, n, BLOCK_N):
+            j = first + tl.arange(0, BLOCK_N)
+            at = positives + sequence * stride_sequence + j.to(tl.int64) * stride_element
+            total += (tl.load(at, mask=j < n, other=0) != 0).to(tl.int32)
+        count = tl.sum(total, axis=0)
+        tl.store(per_sequence + sequence, count)
+        tl.atomic_max(numbers, count.to(tl.int64))
+        tl.atomic_add(numbers + 1, count.to(tl.int64))
+        tl.atomic_add(numbers + 2, (count > 0).to(tl.int64))
 
     @triton.jit
     def _positives(scores, element, per_sequence, ends, sequence, n, half_margin, BLOCK_S: tl.constexpr):
