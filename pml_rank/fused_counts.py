@@ -13,7 +13,10 @@ waits to find one.
 
 0. `_counts_kernel` (`ranking.positive_counts`): each sequence's number of positives and
    the numbers the host reads back (the most in one sequence, the total, the sequences with
-   one), in one launch where torch takes four reductions and a stack.
+   one), in one launch where torch takes four reductions and a stack;
+   `_label_positives_kernel`: RaMBO's mask of positives by label (without each query's own
+   column in its batch) with the same counts, where torch compares, drops the diagonal
+   (a copy) and counts.
 1. `_ranks_kernel` (forward): per positive, its rank (the elements above it, plus one)
    and its rank among its sequence's positives.
 2. `_crossings_kernel` (backward): per element, how many positives passed it on their
@@ -66,6 +69,30 @@ def counts(positives):
                 BLOCK_N=ELEMENTS_PER_STEP,
             )
     return per_sequence, numbers
+
+
+def label_positives(labels, ref_labels, skip_own):
+    """The positives by label, a boolean [queries, references] mask of equal labels (1-D
+    integer tensors), without each query's own column where `skip_own` (as
+    `rambo.without_self` drops it: [queries, references - 1]), and `counts` of it: the
+    comparison, the mask and its counts in one launch."""
+    width = len(ref_labels) - int(skip_own)
+    mask = torch.empty(len(labels), width, dtype=torch.bool, device=labels.device)
+    per_sequence = torch.empty(len(labels), dtype=torch.int32, device=labels.device)
+    numbers = torch.zeros(3, dtype=torch.int64, device=labels.device)
+    if len(labels):
+        with _triton.on_device(labels.device):
+            _label_positives_kernel[(len(labels),)](
+                labels,
+                ref_labels,
+                mask.view(torch.uint8),
+                per_sequence,
+                numbers,
+                width,
+                SKIP_OWN=bool(skip_own),
+                BLOCK_N=ELEMENTS_PER_STEP,
+            )
+    return mask, per_sequence, numbers
 
 
 def ranks(scores, element, per_sequence, ends, most, half_margin=0.0):
@@ -145,11 +172,32 @@ if triton is not None:
             j = first + tl.arange(0, BLOCK_N)
             at = positives + sequence * stride_sequence + j.to(tl.int64) * stride_element
             total += (tl.load(at, mask=j < n, other=0) != 0).to(tl.int32)
-        count = tl.sum(total, axis=0)
+        _counted(tl.sum(total, axis=0), sequence, per_sequence, numbers)
+
+    @triton.jit
+    def _counted(count, sequence, per_sequence, numbers):
+        """Stores a sequence's count and adds it to the numbers read back (integer atomics)."""
         tl.store(per_sequence + sequence, count)
         tl.atomic_max(numbers, count.to(tl.int64))
         tl.atomic_add(numbers + 1, count.to(tl.int64))
         tl.atomic_add(numbers + 2, (count > 0).to(tl.int64))
+
+    @triton.jit
+    def _label_positives_kernel(
+        labels, ref_labels, mask, per_sequence, numbers, width, SKIP_OWN: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        query = tl.program_id(0).to(tl.int64)
+        label = tl.load(labels + query)
+        total = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for first in range(0, width, BLOCK_N):
+            column = first + tl.arange(0, BLOCK_N).to(tl.int64)
+            inside = column < width
+            # Past the query's own column, a column holds the next reference.
+            reference = column + (column >= query).to(tl.int64) if SKIP_OWN else column
+            equal = (tl.load(ref_labels + reference, mask=inside, other=0) == label) & inside
+            tl.store(mask + query * width + column, equal.to(tl.uint8), mask=inside)
+            total += equal.to(tl.int32)
+        _counted(tl.sum(total, axis=0), query, per_sequence, numbers)
 
     @triton.jit
     def _positives(scores, element, per_sequence, ends, sequence, n, half_margin, BLOCK_S: tl.constexpr):
