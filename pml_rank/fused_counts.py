@@ -99,8 +99,9 @@ def ranks(scores, element, per_sequence, ends, most, half_margin=0.0):
     """Per positive (`element`, row-major; `per_sequence` of them in each sequence, whose
     run ends at `ends`, `most` at most): its rank, counted in the scores' dtype, and its
     rank among its sequence's positives (int64), 1 = highest, in the scores shifted by
-    `half_margin` (`ranking.shift_by_margin`: positives down, the others up)."""
-    scores, element = scores.contiguous(), element.contiguous()
+    `half_margin` (`ranking.shift_by_margin`: positives down, the others up). `element` may
+    be strided (a column of `nonzero_static`'s output: no copy)."""
+    scores = scores.contiguous()
     rank = torch.empty(element.shape, dtype=scores.dtype, device=scores.device)
     among = torch.empty(element.shape, dtype=torch.int64, device=scores.device)
     if len(element):
@@ -108,6 +109,7 @@ def ranks(scores, element, per_sequence, ends, most, half_margin=0.0):
             _ranks_kernel[(len(scores),)](
                 scores,
                 element,
+                element.stride(0),
                 per_sequence,
                 ends,
                 rank,
@@ -126,7 +128,7 @@ def crossings(scores, element, per_sequence, ends, most, grad, step_factor, chan
     for `ranks`, the scores shifted by `half_margin`) moved by `grad` times `step_factor`.
     The factors (Algorithm 1's, `ranking._algorithm_1_factors`) are numbers or 0-d float64
     tensors on the scores' device, rounded to float32 as torch's products round them."""
-    scores, element = scores.contiguous(), element.contiguous()
+    scores = scores.contiguous()
     # Numbers (no loss scale) filled on the device: a tensor made from them would be a copy
     # that makes a GPU's host wait.
     step_factor, change_factor = (
@@ -139,6 +141,7 @@ def crossings(scores, element, per_sequence, ends, most, grad, step_factor, chan
             _crossings_kernel[(len(scores),)](
                 scores,
                 element,
+                element.stride(0),
                 per_sequence,
                 ends,
                 grad.contiguous(),
@@ -200,7 +203,9 @@ if triton is not None:
         _counted(tl.sum(total, axis=0), query, per_sequence, numbers)
 
     @triton.jit
-    def _positives(scores, element, per_sequence, ends, sequence, n, half_margin, BLOCK_S: tl.constexpr):
+    def _positives(
+        scores, element, element_stride, per_sequence, ends, sequence, n, half_margin, BLOCK_S: tl.constexpr
+    ):
         """A sequence's row, its positives' slots (padding: not valid), their places in
         the positives' list and in the row, and their values shifted down by `half_margin`
         (padding: NaN)."""
@@ -208,7 +213,7 @@ if triton is not None:
         slot = tl.arange(0, BLOCK_S)
         valid = slot < count
         listed = tl.load(ends + sequence) - count + slot
-        where = tl.load(element + listed, mask=valid, other=0)
+        where = tl.load(element + listed * element_stride, mask=valid, other=0)
         row = scores + sequence * n
         value = tl.load(row + where, mask=valid, other=float("nan")) + (0.0 - half_margin)
         return row, slot, valid, listed, where, value
@@ -230,11 +235,21 @@ if triton is not None:
 
     @triton.jit
     def _ranks_kernel(
-        scores, element, per_sequence, ends, rank, among, n, half_margin, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr
+        scores,
+        element,
+        element_stride,
+        per_sequence,
+        ends,
+        rank,
+        among,
+        n,
+        half_margin,
+        BLOCK_S: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         sequence = tl.program_id(0).to(tl.int64)
         row, slot, valid, listed, where, value = _positives(
-            scores, element, per_sequence, ends, sequence, n, half_margin, BLOCK_S
+            scores, element, element_stride, per_sequence, ends, sequence, n, half_margin, BLOCK_S
         )
         above = tl.zeros([BLOCK_S], dtype=tl.int32)
         for first in range(0, n, BLOCK_N):
@@ -249,6 +264,7 @@ if triton is not None:
     def _crossings_kernel(
         scores,
         element,
+        element_stride,
         per_sequence,
         ends,
         grad,
@@ -263,7 +279,7 @@ if triton is not None:
     ):
         sequence = tl.program_id(0).to(tl.int64)
         row, slot, valid, listed, where, value = _positives(
-            scores, element, per_sequence, ends, sequence, n, half_margin, BLOCK_S
+            scores, element, element_stride, per_sequence, ends, sequence, n, half_margin, BLOCK_S
         )
         step = tl.load(grad + listed, mask=valid, other=0.0) * tl.load(step_factor).to(tl.float32)
         new = value + step

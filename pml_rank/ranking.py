@@ -94,15 +94,19 @@ def ranks_among_positives(positives, order, total=None):
     return where[:-1] + (order[where],), counts[where].long()
 
 
-def true_indices(mask, total=None):
+def true_indices(mask, total=None, contiguous=True):
     """``mask.nonzero(as_tuple=True)``; with `total`, the number of True entries known on
-    the host, without the device-to-host wait that finding the output's size takes."""
+    the host, without the device-to-host wait that finding the output's size takes, and
+    unless `contiguous`, as strided columns of one tensor (no copy)."""
     if total is None:
         return mask.nonzero(as_tuple=True)
     if not total:  # (nonzero_static of an empty mask failed on CUDA before torch 2.9)
         return tuple(torch.zeros(0, dtype=torch.long, device=mask.device) for _ in range(mask.ndim))
+    found = mask.nonzero_static(size=total)
+    if not contiguous:
+        return found.unbind(1)
     # Transposed to [dims, total] first: each index tensor contiguous, as nonzero's are.
-    return mask.nonzero_static(size=total).T.contiguous().unbind(0)
+    return found.T.contiguous().unbind(0)
 
 
 class PositiveCounts(NamedTuple):
@@ -306,7 +310,9 @@ class _Slots:
     def __init__(self, positives, counts, indices=None):
         """`counts`: `positive_counts(positives)`; `indices`: ``positives.nonzero(as_tuple=True)``
         when already at hand."""
-        self.sequence, self.element = true_indices(positives, counts.total) if indices is None else indices
+        # Contiguous (given ones may be strided): searched and indexed many times below.
+        given = true_indices(positives, counts.total) if indices is None else indices
+        self.sequence, self.element = (index.contiguous() for index in given)
         # Listed by sequence, then position: a positive's slot is its distance from its
         # sequence's first one, found by a binary search of the sorted sequence indices.
         first = torch.searchsorted(self.sequence, self.sequence)

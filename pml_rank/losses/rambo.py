@@ -282,7 +282,10 @@ def positions_and_counts(positives, counts=None):
     when at hand), what the ranking takes (`positions` below): one wait on a GPU, for the
     counts, which give the positions' number before they are found."""
     counts = positive_counts(positives) if counts is None else counts
-    return true_indices(positives, counts.total), counts
+    # Where the counting kernels run, strided columns of one tensor, which they read as they
+    # are (and the loss's indices need no copy); the plain passes take them contiguous.
+    contiguous = not fused_counts.applies(positives, (torch.bool,))
+    return true_indices(positives, counts.total, contiguous), counts
 
 
 def positives_by_label(labels, ref_labels, exclude_self):
