@@ -94,15 +94,19 @@ def ranks_among_positives(positives, order, total=None):
     return where[:-1] + (order[where],), counts[where].long()
 
 
-def true_indices(mask, total=None):
+def true_indices(mask, total=None, contiguous=True):
     """``mask.nonzero(as_tuple=True)``; with `total`, the number of True entries known on
-    the host, without the device-to-host wait that finding the output's size takes."""
+    the host, without the device-to-host wait that finding the output's size takes, and
+    unless `contiguous`, as strided columns of one tensor (no copy)."""
     if total is None:
         return mask.nonzero(as_tuple=True)
     if not total:  # (nonzero_static of an empty mask failed on CUDA before torch 2.9)
         return tuple(torch.zeros(0, dtype=torch.long, device=mask.device) for _ in range(mask.ndim))
+    found = mask.nonzero_static(size=total)
+    if not contiguous:
+        return found.unbind(1)
     # Transposed to [dims, total] first: each index tensor contiguous, as nonzero's are.
-    return mask.nonzero_static(size=total).T.contiguous().unbind(0)
+    return found.T.contiguous().unbind(0)
 
 
 class PositiveCounts(NamedTuple):
@@ -118,7 +122,11 @@ class PositiveCounts(NamedTuple):
 def positive_counts(positives):
     """`PositiveCounts` of a boolean [sequences, n] mask, its numbers read back in one
     transfer (on a GPU, the one wait of a ranking's forward pass beside the input check:
-    which way to rank and every output's size follow from them)."""
+    which way to rank and every output's size follow from them). Where Triton runs, one
+    kernel counts them (`fused_counts.counts`)."""
+    if len(positives) and fused_counts.applies(positives, (torch.bool,)):
+        per_sequence, numbers = fused_counts.counts(positives)
+        return PositiveCounts(per_sequence, *numbers.tolist())
     per_sequence = positives.view(torch.uint8).sum(-1, dtype=torch.int32)  # a bool sum converts first: 3 times slower
     if not len(per_sequence):
         return PositiveCounts(per_sequence, 0, 0, 0)
@@ -167,8 +175,9 @@ class LossScale:
             return None
         if self.value is None:
             return bool(self._moved)
-        scale_is_zero, moved = torch.stack([self.value == 0, self._moved]).tolist()
-        return None if scale_is_zero else moved
+        # k and the flag in one transfer (the flag promoted to k's dtype); k = 0 compared on the host.
+        k, moved = torch.stack([self.value, self._moved]).tolist()
+        return None if k == 0 else bool(moved)
 
 
 class _RecordScale(torch.autograd.Function):
@@ -251,11 +260,12 @@ def blackbox_rank(scores, lambda_val, loss_scale=None, return_order=False):
     return (ranks, order) if return_order else ranks
 
 
-def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, indices=None, counts=None):
+def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, indices=None, counts=None, margin=0.0):
     """For sequences `scores` [sequences, n] and a boolean mask `positives`: the index
     (sequence, element) of every positive, its blackbox rank divided by n (differentiable
     by Algorithm 1 with respect to all scores) and its rank among the positives (an
-    integer, not differentiated). Ranks and gradients are those of `blackbox_rank`.
+    integer, not differentiated). Ranks and gradients are those of `blackbox_rank`, of the
+    scores shifted by `margin` (`shift_by_margin`; the kernels shift as they read).
     `indices`: ``positives.nonzero(as_tuple=True)``, and `counts`: `positive_counts(positives)`,
     when already at hand.
 
@@ -271,11 +281,13 @@ def blackbox_ranks_of_positives(scores, positives, lambda_val, loss_scale=None, 
     if sequences and counts.most <= math.log2(max(n, 2)):
         if fused_counts.applies(scores):
             indices = true_indices(positives, counts.total) if indices is None else indices
-            ranks, among = _FusedCountedRanks.apply(scores, float(lambda_val), loss_scale, indices[1], counts)
+            ranks, among = _FusedCountedRanks.apply(scores, float(lambda_val), loss_scale, indices[1], counts, margin)
             return indices, ranks, among
+        scores = shift_by_margin(scores, positives, margin)
         slots = _Slots(positives, counts, indices)
         ranks, among, sequence, element = _CountedRanks.apply(scores, positives, float(lambda_val), loss_scale, slots)
         return (sequence, element), ranks, among
+    scores = shift_by_margin(scores, positives, margin)
     ranks, order = blackbox_rank(scores, lambda_val, loss_scale, return_order=True)
     index, among = ranks_among_positives(positives, order, counts.total)
     return index, ranks[index], among
@@ -298,7 +310,9 @@ class _Slots:
     def __init__(self, positives, counts, indices=None):
         """`counts`: `positive_counts(positives)`; `indices`: ``positives.nonzero(as_tuple=True)``
         when already at hand."""
-        self.sequence, self.element = true_indices(positives, counts.total) if indices is None else indices
+        # Contiguous (given ones may be strided): searched and indexed many times below.
+        given = true_indices(positives, counts.total) if indices is None else indices
+        self.sequence, self.element = (index.contiguous() for index in given)
         # Listed by sequence, then position: a positive's slot is its distance from its
         # sequence's first one, found by a binary search of the sorted sequence indices.
         first = torch.searchsorted(self.sequence, self.sequence)
@@ -462,14 +476,16 @@ class _FusedCountedRanks(torch.autograd.Function):
     """`_CountedRanks` in one kernel per pass (`fused_counts`), on the positives as
     `true_indices` lists them (`element`: their positions; `counts`: `positive_counts`):
     the kernels follow the stable order's rules in every sequence, so none is redone and
-    no tie is read back; a few operations a pass, where the padded slots take a dozen."""
+    no tie is read back; a few operations a pass, where the padded slots take a dozen.
+    The kernels also shift the scores by `margin` (`shift_by_margin`) and apply Algorithm 1's
+    factors: no pass over the scores of their own."""
 
     @staticmethod
-    def forward(ctx, scores, lambda_val, loss_scale, element, counts):
+    def forward(ctx, scores, lambda_val, loss_scale, element, counts, margin=0.0):
         per_sequence, most = counts.per_sequence, counts.most
         ends = per_sequence.cumsum(0)
-        rank, among = fused_counts.ranks(scores, element, per_sequence, ends, most)
-        ctx.lambda_val, ctx.loss_scale, ctx.most = lambda_val, loss_scale, most
+        rank, among = fused_counts.ranks(scores, element, per_sequence, ends, most, margin / 2)
+        ctx.lambda_val, ctx.loss_scale, ctx.most, ctx.half_margin = lambda_val, loss_scale, most, margin / 2
         ctx.save_for_backward(scores, element, per_sequence, ends)
         ctx.mark_non_differentiable(among)
         ctx.set_materialize_grads(False)  # the among-positives ranks take no gradient: no zeros for them
@@ -478,11 +494,13 @@ class _FusedCountedRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ranks, _grad_among):
         scores, element, per_sequence, ends = ctx.saved_tensors
-        step_factor, change_factor = _algorithm_1_factors(ctx.loss_scale, ctx.lambda_val, scores.shape[-1], scores)
-        change, own = fused_counts.crossings(scores, element, per_sequence, ends, ctx.most, grad_ranks * step_factor)
+        factors = _algorithm_1_factors(ctx.loss_scale, ctx.lambda_val, scores.shape[-1], scores)
+        change, own = fused_counts.crossings(
+            scores, element, per_sequence, ends, ctx.most, grad_ranks, *factors, ctx.half_margin
+        )
         if ctx.loss_scale is not None:
             ctx.loss_scale.record_moved(own.any())
-        return change.mul_(change_factor), None, None, None, None
+        return change, None, None, None, None, None
 
 
 def _crossings_without_ties(scores, values, new_values, rank):
@@ -547,9 +565,8 @@ def precision_at_positives(scores, positives, lambda_val, margin, loss_scale=Non
     batch_shape, n = scores.shape[:-1], scores.shape[-1]
     scores, positives = scores.reshape(-1, n), positives.reshape(-1, n)
     counts = positive_counts(positives) if counts is None else counts
-    shifted = shift_by_margin(scores, positives, margin)
     (sequence, element), ranks, among_positives = blackbox_ranks_of_positives(
-        shifted, positives, lambda_val, loss_scale, indices, counts
+        scores, positives, lambda_val, loss_scale, indices, counts, margin
     )
     # rk(y+) / rk(y) as counts: the normalised rank times the length.
     precision = among_positives / (ranks * n)  # the integers converted by the division

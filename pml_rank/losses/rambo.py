@@ -22,15 +22,17 @@ from pytorch_metric_learning.distances import CosineSimilarity, DotProductSimila
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
+from .. import fused_counts
 from .._checks import check_numbers
 from ..ranking import (
     LossScale,
+    PositiveCounts,
     blackbox_ranks_of_positives,
     positive_counts,
     precision_at_positives,
-    shift_by_margin,
     true_indices,
 )
+from . import fused_without_self
 from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
 from .query_panels import true_rows
 
@@ -187,10 +189,10 @@ class _RaMBOLoss(RankLossBase):
         # "extend", or no memory (then both variants are the paper's loss, through the reducer).
         all_refs, all_ref_labels = self.references_with_memory(ref_emb, ref_labels)
         self.memory.append(ref_emb, ref_labels)
-        scores, positives, columns = self.similarities(
+        scores, positives, columns, counts = self.similarities(
             embeddings, labels, all_refs, all_ref_labels, exclude_self, pairs
         )
-        indices, counts = positions_and_counts(positives)
+        indices, counts = positions_and_counts(positives, counts)
         self.num_pos_pairs = counts.total
         if self.num_pos_pairs == 0:
             return self.zero_losses()
@@ -200,7 +202,7 @@ class _RaMBOLoss(RankLossBase):
         """The "rows" memory: the current score rows and the stored ones, each ranked on its
         own. A stored row's scores are constants, and so are its ranks: the memory keeps
         only what the loss reads from them (`mean_over_rows`), not the rows."""
-        scores, positives, _ = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
+        scores, positives, _, counts = self.similarities(embeddings, labels, ref_emb, ref_labels, exclude_self, pairs)
         rows, width = scores.shape
         # The shapes are CPU tensors: read without a kernel (or, moved to a GPU, a wait each).
         shapes = [shape.tolist() for _, shape in self.memory.batches]
@@ -211,7 +213,7 @@ class _RaMBOLoss(RankLossBase):
             stored_values = scores.new_zeros(0)
         stored_rows = sum(stored for stored, _ in shapes)
         shape = torch.tensor([rows, width])
-        indices, counts = positions_and_counts(positives)
+        indices, counts = positions_and_counts(positives, counts)
         self.num_pos_pairs = counts.total
         if self.num_pos_pairs == 0:
             self.memory.append(scores.new_zeros(0), shape)
@@ -229,21 +231,21 @@ class _RaMBOLoss(RankLossBase):
         return torch.cat([ref_emb, stored_emb.to(ref_emb)]), torch.cat([ref_labels, stored_labels.to(ref_labels)])
 
     def similarities(self, embeddings, labels, ref_emb, ref_labels, exclude_self, pairs=None):
-        """Scores [queries, ranked references], the positive mask and, with `pairs`, the
-        reference index of each column (otherwise None). Without `pairs` every reference
-        is ranked, except the query itself when the batch is its own reference set (see
+        """Scores [queries, ranked references], the positive mask, with `pairs` the
+        reference index of each column (otherwise None), and the mask's `PositiveCounts`
+        where they are at hand (otherwise None). Without `pairs` every reference is ranked,
+        except the query itself when the batch is its own reference set (see
         `without_self`); with them, see `similarities_of_pairs`."""
         if pairs is not None:
-            return self.similarities_of_pairs(embeddings, labels, ref_emb, ref_labels, *pairs)
-        # Every pair by label: a query's pair with itself is dropped by `without_self`.
-        positives = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+            return *self.similarities_of_pairs(embeddings, labels, ref_emb, ref_labels, *pairs), None
+        # Every pair by label, read back before the similarities are queued (on a GPU the
+        # wait is then for the labels' kernel alone).
+        positives, counts = positives_by_label(labels, ref_labels, exclude_self)
         if exclude_self and ref_emb is embeddings and is_inner_product(self.distance):
-            return self.inner_products_without_self(embeddings), without_self(positives), None
+            return self.inner_products_without_self(embeddings), positives, None, counts
         matrix = self.distance(embeddings, ref_emb)
         scores = matrix if self.distance.is_inverted else -matrix
-        if exclude_self:
-            scores, positives = without_self(scores), without_self(positives)
-        return scores, positives, None
+        return (without_self(scores) if exclude_self else scores), positives, None, counts
 
     def inner_products_without_self(self, embeddings):
         """``without_self`` of the distance's matrix of the batch with itself, an inner
@@ -275,12 +277,31 @@ class _RaMBOLoss(RankLossBase):
         return scores.gather(1, columns), positives.gather(1, columns), columns
 
 
-def positions_and_counts(positives):
-    """``positives.nonzero(as_tuple=True)`` and `ranking.positive_counts(positives)`, what
-    the ranking takes (`positions` below): one wait on a GPU, for the counts, which give
-    the positions' number before they are found."""
-    counts = positive_counts(positives)
-    return true_indices(positives, counts.total), counts
+def positions_and_counts(positives, counts=None):
+    """``positives.nonzero(as_tuple=True)`` and `ranking.positive_counts(positives)` (`counts`
+    when at hand), what the ranking takes (`positions` below): one wait on a GPU, for the
+    counts, which give the positions' number before they are found."""
+    counts = positive_counts(positives) if counts is None else counts
+    # Where the counting kernels run, strided columns of one tensor, which they read as they
+    # are (and the loss's indices need no copy); the plain passes take them contiguous.
+    contiguous = not fused_counts.applies(positives, (torch.bool,))
+    return true_indices(positives, counts.total, contiguous), counts
+
+
+def positives_by_label(labels, ref_labels, exclude_self):
+    """The boolean [queries, references] mask of equal labels, without each query's own
+    column when `exclude_self` (as `without_self` drops it), and its `PositiveCounts`: where
+    Triton runs, one kernel makes and counts it (`fused_counts.label_positives`), else torch
+    compares and the counts are left to `positions_and_counts` (None)."""
+    if all(fused_counts.applies(t, _LABEL_DTYPES) and t.dim() == 1 and t.is_contiguous() for t in (labels, ref_labels)):
+        mask, per_sequence, numbers = fused_counts.label_positives(labels, ref_labels, exclude_self)
+        return mask, PositiveCounts(per_sequence, *numbers.tolist())
+    positives = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
+    return (without_self(positives) if exclude_self else positives), None
+
+
+# The label types `fused_counts.label_positives` reads (PML's labels are int64).
+_LABEL_DTYPES = (torch.int64, torch.int32)
 
 
 def is_inner_product(distance):
@@ -308,7 +329,8 @@ def _off_diagonal(flat_square):
 class _SimilaritiesWithoutSelf(torch.autograd.Function):
     """``without_self(q @ q.T)``, q the rows of `queries`. The backward pass is one matrix
     product, (G + Gᵀ) @ q, where autograd takes two, and writes G (zero diagonal) once,
-    where autograd's slicing backward fills and copies twice."""
+    where autograd's slicing backward fills and copies twice; where Triton runs, G + Gᵀ in
+    one kernel (`fused_without_self`)."""
 
     @staticmethod
     def forward(ctx, queries):
@@ -319,11 +341,19 @@ class _SimilaritiesWithoutSelf(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (queries,) = ctx.saved_tensors
-        n = len(queries)
-        full = grad.new_empty(n, n)
-        _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
-        full.diagonal().zero_()
-        return symmetrize_(full) @ queries
+        if fused_without_self.applies(grad):
+            return fused_without_self.symmetric_with_zero_diagonal(grad) @ queries
+        return symmetric_with_zero_diagonal(grad) @ queries
+
+
+def symmetric_with_zero_diagonal(grad):
+    """G + Gᵀ [n, n], G the [n, n - 1] `grad` of `without_self`'s output with the diagonal put
+    back as zeros."""
+    n = len(grad)
+    full = grad.new_empty(n, n)
+    _off_diagonal(full.view(-1)).copy_(grad.reshape(n - 1, n))
+    full.diagonal().zero_()
+    return symmetrize_(full)
 
 
 def reference_index(queries, columns, exclude_self):
@@ -386,9 +416,8 @@ class RaMBORecallLoss(_RaMBOLoss):
     def negatives_above(self, scores, positives, positions):
         """r per positive pair (eq. 17, after the margin shift; differentiable by Algorithm
         1), with its (row, column) index. `positions`: `positions_and_counts(positives)`."""
-        shifted = shift_by_margin(scores, positives, self.margin)
         (rows, columns), ranks, among_positives = blackbox_ranks_of_positives(
-            shifted, positives, self.lambda_val, self._loss_scale, *positions
+            scores, positives, self.lambda_val, self._loss_scale, *positions, margin=self.margin
         )
         # r = rank among all − rank among positives, as counts (the integers converted by the subtraction).
         negatives_above = ranks * scores.shape[-1] - among_positives

@@ -304,7 +304,7 @@ def test_symmetrize_in_one_pass_equals_matrix_plus_transpose(n, memory_policy):
 
 @pytest.mark.parametrize(
     "loss_class, memory_size, most",
-    [(RaMBORecallLoss, 0, 230), (RaMBORecallLoss, 3, 236), (RaMBOAPLoss, 0, 246), (RaMBOAPLoss, 3, 251)],
+    [(RaMBORecallLoss, 0, 229), (RaMBORecallLoss, 3, 235), (RaMBOAPLoss, 0, 245), (RaMBOAPLoss, 3, 250)],
 )
 def test_rambos_operations_per_call_stay_at_most_what_they_are(loss_class, memory_size, most, memory_policy):
     """Forward and backward at batch 256, 4 per class, with a filled memory where there is
@@ -314,7 +314,8 @@ def test_rambos_operations_per_call_stay_at_most_what_they_are(loss_class, memor
     which a GPU needs; 221, 227, 244 and 248 before the positives' counts were read back
     in one transfer and k kept on the device, three waits fewer for about 10 small
     operations more; 231, 237, 250 and 256 before the AP loss kept all its rows without
-    an index and the integer ranks were converted by the arithmetic that reads them): a
+    an index and the integer ranks were converted by the arithmetic that reads them; 230,
+    236, 246 and 251 before whether a rank moved was read back with k, uncompared): a
     count that creeps back up fails here.
     The count depends on the code alone, not on the machine."""
     count = counted(loss_class(memory_size=memory_size), 256, calls=1 + memory_size)

@@ -40,10 +40,12 @@ from pml_rank.losses import (
     fused_label_pairs,
     fused_ranks,
     fused_unit_rows,
+    fused_without_self,
     query_panels,
 )
 from pml_rank.losses import auc as auc_module
 from pml_rank.losses import fastap as fastap_module
+from pml_rank.losses import rambo as rambo_module
 from pml_rank.losses.base import _UnitRows, label_pairs_and_counts, pair_masks
 from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
@@ -356,27 +358,35 @@ def tied_rankings():
         yield scores, positives, incoming
 
 
-def counted_ranks_and_gradient(scores, positives, incoming, fused):
-    """The ranks, ranks among positives and gradient of ``Σ incoming · rank`` by the kernels
-    (`fused`) or by the plain-torch passes."""
+def counted_ranks_and_gradient(scores, positives, incoming, fused, margin=0.0, scale=1.0):
+    """The ranks, ranks among positives and gradient of ``scale · Σ incoming · rank`` by the
+    kernels (`fused`, which shift by `margin` themselves) or by the plain-torch passes (on
+    `ranking.shift_by_margin`'s scores); with a `scale` other than 1, through a `LossScale`."""
     x = scores.clone().requires_grad_()
     counts = ranking.positive_counts(positives)
+    loss_scale = None if scale == 1 else ranking.LossScale()
     if fused:
         index = ranking.true_indices(positives, counts.total)
-        ranks, among = ranking._FusedCountedRanks.apply(x, 1.0, None, index[1], counts)
+        ranks, among = ranking._FusedCountedRanks.apply(x, 1.0, loss_scale, index[1], counts, margin)
     else:
-        ranks, among, *index = ranking._CountedRanks.apply(x, positives, 1.0, None)
-    (ranks * incoming).sum().backward()
+        shifted = ranking.shift_by_margin(x, positives, margin)
+        ranks, among, *index = ranking._CountedRanks.apply(shifted, positives, 1.0, loss_scale)
+    loss = (ranks * incoming).sum()
+    (scale * (loss if loss_scale is None else loss_scale.attach(loss))).backward()
     return ranks.detach(), among, x.grad
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
-def test_interpreted_counting_kernels_follow_the_stable_order_through_ties():
-    """The kernels rank ties as the passes do (their exact pass for sequences with ties)."""
+@pytest.mark.parametrize("margin, scale", [(0.0, 1.0), (2.0, 1.0), (0.7, 3.0)])
+def test_interpreted_counting_kernels_follow_the_stable_order_through_ties(margin, scale):
+    """The kernels rank ties as the passes do (their exact pass for sequences with ties),
+    with the margin's shift (2 on integer scores: positives tied with the shifted others;
+    0.7: shifted values that round) and Algorithm 1's factors from a loss's scale k (3),
+    which the kernels apply themselves: the same bits."""
     moved = []
     for scores, positives, incoming in tied_rankings():
-        fused = counted_ranks_and_gradient(scores, positives, incoming, True)
-        expected = counted_ranks_and_gradient(scores, positives, incoming, False)
+        fused = counted_ranks_and_gradient(scores, positives, incoming, True, margin, scale)
+        expected = counted_ranks_and_gradient(scores, positives, incoming, False, margin, scale)
         for got, want in zip(fused, expected, strict=True):
             assert torch.equal(got, want)
         moved.append(bool(fused[2].abs().max() > 0))
@@ -657,6 +667,86 @@ def test_unit_rows_kernels_equal_the_torch_path(shape, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_positive_counts_kernel_equals_the_torch_path(device, monkeypatch):
+    """`ranking.positive_counts` through `fused_counts.counts` and through torch: each row's
+    count (int32) and the numbers read back, for rows of several steps, a transposed mask
+    (strided), rows without positives or all positives, rows of nothing, and no rows."""
+    generator = torch.Generator().manual_seed(4)
+    masks = [
+        torch.rand(7, 30, generator=generator) < 0.2,
+        torch.rand(5, 2 * fused_counts.ELEMENTS_PER_STEP + 3, generator=generator) < 0.01,
+        (torch.rand(40, 6, generator=generator) < 0.3).T,
+        torch.zeros(4, 9, dtype=torch.bool),
+        torch.ones(3, 5, dtype=torch.bool),
+        torch.zeros(3, 0, dtype=torch.bool),
+        torch.zeros(0, 5, dtype=torch.bool),
+    ]
+    for mask in masks:
+        mask = mask.to(device)
+        assert fused_counts.applies(mask, (torch.bool,))
+        counts = ranking.positive_counts(mask)
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_counts, "applies", lambda *args: False)
+            expected = ranking.positive_counts(mask)
+        assert torch.equal(counts.per_sequence, expected.per_sequence) and counts.per_sequence.dtype == torch.int32
+        assert counts[1:] == expected[1:] and expected.total == int(mask.sum())
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_label_positives_kernel_equals_the_torch_path(device, monkeypatch):
+    """`rambo.positives_by_label` through `fused_counts.label_positives` and through torch
+    (labels compared, the query's own column dropped by `without_self`, then counted): the
+    same mask and counts, for a batch as its own references and other references (the
+    memory's among them), rows of several steps, labels of two integer types and negative
+    ones, a batch of one (no column left) and rows without a positive."""
+    generator = torch.Generator().manual_seed(5)
+    long = 2 * fused_counts.ELEMENTS_PER_STEP + 3
+    for size, ref_size in [(1, 1), (7, 7), (30, 30), (5, long), (long, long), (9, 4)]:
+        labels = torch.randint(-2, max(3, size // 3), (size,), generator=generator).to(device)
+        for batch in (True, False):
+            if batch and ref_size != size:
+                continue
+            ref_labels = labels if batch else torch.randint(-2, 5, (ref_size,), generator=generator).int().to(device)
+            mask, counts = rambo_module.positives_by_label(labels, ref_labels, batch)
+            with monkeypatch.context() as patch:
+                patch.setattr(fused_counts, "applies", lambda *args: False)
+                expected_mask, none = rambo_module.positives_by_label(labels, ref_labels, batch)
+                expected = ranking.positive_counts(expected_mask)
+            assert counts is not None and none is None
+            assert torch.equal(mask, expected_mask) and mask.is_contiguous()
+            assert torch.equal(counts.per_sequence, expected.per_sequence) and counts[1:] == expected[1:]
+
+
+WITHOUT_SELF_SIZES = [1, 2, 5, 2 * fused_without_self.TILE + 3]
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+@pytest.mark.parametrize("n", WITHOUT_SELF_SIZES)
+def test_without_self_gradient_kernel_equals_the_torch_path(n, device):
+    """`fused_without_self` against `rambo.symmetric_with_zero_diagonal`, to the last bit: one
+    tile or several, non-finite entries included (a NaN, infinities of both signs, whose sum
+    is NaN), and through RaMBO's similarities' backward pass."""
+    generator = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, n - 1, generator=generator)
+    if n >= 5:
+        grad[0, 1], grad[2, 3], grad[3, 2] = float("nan"), float("inf"), float("-inf")
+    grad = grad.to(device)
+    assert fused_without_self.applies(grad)
+    full = fused_without_self.symmetric_with_zero_diagonal(grad)
+    torch.testing.assert_close(
+        full, rambo_module.symmetric_with_zero_diagonal(grad.clone()), rtol=0, atol=0, equal_nan=True
+    )
+    queries = torch.randn(n, 8, generator=generator).to(device).requires_grad_()
+    gradients = []
+    for fused in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_without_self, "applies", lambda grad, fused=fused: fused)
+            (gradient,) = torch.autograd.grad(rambo_module._SimilaritiesWithoutSelf.apply(queries), queries, grad)
+        gradients.append(gradient)
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 def test_label_pair_kernels_equal_the_positive_mask_entries(device):
     """`fused_label_pairs` (through `base.label_pairs_and_counts`) against the entries of
     `pair_masks`'s positive mask, row-major, (i, i) included `with_self`, each query's count
@@ -724,7 +814,7 @@ COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "RaMBO": lambda: RaMB
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 49)],
+    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 32)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
@@ -733,7 +823,11 @@ def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, 
     FastAP and RaMBO recall with their kernels too; RaMBO 63 before its positives' counts
     were read back in one transfer and k kept on the device, two waits fewer for three
     operations more, then 65 before its kernels took the positives as listed, ties
-    included, and the factors of Algorithm 1 came from CPU scalars): as many at either
+    included, and the factors of Algorithm 1 came from CPU scalars, 49 before its kernels
+    shifted by the margin and applied Algorithm 1's factors themselves, 42 before the
+    gradient of its similarities without self took one kernel, 39 before its positives were
+    counted by one, 36 before they were also found by label in it, 33 before the kernels read
+    the positives' places as strided columns): as many at either
     batch, and a count that creeps back up fails here. It depends on the code alone, not
     on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
@@ -831,6 +925,9 @@ def test_in_tritons_interpreter(interpreted_run):
     expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 4
     expected += 1 + 2 + len(WHOLE_STEP_CASES) + 2
     expected += 2  # RaMBO's waits, recall and AP
+    expected += 2  # RaMBO's counting through ties: with a margin, and with a loss's scale
+    expected += len(WITHOUT_SELF_SIZES)  # RaMBO's similarities' gradient
+    expected += 2  # RaMBO's positives' counts, and by label
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
@@ -868,6 +965,7 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
     every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
     every |= {"_label_counts_kernel", "_label_pairs_kernel"}
+    every |= {"_symmetric_kernel", "_counts_kernel", "_label_positives_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
