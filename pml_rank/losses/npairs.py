@@ -5,6 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.reducers import MeanReducer
 from pytorch_metric_learning.regularizers import LpRegularizer
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
@@ -63,12 +64,16 @@ class NPairsMCLoss(RankLossBase):
         self.num_pairs = pairs.shape[1]
         if self.num_pairs == 0:
             return self.zero_losses()
-        if ref_emb is embeddings:
-            # One gather of both ends: one scatter of their gradients in the backward pass.
-            anchors, positives = embeddings[pairs].unbind(0)
+        if ref_emb is embeddings and self.plain_inner_product():
+            self.distance.reset_stats()
+            similarities = _PairProducts.apply(embeddings, pairs)
         else:
-            anchors, positives = embeddings[pairs[0]], ref_emb[pairs[1]]
-        similarities = self.similarity_matrix(anchors, positives)
+            if ref_emb is embeddings:
+                # One gather of both ends: one scatter of their gradients in the backward pass.
+                anchors, positives = embeddings[pairs].unbind(0)
+            else:
+                anchors, positives = embeddings[pairs[0]], ref_emb[pairs[1]]
+            similarities = self.similarity_matrix(anchors, positives)
         if not self.distance.is_inverted:
             similarities = -similarities
         return {
@@ -78,6 +83,14 @@ class NPairsMCLoss(RankLossBase):
                 "reduction_type": "element",
             }
         }
+
+    def plain_inner_product(self):
+        """Whether the similarity is the paper's plain inner product (the default distance,
+        recording no statistics, outside autocast), which `_PairProducts` computes."""
+        distance = self.distance
+        plain = type(distance) is DotProductSimilarity and not distance.normalize_embeddings
+        plain = plain and distance.power == 1 and not distance.collect_stats
+        return plain and getattr(self, "autocast_dtype", None) is None
 
     def per_anchor_losses(self, similarities):
         """Row i holds s(f_i, f_j⁺) for every j; the positive is on the diagonal.
@@ -108,6 +121,16 @@ class SquaredNorms(LpRegularizer):
     def __init__(self):
         super().__init__(p=2, power=2)
 
+    def forward(self, embeddings):
+        reducer = self.reducer
+        if type(reducer) is MeanReducer and not (self.collect_stats or reducer.collect_stats):
+            # PML's reducer would take the mean of the norms too, after two aranges (the
+            # losses' indices and the rows' "labels") that it does not read.
+            self.reset_stats()
+            reducer.reset_stats()
+            return torch.mean(_SquaredNorms.apply(embeddings))
+        return super().forward(embeddings)
+
     def compute_loss(self, embeddings):
         losses = _SquaredNorms.apply(embeddings)
         return {
@@ -126,6 +149,29 @@ class _SquaredNorms(torch.autograd.Function):
     def backward(ctx, grad_norms):
         (embeddings,) = ctx.saved_tensors
         return embeddings * (2 * grad_norms).unsqueeze(1)
+
+
+class _PairProducts(torch.autograd.Function):
+    """The inner products of the anchors ``embeddings[pairs[0]]`` and the positives
+    ``embeddings[pairs[1]]`` (one gather of both), with the gradient of both written
+    straight into the buffer that is scattered back: autograd's graph stacks the two
+    halves first. The same operations otherwise, and the same numbers."""
+
+    @staticmethod
+    def forward(ctx, embeddings, pairs):
+        anchors, positives = embeddings[pairs].unbind(0)
+        ctx.save_for_backward(anchors, positives, pairs)
+        ctx.shape = embeddings.shape
+        return torch.matmul(anchors, positives.transpose(-1, -2))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        anchors, positives, pairs = ctx.saved_tensors
+        ends = grad.new_empty(2, *anchors.shape)
+        torch.mm(grad, positives, out=ends[0])
+        torch.mm(grad.t(), anchors, out=ends[1])
+        return grad.new_zeros(ctx.shape).index_put_((pairs,), ends, accumulate=True), None
 
 
 class NPairsOVOLoss(NPairsMCLoss):
