@@ -724,7 +724,7 @@ COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "RaMBO": lambda: RaMB
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 49)],
+    + [("AUC", 37), ("FastAP", 42), ("RaMBO", 49)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
@@ -733,7 +733,8 @@ def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, 
     FastAP and RaMBO recall with their kernels too; RaMBO 63 before its positives' counts
     were read back in one transfer and k kept on the device, two waits fewer for three
     operations more, then 65 before its kernels took the positives as listed, ties
-    included, and the factors of Algorithm 1 came from CPU scalars): as many at either
+    included, and the factors of Algorithm 1 came from CPU scalars; AUC 44 before its hardest
+    kernel wrote the whole index and its ROC area's backward took no pads, stack or sign): as many at either
     batch, and a count that creeps back up fails here. It depends on the code alone, not
     on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
