@@ -86,11 +86,17 @@ class _RocArea(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, thresholds, slope, complement, *scores):
-        sigmas = [
-            torch.sub(x.unsqueeze(-1), thresholds).mul_(slope).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP) for x in scores
-        ]
-        rates = [sigma.sigmoid_().mean(-2) for sigma in sigmas]
-        tpr, fpr = rates if len(rates) == 2 else rates[0]
+        derivatives = None
+        if len(scores) == 1 and scores[0].dim() == 2 and _triton.runs_on(scores[0]) and _triton.runs_on(thresholds):
+            # AUCLoss's stacked scores on a GPU: the rates and the derivatives in one kernel.
+            rates, derivatives = _fused_rates(scores[0], thresholds, slope)
+            tpr, fpr = rates
+        else:
+            sigmas = [
+                torch.sub(x.unsqueeze(-1), thresholds).mul_(slope).clamp_(-SIGMOID_CLAMP, SIGMOID_CLAMP) for x in scores
+            ]
+            rates = [sigma.sigmoid_().mean(-2) for sigma in sigmas]
+            tpr, fpr = rates if len(rates) == 2 else rates[0]
         # Both rates fall as the threshold rises: each interval adds its mean TPR times
         # the FPR it gives up. Written between zeros, from which the backward pass reads
         # each rate's two intervals (no padded copies there).
@@ -98,8 +104,9 @@ class _RocArea(torch.autograd.Function):
         tpr_sums, fpr_drops = padded[..., 1:-1].unbind(0)
         torch.add(tpr[..., :-1], tpr[..., 1:], out=tpr_sums)
         torch.sub(fpr[..., :-1], fpr[..., 1:], out=fpr_drops)
-        # The sigmoids' derivatives σ(1 − σ), in place of the sigmoids, for the backward pass.
-        derivatives = [sigma.addcmul_(sigma, sigma, value=-1) for sigma in sigmas]
+        if derivatives is None:
+            # The sigmoids' derivatives σ(1 − σ), in place of the sigmoids, for the backward pass.
+            derivatives = [sigma.addcmul_(sigma, sigma, value=-1) for sigma in sigmas]
         ctx.save_for_backward(padded, *derivatives)
         ctx.slope, ctx.complement = slope, complement
         twice_area = (tpr_sums * fpr_drops).sum(-1)
@@ -290,6 +297,27 @@ class AUCLoss(RankLossBase):
         return CosineSimilarity()
 
 
+# Thresholds per program of `_roc_rates_kernel`, and scores per step of its loop.
+RATES_THRESHOLDS = 32
+RATES_SCORES = 128
+
+
+def _fused_rates(scores, thresholds, slope):
+    """`_RocArea`'s rates [2, T] of the stacked scores [2, n] at the T thresholds and the
+    sigmoids' derivatives [2, n, T], in `_roc_rates_kernel`: one pass where torch takes six
+    (the differences, the slope, the clamp, the sigmoids, their means, the derivatives)."""
+    scores, thresholds = scores.contiguous(), thresholds.contiguous()
+    rows, count = scores.shape[1], len(thresholds)
+    rates = scores.new_empty(2, count)
+    derivatives = scores.new_empty(2, rows, count)
+    with _triton.on_device(scores.device):
+        _roc_rates_kernel[(2, triton.cdiv(count, RATES_THRESHOLDS))](
+            scores, thresholds, rates, derivatives, rows, count, float(slope), SIGMOID_CLAMP,
+            SCORES=RATES_SCORES, THRESHOLDS=RATES_THRESHOLDS,
+        )  # fmt: skip
+    return rates, [derivatives]
+
+
 # Columns of a row per step of `_hardest_kernel`.
 COLUMNS_PER_STEP = 1024
 
@@ -314,6 +342,36 @@ def _hardest_by_label(similarity, labels, ref_labels):
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _roc_rates_kernel(
+        scores,
+        thresholds,
+        rates,
+        derivatives,
+        rows,
+        count,
+        slope,
+        clamp,
+        SCORES: tl.constexpr,
+        THRESHOLDS: tl.constexpr,
+    ):
+        half = tl.program_id(0)  # the positives' scores, then the negatives'
+        t = tl.program_id(1) * THRESHOLDS + tl.arange(0, THRESHOLDS)
+        counted = t < count
+        threshold = tl.load(thresholds + t, mask=counted, other=0.0)
+        total = tl.zeros([THRESHOLDS], dtype=tl.float32)
+        for first in range(0, rows, SCORES):
+            r = first + tl.arange(0, SCORES)
+            held = r < rows
+            x = tl.load(scores + half * rows + r, mask=held, other=0.0)
+            argument = tl.minimum(tl.maximum((x[:, None] - threshold[None, :]) * slope, -clamp), clamp)
+            sigma = tl.sigmoid(argument)
+            both = held[:, None] & counted[None, :]
+            total += tl.sum(tl.where(both, sigma, 0.0), axis=0)
+            at = (half * rows + r).to(tl.int64)[:, None] * count + t[None, :]
+            tl.store(derivatives + at, sigma - sigma * sigma, mask=both)
+        tl.store(rates + half * count + t, total / rows, mask=counted)
 
     @triton.jit
     def _hardest_kernel(
