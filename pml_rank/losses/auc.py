@@ -87,9 +87,16 @@ class _RocArea(torch.autograd.Function):
     @staticmethod
     def forward(ctx, thresholds, slope, complement, *scores):
         derivatives = None
+        ctx.slope, ctx.complement = slope, complement
         if len(scores) == 1 and scores[0].dim() == 2 and _triton.runs_on(scores[0]) and _triton.runs_on(thresholds):
-            # AUCLoss's stacked scores on a GPU: the rates and the derivatives in one kernel.
+            # AUCLoss's stacked scores on a GPU: the rates and the derivatives in one kernel, and
+            # the area from them in a second (a third gives the gradient).
             rates, derivatives = _fused_rates(scores[0], thresholds, slope)
+            if len(thresholds) <= AREA_MOST_THRESHOLDS:
+                padded, loss = _fused_area(rates, complement)
+                ctx.save_for_backward(padded, *derivatives)
+                ctx.fused = True
+                return loss
             tpr, fpr = rates
         else:
             sigmas = [
@@ -108,7 +115,7 @@ class _RocArea(torch.autograd.Function):
             # The sigmoids' derivatives σ(1 − σ), in place of the sigmoids, for the backward pass.
             derivatives = [sigma.addcmul_(sigma, sigma, value=-1) for sigma in sigmas]
         ctx.save_for_backward(padded, *derivatives)
-        ctx.slope, ctx.complement = slope, complement
+        ctx.fused = False
         twice_area = (tpr_sums * fpr_drops).sum(-1)
         # 1 − twice_area / 2 in one operation: the halving is exact either way.
         return torch.rsub(twice_area, 1, alpha=0.5) if complement else twice_area.div_(2)
@@ -117,14 +124,16 @@ class _RocArea(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_area):
         padded, *derivatives = ctx.saved_tensors
+        # The complement's sign joins the last factor: negating is exact, wherever it is applied.
+        slope = -ctx.slope if ctx.complement else ctx.slope
+        if ctx.fused:
+            return None, None, None, _fused_area_gradient(derivatives[0], padded, grad_area, slope)
         sums, drops = padded.unbind(0)
         # Each rate is in the intervals on its two sides (none beyond the ends).
         grad_rates = padded.new_empty(2, *padded.shape[1:-1], padded.shape[-1] - 1)
         torch.add(drops[..., :-1], drops[..., 1:], out=grad_rates[0])
         torch.sub(sums[..., 1:], sums[..., :-1], out=grad_rates[1])
         grad_rates.mul_(grad_area.unsqueeze(-1))
-        # The complement's sign joins the last factor: negating is exact, wherever it is applied.
-        slope = -ctx.slope if ctx.complement else ctx.slope
         grads = []
         for derivative, grad in zip(derivatives, grad_rates if len(derivatives) == 2 else [grad_rates]):
             grad = (derivative @ grad.unsqueeze(-1)).squeeze(-1)
@@ -318,6 +327,39 @@ def _fused_rates(scores, thresholds, slope):
     return rates, [derivatives]
 
 
+# The most thresholds `_roc_area_kernel` holds (in registers, one program); AUCLoss's default grid has 401.
+AREA_MOST_THRESHOLDS = 4096
+
+
+def _fused_area(rates, complement):
+    """`_RocArea`'s sums of consecutive TPRs and drops of the FPR between zeros [2, T + 1] and
+    its area (1 − that with `complement`) from the rates [2, T], in `_roc_area_kernel`: one
+    launch for six small operations."""
+    count = rates.shape[1]
+    padded = rates.new_empty(2, count + 1)
+    loss = rates.new_empty(())
+    with _triton.on_device(rates.device):
+        _roc_area_kernel[(1,)](
+            rates, padded, loss, count, COMPLEMENT=complement, BLOCK=triton.next_power_of_2(count + 1)
+        )  # fmt: skip
+    return padded, loss
+
+
+def _fused_area_gradient(derivatives, padded, grad_area, slope):
+    """`_RocArea.backward`'s gradient of the stacked scores [2, n] from the derivatives
+    [2, n, T], the padded sums and drops (`_fused_area`) and the incoming gradient, in
+    `_roc_gradient_kernel`: one launch where torch takes five (each rate's two intervals, the
+    incoming gradient, the matrix-vector product, the factor)."""
+    rows, count = derivatives.shape[1], derivatives.shape[2]
+    grad = derivatives.new_empty(2, rows)
+    with _triton.on_device(derivatives.device):
+        _roc_gradient_kernel[(2, triton.cdiv(rows, RATES_SCORES))](
+            derivatives, padded, grad_area.contiguous(), grad, rows, count, slope / (2 * rows),
+            SCORES=RATES_SCORES, THRESHOLDS=RATES_THRESHOLDS,
+        )  # fmt: skip
+    return grad
+
+
 # Columns of a row per step of `_hardest_kernel`.
 COLUMNS_PER_STEP = 1024
 
@@ -372,6 +414,56 @@ if triton is not None:
             at = (half * rows + r).to(tl.int64)[:, None] * count + t[None, :]
             tl.store(derivatives + at, sigma - sigma * sigma, mask=both)
         tl.store(rates + half * count + t, total / rows, mask=counted)
+
+    @triton.jit
+    def _roc_area_kernel(rates, padded, loss, count, COMPLEMENT: tl.constexpr, BLOCK: tl.constexpr):
+        # Entry k of the padded rows is interval k − 1 (thresholds k − 1 and k); 0 and count stay 0.
+        k = tl.arange(0, BLOCK)
+        interval = (k >= 1) & (k < count)
+        tpr = tl.load(rates + k - 1, mask=interval, other=0.0)
+        tpr_next = tl.load(rates + k, mask=interval, other=0.0)
+        fpr = tl.load(rates + count + k - 1, mask=interval, other=0.0)
+        fpr_next = tl.load(rates + count + k, mask=interval, other=0.0)
+        sums = tl.where(interval, tpr + tpr_next, 0.0)
+        drops = tl.where(interval, fpr - fpr_next, 0.0)
+        tl.store(padded + k, sums, mask=k <= count)
+        tl.store(padded + count + 1 + k, drops, mask=k <= count)
+        twice_area = tl.sum(sums * drops, axis=0)
+        if COMPLEMENT:
+            tl.store(loss, 1.0 - 0.5 * twice_area)
+        else:
+            tl.store(loss, 0.5 * twice_area)
+
+    @triton.jit
+    def _roc_gradient_kernel(
+        derivatives,
+        padded,
+        grad_area,
+        grad,
+        rows,
+        count,
+        factor,
+        SCORES: tl.constexpr,
+        THRESHOLDS: tl.constexpr,
+    ):
+        half = tl.program_id(0)  # the positives' scores (TPR), then the negatives' (FPR)
+        r = tl.program_id(1) * SCORES + tl.arange(0, SCORES)
+        held = r < rows
+        incoming = tl.load(grad_area)
+        total = tl.zeros([SCORES], dtype=tl.float32)
+        for first in range(0, count, THRESHOLDS):
+            t = first + tl.arange(0, THRESHOLDS)
+            counted = t < count
+            # d area / d rate: a TPR's two neighbouring FPR drops; an FPR's difference of the TPR sums.
+            drops = tl.load(padded + count + 1 + t, mask=counted, other=0.0)
+            drops_next = tl.load(padded + count + 1 + t + 1, mask=counted, other=0.0)
+            sums = tl.load(padded + t, mask=counted, other=0.0)
+            sums_next = tl.load(padded + t + 1, mask=counted, other=0.0)
+            grad_rate = tl.where(half == 0, drops + drops_next, sums_next - sums) * incoming
+            at = (half * rows + r).to(tl.int64)[:, None] * count + t[None, :]
+            d = tl.load(derivatives + at, mask=held[:, None] & counted[None, :], other=0.0)
+            total += tl.sum(d * grad_rate[None, :], axis=1)
+        tl.store(grad + half * rows + r, total * factor, mask=held)
 
     @triton.jit
     def _hardest_kernel(

@@ -11,7 +11,9 @@ from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
+from .. import _triton
 from .._checks import check_numbers
+from .._triton import triton
 from .base import RankLossBase, reference_is_batch
 
 
@@ -204,6 +206,10 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, similarities):
+        if _triton.runs_on(similarities):
+            losses, probabilities = _fused_cross_entropy(similarities)
+            ctx.save_for_backward(probabilities)
+            return losses
         row_max = similarities.max(dim=1, keepdim=True).values
         shifted = torch.sub(similarities, row_max)
         probabilities = shifted.clamp_(min=EXP_FLOOR).exp_()
@@ -216,6 +222,8 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_losses):
         (probabilities,) = ctx.saved_tensors
+        if _triton.runs_on(probabilities):
+            return _fused_cross_entropy_gradient(probabilities, grad_losses)
         grad = probabilities * grad_losses.unsqueeze(1)
         grad.diagonal().sub_(grad_losses)
         return grad
@@ -251,6 +259,41 @@ class _OneVsOneSoftplus(torch.autograd.Function):
 _SIGMOID_AT_FLOOR = math.exp(EXP_FLOOR) * (1 + 1e-4)
 
 
+# Columns per step of the cross-entropy kernels.
+CROSS_ENTROPY_BLOCK = 1024
+
+
+def _fused_cross_entropy(similarities):
+    """`_SoftmaxCrossEntropy`'s losses [n] and the softmax of each row [n, n] of the square
+    `similarities`, in `_cross_entropy_kernel`: one launch where torch takes nine (the row
+    maxima, the shift, the floor, the exponentials, their sums, the logarithms, the sum with the
+    maxima, the diagonal's difference, the division)."""
+    n = len(similarities)
+    losses = similarities.new_empty(n)
+    probabilities = similarities.new_empty(n, n)
+    if n:
+        with _triton.on_device(similarities.device):
+            _cross_entropy_kernel[(n,)](
+                similarities, similarities.stride(0), similarities.stride(1), losses, probabilities, n, EXP_FLOOR,
+                BLOCK=min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n)),
+            )  # fmt: skip
+    return losses, probabilities
+
+
+def _fused_cross_entropy_gradient(probabilities, grad_losses):
+    """`_SoftmaxCrossEntropy.backward`'s gradient, the softmax times each row's incoming
+    gradient less that on the diagonal, in `_cross_entropy_gradient_kernel`."""
+    n = len(probabilities)
+    grad = torch.empty_like(probabilities)
+    if n:
+        block = min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n))
+        with _triton.on_device(probabilities.device):
+            _cross_entropy_gradient_kernel[(n, triton.cdiv(n, block))](
+                probabilities, grad_losses, grad_losses.stride(0), grad, n, BLOCK=block
+            )  # fmt: skip
+    return grad
+
+
 def first_two_of_each_class(labels):
     """For every label with at least two samples: its first and second index in the
     batch, as the rows (anchors, positives) of a 2 x labels tensor, sorted by label. The same pairs as PML's
@@ -264,3 +307,44 @@ def first_two_of_each_class(labels):
     starts = F.pad(sorted_labels[1:] != sorted_labels[:-1], (1, 0), value=True)
     pair_starts = (starts[:-1] > starts[1:]).nonzero().squeeze(1)
     return order.unfold(0, 2, 1)[pair_starts].T  # (first, second) of each such class
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _cross_entropy_kernel(
+        similarities, stride, column_stride, losses, probabilities, columns, floor, BLOCK: tl.constexpr
+    ):
+        # _SoftmaxCrossEntropy.forward's operations on one row, in their order.
+        row = tl.program_id(0)
+        start = similarities + row.to(tl.int64) * stride
+        highest = -float("inf")
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            s = tl.load(start + j * column_stride, mask=j < columns, other=-float("inf"))
+            highest = tl.maximum(highest, tl.max(s, axis=0))
+        total = 0.0
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            s = tl.load(start + j * column_stride, mask=inside, other=0.0)
+            total += tl.sum(tl.where(inside, tl.exp(tl.maximum(s - highest, floor)), 0.0), axis=0)
+        own = tl.load(start + row * column_stride)
+        tl.store(losses + row, (tl.log(total) + highest) - own)
+        out = probabilities + row.to(tl.int64) * columns
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            s = tl.load(start + j * column_stride, mask=inside, other=0.0)
+            tl.store(out + j, tl.exp(tl.maximum(s - highest, floor)) / total, mask=inside)
+
+    @triton.jit
+    def _cross_entropy_gradient_kernel(probabilities, grad_losses, grad_stride, grad, columns, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < columns
+        at = row.to(tl.int64) * columns + j
+        incoming = tl.load(grad_losses + row * grad_stride)
+        value = tl.load(probabilities + at, mask=inside, other=0.0) * incoming
+        tl.store(grad + at, tl.where(j == row, value - incoming, value), mask=inside)

@@ -30,6 +30,7 @@ from pml_rank import _device_policy, _triton, fused_counts, ranking
 from pml_rank.losses import (
     AUCLoss,
     FastAPLoss,
+    NPairsMCLoss,
     PNPLoss,
     RaMBOAPLoss,
     RaMBORecallLoss,
@@ -45,6 +46,7 @@ from pml_rank.losses import (
 )
 from pml_rank.losses import auc as auc_module
 from pml_rank.losses import fastap as fastap_module
+from pml_rank.losses import npairs as npairs_module
 from pml_rank.losses.base import _UnitRows, label_pairs_and_counts, pair_masks
 from pml_rank.losses.recall_at_k import recall_formula
 from pml_rank.losses.smooth_ap import Sigmoid, smooth_ap
@@ -527,15 +529,17 @@ def test_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
 
 
 # AUC's ROC rates: one anchor, 300 (three steps of the rates kernel's loop), AUCLoss's grid;
-# and a steep slope that takes most arguments to the clamp, on a grid of 41 thresholds.
-ROC_RATES_CASES = [(1, 0.005, 1.0), (300, 0.005, 1.0), (300, 0.05, 10.0)]
+# a steep slope that takes most arguments to the clamp, on a grid of 41 thresholds; and a grid
+# of 5001, more than the area kernel holds (the area from the fused rates by torch).
+ROC_RATES_CASES = [(1, 0.005, 1.0), (300, 0.005, 1.0), (300, 0.05, 10.0), (3, 0.0004, 1.0)]
 
 
 @pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 @pytest.mark.parametrize("case", ROC_RATES_CASES)
 def test_roc_rates_kernel_equals_the_torch_path(case, device, monkeypatch):
-    """AUCLoss's relaxed ROC area of stacked scores through `auc._roc_rates_kernel` and through
-    torch's passes: the loss and the scores' gradient."""
+    """AUCLoss's relaxed ROC area of stacked scores through `auc._roc_rates_kernel`,
+    `_roc_area_kernel` and `_roc_gradient_kernel` and through torch's passes: the loss and the
+    scores' gradient."""
     anchors, step, steeper = case
     generator = torch.Generator().manual_seed(anchors)
     scores = torch.rand(2, anchors, generator=generator) * 1.6 - 0.8
@@ -549,6 +553,33 @@ def test_roc_rates_kernel_equals_the_torch_path(case, device, monkeypatch):
         loss.backward()
         results.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+    assert results[0][1].abs().max() > 0
+
+
+# N-pair-mc's cross entropy: 40 classes of 2 (one step of its kernels), 1500 (two steps),
+# the paper's unnormalised inner products (exponents past EXP_FLOOR), and a summed loss (its
+# rows' incoming gradient an expanded scalar, read with stride 0).
+NPAIRS_CASES = [(80, 1.0, None), (3000, 1.0, None), (80, 8.0, None), (80, 1.0, "sum")]
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+@pytest.mark.parametrize("case", NPAIRS_CASES)
+def test_npairs_cross_entropy_kernels_equal_the_torch_path(case, device, monkeypatch):
+    """NPairsMCLoss through `npairs._cross_entropy_kernel` and `_cross_entropy_gradient_kernel`
+    and through torch's operations: the loss and the gradient."""
+    batch, scale, reducer = case
+    generator = torch.Generator().manual_seed(batch)
+    embeddings = torch.randn(batch, 16, generator=generator) * scale
+    labels = torch.arange(batch) // 2
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(npairs_module._triton, "runs_on", lambda t, fused=fused: fused)
+        leaf = embeddings.to(device, copy=True).requires_grad_()
+        loss_func = NPairsMCLoss(l2_reg_weight=0, reducer=SumReducer() if reducer == "sum" else None)
+        loss = loss_func(leaf, labels.to(device))
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5 * scale)
     assert results[0][1].abs().max() > 0
 
 
@@ -748,14 +779,15 @@ class Launches(TorchDispatchMode):
 
 
 # The losses whose fused kernels the count below covers besides the relaxed ranks'.
-COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "RaMBO": lambda: RaMBORecallLoss(memory_size=0)}
+COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "NPairs": NPairsMCLoss}
+COUNTED["RaMBO"] = lambda: RaMBORecallLoss(memory_size=0)
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 32), ("FastAP", 17), ("RaMBO", 49)],
+    + [("AUC", 22), ("FastAP", 17), ("NPairs", 31), ("RaMBO", 49)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
@@ -766,9 +798,11 @@ def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, 
     operations more, then 65 before its kernels took the positives as listed, ties
     included, and the factors of Algorithm 1 came from CPU scalars; AUC 44 before its hardest
     kernel wrote the whole index and its ROC area's backward took no pads, stack or sign, 37
-    before one kernel gave the ROC rates and the sigmoids' derivatives; FastAP
+    before three kernels gave the ROC rates and the sigmoids' derivatives, the area, and its
+    gradient; FastAP
     37 before its histogram kernel took the AP from the histograms and its gradient kernel read
-    those sums instead of a table built for it): as many at either
+    those sums instead of a table built for it; N-pair-mc 40 before two kernels took its
+    cross entropy and its gradient): as many at either
     batch, and a count that creeps back up fails here. It depends on the code alone, not
     on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
@@ -861,9 +895,10 @@ def test_in_tritons_interpreter(interpreted_run):
     """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 9
     # Besides: label pairs 1, FastAP's float16 read 2, the hardest kernel's half reads 2.
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(ROC_RATES_CASES) + len(FASTAP_CASES)
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(ROC_RATES_CASES) + len(NPAIRS_CASES)
+    expected += len(FASTAP_CASES)
     expected += len(HALF_READERS) * 4
     expected += 1 + 2 + len(WHOLE_STEP_CASES) + 2
     expected += 2  # RaMBO's waits, recall and AP
@@ -902,7 +937,9 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     kernels = {(r["module"], r["kernel"]) for r in launches}
     every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
-    every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_roc_rates_kernel", "_histograms_kernel"}
+    every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
+    every |= {"_roc_rates_kernel", "_roc_area_kernel", "_roc_gradient_kernel"}
+    every |= {"_cross_entropy_kernel", "_cross_entropy_gradient_kernel"}
     every |= {"_label_counts_kernel", "_label_pairs_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
