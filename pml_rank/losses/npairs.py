@@ -247,6 +247,8 @@ class _OneVsOneSoftplus(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_losses):
         (margins,) = ctx.saved_tensors
+        if _triton.runs_on(margins):
+            return _fused_one_vs_one_gradient(margins, grad_losses)
         # sigmoid'(m) weights; clamped margins (exactly EXP_FLOOR) and the diagonal get 0.
         grad = F.threshold_(margins.clamp(max=-EXP_FLOOR).sigmoid_(), _SIGMOID_AT_FLOOR, 0.0)
         grad.mul_(grad_losses.unsqueeze(1))
@@ -290,6 +292,21 @@ def _fused_cross_entropy_gradient(probabilities, grad_losses):
         with _triton.on_device(probabilities.device):
             _cross_entropy_gradient_kernel[(n, triton.cdiv(n, block))](
                 probabilities, grad_losses, grad_losses.stride(0), grad, n, BLOCK=block
+            )  # fmt: skip
+    return grad
+
+
+def _fused_one_vs_one_gradient(margins, grad_losses):
+    """`_OneVsOneSoftplus.backward`'s gradient in `_one_vs_one_gradient_kernel`: one launch
+    where torch takes six (the clamp, the sigmoids, the threshold, the incoming gradient, the
+    rows' sums, the diagonal)."""
+    n = len(margins)
+    grad = torch.empty_like(margins)
+    if n:
+        with _triton.on_device(margins.device):
+            _one_vs_one_gradient_kernel[(n,)](
+                margins, grad_losses, grad_losses.stride(0), grad, n, -EXP_FLOOR, _SIGMOID_AT_FLOOR,
+                BLOCK=min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n)),
             )  # fmt: skip
     return grad
 
@@ -348,3 +365,23 @@ if triton is not None:
         incoming = tl.load(grad_losses + row * grad_stride)
         value = tl.load(probabilities + at, mask=inside, other=0.0) * incoming
         tl.store(grad + at, tl.where(j == row, value - incoming, value), mask=inside)
+
+    @triton.jit
+    def _one_vs_one_gradient_kernel(
+        margins, grad_losses, grad_stride, grad, columns, ceiling, floor_weight, BLOCK: tl.constexpr
+    ):
+        # _OneVsOneSoftplus.backward's operations on one row; the diagonal (margin −inf, weight
+        # 0) is written once, after the row's sum.
+        row = tl.program_id(0)
+        incoming = tl.load(grad_losses + row * grad_stride)
+        at = row.to(tl.int64) * columns
+        total = 0.0
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            weight = tl.sigmoid(tl.minimum(tl.load(margins + at + j, mask=inside, other=0.0), ceiling))
+            value = tl.where(inside & (weight > floor_weight), weight, 0.0) * incoming
+            tl.store(grad + at + j, value, mask=inside & (j != row))
+            total += tl.sum(value, axis=0)
+        own = tl.sigmoid(tl.minimum(tl.load(margins + at + row), ceiling))
+        tl.store(grad + at + row, tl.where(own > floor_weight, own, 0.0) * incoming - total)

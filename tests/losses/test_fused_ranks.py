@@ -31,6 +31,7 @@ from pml_rank.losses import (
     AUCLoss,
     FastAPLoss,
     NPairsMCLoss,
+    NPairsOVOLoss,
     PNPLoss,
     RaMBOAPLoss,
     RaMBORecallLoss,
@@ -558,15 +559,17 @@ def test_roc_rates_kernel_equals_the_torch_path(case, device, monkeypatch):
 
 # N-pair-mc's cross entropy: 40 classes of 2 (one step of its kernels), 1500 (two steps),
 # the paper's unnormalised inner products (exponents past EXP_FLOOR), and a summed loss (its
-# rows' incoming gradient an expanded scalar, read with stride 0).
+# rows' incoming gradient an expanded scalar, read with stride 0); N-pair-ovo's gradient alike.
 NPAIRS_CASES = [(80, 1.0, None), (3000, 1.0, None), (80, 8.0, None), (80, 1.0, "sum")]
+NPAIRS_CASES += [(80, 1.0, "ovo"), (3000, 1.0, "ovo"), (80, 8.0, "ovo")]
 
 
 @pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
 @pytest.mark.parametrize("case", NPAIRS_CASES)
 def test_npairs_cross_entropy_kernels_equal_the_torch_path(case, device, monkeypatch):
     """NPairsMCLoss through `npairs._cross_entropy_kernel` and `_cross_entropy_gradient_kernel`
-    and through torch's operations: the loss and the gradient."""
+    (NPairsOVOLoss through `_one_vs_one_gradient_kernel`) and through torch's operations: the
+    loss and the gradient."""
     batch, scale, reducer = case
     generator = torch.Generator().manual_seed(batch)
     embeddings = torch.randn(batch, 16, generator=generator) * scale
@@ -575,7 +578,8 @@ def test_npairs_cross_entropy_kernels_equal_the_torch_path(case, device, monkeyp
     for fused in (True, False):
         monkeypatch.setattr(npairs_module._triton, "runs_on", lambda t, fused=fused: fused)
         leaf = embeddings.to(device, copy=True).requires_grad_()
-        loss_func = NPairsMCLoss(l2_reg_weight=0, reducer=SumReducer() if reducer == "sum" else None)
+        loss_class = NPairsOVOLoss if reducer == "ovo" else NPairsMCLoss
+        loss_func = loss_class(l2_reg_weight=0, reducer=SumReducer() if reducer == "sum" else None)
         loss = loss_func(leaf, labels.to(device))
         loss.backward()
         results.append((loss.detach(), leaf.grad))
@@ -779,7 +783,7 @@ class Launches(TorchDispatchMode):
 
 
 # The losses whose fused kernels the count below covers besides the relaxed ranks'.
-COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "NPairs": NPairsMCLoss}
+COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "NPairs": NPairsMCLoss, "NPairsOVO": NPairsOVOLoss}
 COUNTED["RaMBO"] = lambda: RaMBORecallLoss(memory_size=0)
 
 
@@ -787,7 +791,7 @@ COUNTED["RaMBO"] = lambda: RaMBORecallLoss(memory_size=0)
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 22), ("FastAP", 17), ("NPairs", 31), ("RaMBO", 49)],
+    + [("AUC", 22), ("FastAP", 17), ("NPairs", 31), ("NPairsOVO", 35), ("RaMBO", 49)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
@@ -802,7 +806,7 @@ def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, 
     gradient; FastAP
     37 before its histogram kernel took the AP from the histograms and its gradient kernel read
     those sums instead of a table built for it; N-pair-mc 40 before two kernels took its
-    cross entropy and its gradient): as many at either
+    cross entropy and its gradient, N-pair-ovo 40 before one took its gradient): as many at either
     batch, and a count that creeps back up fails here. It depends on the code alone, not
     on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
@@ -895,7 +899,7 @@ def test_in_tritons_interpreter(interpreted_run):
     """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 9
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 10
     # Besides: label pairs 1, FastAP's float16 read 2, the hardest kernel's half reads 2.
     expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(ROC_RATES_CASES) + len(NPAIRS_CASES)
     expected += len(FASTAP_CASES)
@@ -939,7 +943,7 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
     every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
     every |= {"_roc_rates_kernel", "_roc_area_kernel", "_roc_gradient_kernel"}
-    every |= {"_cross_entropy_kernel", "_cross_entropy_gradient_kernel"}
+    every |= {"_cross_entropy_kernel", "_cross_entropy_gradient_kernel", "_one_vs_one_gradient_kernel"}
     every |= {"_label_counts_kernel", "_label_pairs_kernel"}
     assert {kernel for _, kernel in kernels} == every
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
