@@ -6,13 +6,14 @@ distance falls into at most two adjacent triangular bins, so its bin index and w
 are computed once, the histograms are accumulated with `scatter_add_`, and the backward
 pass applies the paper's analytic gradient through a custom autograd function. Memory
 stays a few N x M matrices whatever `num_bins` is. On a GPU, with labels, one Triton kernel
-bins every pair of a query into its histograms (`_histograms_kernel`) and one gives each
-pair its gradient (`_gradient_kernel`), reading the labels instead of N x M masks; the
-scattered histograms stay the reference, and the path wherever those cannot run.
+bins every pair of a query into its histograms and takes its AP from them (`_histograms_kernel`)
+and one gives each pair its gradient (`_gradient_kernel`), reading the labels instead of N x M
+masks; the scattered histograms stay the reference, and the path wherever those cannot run.
 """
 
 import torch
 from pytorch_metric_learning.distances import LpDistance
+from pytorch_metric_learning.reducers import MeanReducer
 from pytorch_metric_learning.utils import common_functions as c_f
 from torch.autograd.function import once_differentiable
 
@@ -81,6 +82,9 @@ class FastAPLoss(RankLossBase):
         self.num_queries = int(torch.count_nonzero(num_positives))
         if self.num_queries == 0:
             return self.zero_losses()
+        if self.num_queries == len(losses) and type(self.reducer) is MeanReducer and not self.reducer.collect_stats:
+            # What that reducer would return, without the queries' indices it does not read (an arange).
+            return {"loss": {"losses": torch.mean(losses), "indices": None, "reduction_type": "already_reduced"}}
         indices = true_rows(num_positives, self.num_queries)
         losses = losses if self.num_queries == len(losses) else losses[indices]
         return {"loss": {"losses": losses, "indices": indices, "reduction_type": "element"}}
@@ -153,6 +157,23 @@ def _scattered_histograms(position, positive, excluded, exclude_self, num_bins):
     return hist, flat_slots
 
 
+def average_precision_sums(hist):
+    """From the [N, 2, C] histograms of the negatives and the positives: each query's 1 − FastAP,
+    its number of positives, and what the gradient takes: h⁺ H⁻ and h⁺ H⁺ [N, 2, C], H⁻ and H⁺
+    [N, 2, C], 1 / H [N, C] (0 for an empty prefix) and 1 / max(N⁺, 1) [N]. On a GPU
+    `_histograms_kernel` computes them where it counts the histograms."""
+    # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
+    cumulative = hist.cumsum(2)
+    inv_cum = (cumulative[:, 0] + cumulative[:, 1]).reciprocal().nan_to_num_(posinf=0.0)  # empty prefix: 0
+    # Each pair adds 1 in all, so the positives' total is their number (to rounding).
+    num_positives = cumulative[:, 1, -1]
+    scale = num_positives.clamp(min=1).reciprocal_()
+    # h⁺ H⁻ and h⁺ H⁺.
+    pos_products = hist[:, 1].unsqueeze(1) * cumulative
+    losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
+    return losses, num_positives, pos_products, cumulative, inv_cum, scale
+
+
 class FastAPFunction(torch.autograd.Function):
     """1 - FastAP of every query (1 for a query without positives) and its number of
     positives, with the paper's analytic gradient. `queries` (N x D) and `references`
@@ -176,22 +197,15 @@ class FastAPFunction(torch.autograd.Function):
             dtype = half or queries.dtype
             rows = queries.to(dtype)
             similarity = rows @ (rows if ctx.same else references.to(dtype)).T
-            hist = _fused_histograms(similarity, per_unit, positive, excluded, exclude_self, num_bins)
+            sums = _fused_histograms(similarity, per_unit, positive, excluded, exclude_self, num_bins)
             flat_slots = None
         else:
             # new_full, not new_tensor: filled on the device, where a copy from the host waits.
             position = torch.addmm(queries.new_full((), per_unit), queries, references.T, alpha=-per_unit)
             position.clamp_(0, num_bins)
             hist, flat_slots = _scattered_histograms(position, positive, excluded, exclude_self, num_bins)
-        # H⁻ and H⁺: the cumulative histograms of the negatives and positives.
-        cumulative = hist.cumsum(2)
-        inv_cum = (cumulative[:, 0] + cumulative[:, 1]).reciprocal().nan_to_num_(posinf=0.0)  # empty prefix: 0
-        # Each pair adds 1 in all, so the positives' total is their number (to rounding).
-        num_positives = cumulative[:, 1, -1]
-        scale = num_positives.clamp(min=1).reciprocal_()
-        # h⁺ H⁻ and h⁺ H⁺.
-        pos_products = hist[:, 1].unsqueeze(1) * cumulative
-        losses = torch.rsub((pos_products[:, 1] * inv_cum).sum(1) * scale, 1)
+            sums = average_precision_sums(hist)
+        losses, num_positives, pos_products, cumulative, inv_cum, scale = sums
 
         if flat_slots is None:
             ctx.save_for_backward(queries, references, similarity, pos_products, cumulative, inv_cum, scale)
@@ -215,23 +229,25 @@ class FastAPFunction(torch.autograd.Function):
         # but for their term k = l: H⁺_{l+1} / H_{l+1} - H⁺_l / H_l - h⁺_l H⁻_l / H_l² for
         # a positive, h⁺_l H⁺_l / H_l² for a negative (times 1 / N⁺).
         n, num_centres = inv_cum.shape
-        terms = pos_products * (inv_cum * inv_cum).unsqueeze(1)  # h⁺ H⁻ / H², h⁺ H⁺ / H²
-        table = inv_cum.new_zeros(n, 2 * num_centres + 2)  # as the histograms; the last bins stay 0
-        table[:, :num_centres] = terms[:, 1]
-        ratio = cumulative[:, 1] * inv_cum
-        torch.sub(ratio.diff(dim=1), terms[:, 0, :-1], out=table[:, num_centres : 2 * num_centres - 1])
         # d loss / d cos(query, reference), up to the factor dd/dcos · d(position)/dd =
         # -2 / delta (times -1 from d loss / dAP) that the products below apply.
         unit = None
-        if ctx.labels is not None:  # scaled by d loss / dAP = -1 and 1 / N⁺ in the kernel
-            row_scales = grad_losses * scale
+        if ctx.labels is not None:  # the table's entries and the scaling by d loss / dAP = -1 and 1 / N⁺ in the kernel
+            row_scales = None
             if ctx.half:
                 # In half precision relative to the largest row scale (1 / (batch N⁺) after a
                 # mean: float16's subnormals), which the products' results are scaled back by.
+                row_scales = grad_losses * scale
                 unit = row_scales.abs().amax().clamp_(min=torch.finfo(torch.float32).tiny)
                 row_scales = row_scales / unit
-            grad_cos = _fused_gradient(slots_or_similarity, table, row_scales, *ctx.labels)
+            sums = (pos_products, cumulative, inv_cum)
+            grad_cos = _fused_gradient(slots_or_similarity, sums, grad_losses, scale, row_scales, *ctx.labels)
         else:
+            terms = pos_products * (inv_cum * inv_cum).unsqueeze(1)  # h⁺ H⁻ / H², h⁺ H⁺ / H²
+            table = inv_cum.new_zeros(n, 2 * num_centres + 2)  # as the histograms; the last bins stay 0
+            table[:, :num_centres] = terms[:, 1]
+            ratio = cumulative[:, 1] * inv_cum
+            torch.sub(ratio.diff(dim=1), terms[:, 0, :-1], out=table[:, num_centres : 2 * num_centres - 1])
             # Scaled by d loss / dAP = -1 and 1 / N⁺, in each of the INTERLEAVE copies.
             weight = (grad_losses * scale).view(-1, 1, 1).expand(-1, 1, INTERLEAVE)
             table = (table.unsqueeze(-1) * weight).view(n, -1)
@@ -274,33 +290,47 @@ def fused_applies(queries, num_bins):
 
 
 def _fused_histograms(similarity, per_unit, labels, ref_labels, exclude_self, num_bins):
-    """`_scattered_histograms`' [N, 2, C] histograms (float32) from the `similarity` matrix
-    (float32 or float16: each pair's position per_unit · (1 − similarity) on the bin axis is
-    computed in float32 as it is loaded) and the labels, in `_histograms_kernel`."""
+    """`average_precision_sums` of `_scattered_histograms`' histograms (float32) from the
+    `similarity` matrix (float32 or float16: each pair's position per_unit · (1 − similarity) on
+    the bin axis is computed in float32 as it is loaded) and the labels, in `_histograms_kernel`,
+    which keeps each query's histograms in registers: no [N, 2, C] tensor and none of the dozen
+    operations on them that a GPU's host would queue one by one."""
     n, m = similarity.shape
     centres = triton.next_power_of_2(num_bins + 1)
-    hist = similarity.new_empty(n, 2, num_bins + 1, dtype=torch.float32)
+    # Per query h⁺ H⁻, h⁺ H⁺, H⁻, H⁺ and 1 / H, side by side: the gradient kernel reads them by row.
+    per_centre = similarity.new_empty(n, 5, num_bins + 1, dtype=torch.float32)
+    per_query = similarity.new_empty(3, n, dtype=torch.float32)  # 1 − FastAP, N⁺, 1 / max(N⁺, 1)
     if n:
         with _triton.on_device(similarity.device):
             _histograms_kernel[(n,)](
-                similarity, similarity.stride(0), float(per_unit), labels.contiguous(), ref_labels.contiguous(), hist,
-                m, num_bins, SKIP_OWN=exclude_self, CENTRES=centres, BLOCK=max(16, FUSED_TILE // centres),
+                similarity, similarity.stride(0), float(per_unit), labels.contiguous(), ref_labels.contiguous(),
+                per_centre, per_query, m, num_bins, SKIP_OWN=exclude_self, CENTRES=centres,
+                BLOCK=max(16, FUSED_TILE // centres),
             )  # fmt: skip
-    return hist
+    losses, num_positives, scale = per_query
+    return losses, num_positives, per_centre[:, :2], per_centre[:, 2:4], per_centre[:, 4], scale
 
 
-def _fused_gradient(similarity, table, row_scales, labels, ref_labels, exclude_self, num_bins, per_unit):
-    """d loss / d position for every pair, in `similarity`'s precision: its slot's entry of
-    `table` [N, 2C + 2] (negatives' slots 0 ... C - 1, positives' C ... 2C - 1) times its
-    query's `row_scales`, 0 for the diagonal with `exclude_self`, in `_gradient_kernel`."""
+def _fused_gradient(
+    similarity, sums, grad_losses, scale, row_scales, labels, ref_labels, exclude_self, num_bins, per_unit
+):
+    """d loss / d position for every pair, in `similarity`'s precision, in `_gradient_kernel`:
+    FastAPFunction.backward's table entry of its bin (from its query's ``sums``: h⁺ H⁻ and
+    h⁺ H⁺ [N, 2, C], H⁻ and H⁺ [N, 2, C], 1 / H [N, C], as the forward pass left them) times its
+    query's `grad_losses` · `scale`, or its given `row_scales`; 0 for the diagonal with
+    `exclude_self`. The table is not built: its few operations on [N, C] tensors cost a GPU
+    more than the kernel's extra loads of the sums, which stay in its cache."""
     n, m = similarity.shape
     grad = torch.empty_like(similarity)
+    pos_products, cumulative, inv_cum = sums  # rows of one [N, 5, C] tensor (`_fused_histograms`)
+    scaled = row_scales is not None
+    row_scales = row_scales.contiguous() if scaled else scale.contiguous()
     if grad.numel():
         with _triton.on_device(similarity.device):
             _gradient_kernel[(n, triton.cdiv(m, GRADIENT_BLOCK))](
                 similarity, similarity.stride(0), float(per_unit), labels.contiguous(), ref_labels.contiguous(),
-                table.contiguous(), table.shape[1], row_scales.contiguous(), grad, m, num_bins,
-                SKIP_OWN=exclude_self, BLOCK=GRADIENT_BLOCK,
+                pos_products, cumulative, inv_cum, inv_cum.stride(0), grad_losses, grad_losses.stride(0), row_scales,
+                grad, m, num_bins, SCALED=scaled, SKIP_OWN=exclude_self, BLOCK=GRADIENT_BLOCK,
             )  # fmt: skip
     return grad
 
@@ -322,7 +352,8 @@ if triton is not None:
         per_unit,
         labels,
         ref_labels,
-        hist,
+        per_centre,
+        per_query,
         columns,
         num_bins,
         SKIP_OWN: tl.constexpr,
@@ -347,10 +378,28 @@ if triton is not None:
             at += tl.where(lower[:, None] + 1.0 == centre[None, :], upper_weight[:, None], 0.0)
             positives += tl.sum(tl.where((inside & same)[:, None], at, 0.0), axis=0)
             negatives += tl.sum(tl.where((inside & ~same)[:, None], at, 0.0), axis=0)
+        # average_precision_sums of the two histograms (centres past num_bins hold 0).
         c = tl.arange(0, CENTRES)
-        out = hist + row.to(tl.int64) * 2 * (num_bins + 1)
-        tl.store(out + c, negatives, mask=c <= num_bins)
-        tl.store(out + num_bins + 1 + c, positives, mask=c <= num_bins)
+        held = c <= num_bins
+        cumulative_negatives = tl.cumsum(negatives, axis=0)
+        cumulative_positives = tl.cumsum(positives, axis=0)
+        total = cumulative_negatives + cumulative_positives
+        inverse = tl.where(total == 0.0, 0.0, 1.0 / tl.where(total == 0.0, 1.0, total))
+        count = tl.sum(tl.where(c == num_bins, cumulative_positives, 0.0), axis=0)
+        scale = 1.0 / tl.maximum(count, 1.0)
+        products = positives * cumulative_positives
+        loss = 1.0 - tl.sum(products * inverse, axis=0) * scale
+        centres = num_bins + 1
+        queries = tl.num_programs(0)
+        out = per_centre + row.to(tl.int64) * 5 * centres + c
+        tl.store(out, positives * cumulative_negatives, mask=held)
+        tl.store(out + centres, products, mask=held)
+        tl.store(out + 2 * centres, cumulative_negatives, mask=held)
+        tl.store(out + 3 * centres, cumulative_positives, mask=held)
+        tl.store(out + 4 * centres, inverse, mask=held)
+        tl.store(per_query + row, loss)
+        tl.store(per_query + queries + row, count)
+        tl.store(per_query + 2 * queries + row, scale)
 
     @triton.jit
     def _gradient_kernel(
@@ -359,12 +408,17 @@ if triton is not None:
         per_unit,
         labels,
         ref_labels,
-        table,
-        table_stride,
+        pos_products,
+        cumulative,
+        inv_cum,
+        sums_stride,
+        grad_losses,
+        grad_stride,
         row_scales,
         grad,
         columns,
         num_bins,
+        SCALED: tl.constexpr,
         SKIP_OWN: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -375,9 +429,23 @@ if triton is not None:
         s = tl.load(similarity + at, mask=inside, other=0.0)
         lower, _ = _bin(per_unit - per_unit * s.to(tl.float32), num_bins)
         same = tl.load(ref_labels + j, mask=inside, other=0) == tl.load(labels + row)
-        slot = lower.to(tl.int32) + tl.where(same, num_bins + 1, 0)
-        value = tl.load(table + row.to(tl.int64) * table_stride + slot, mask=inside, other=0.0)
-        value = value * tl.load(row_scales + row)
+        # The table of FastAPFunction.backward at the pair's bin l, in its operations' order: a
+        # negative's h⁺_l H⁺_l / H_l², a positive's H⁺_{l+1} / H_{l+1} − H⁺_l / H_l − h⁺_l H⁻_l / H_l².
+        centres = num_bins + 1
+        l = lower.to(tl.int32)
+        sums = row.to(tl.int64) * sums_stride + l
+        inv = tl.load(inv_cum + sums, mask=inside, other=0.0)
+        inv_next = tl.load(inv_cum + sums + 1, mask=inside, other=0.0)
+        inv_squared = inv * inv
+        negative = tl.load(pos_products + sums + centres, mask=inside & ~same, other=0.0) * inv_squared
+        ratio_next = tl.load(cumulative + sums + centres + 1, mask=inside & same, other=0.0) * inv_next
+        ratio = tl.load(cumulative + sums + centres, mask=inside & same, other=0.0) * inv
+        positive = (ratio_next - ratio) - tl.load(pos_products + sums, mask=inside & same, other=0.0) * inv_squared
+        value = tl.where(same, positive, negative)
+        if SCALED:
+            value = value * tl.load(row_scales + row)
+        else:
+            value = value * (tl.load(grad_losses + row * grad_stride) * tl.load(row_scales + row))
         if SKIP_OWN:
             value = tl.where(j == row, 0.0, value)
         tl.store(grad + at, value, mask=inside)

@@ -5,12 +5,15 @@ import math
 import torch
 import torch.nn.functional as F
 from pytorch_metric_learning.distances import DotProductSimilarity
+from pytorch_metric_learning.reducers import MeanReducer
 from pytorch_metric_learning.regularizers import LpRegularizer
 from pytorch_metric_learning.utils import common_functions as c_f
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 from torch.autograd.function import once_differentiable
 
+from .. import _triton
 from .._checks import check_numbers
+from .._triton import triton
 from .base import RankLossBase, reference_is_batch
 
 
@@ -63,12 +66,16 @@ class NPairsMCLoss(RankLossBase):
         self.num_pairs = pairs.shape[1]
         if self.num_pairs == 0:
             return self.zero_losses()
-        if ref_emb is embeddings:
-            # One gather of both ends: one scatter of their gradients in the backward pass.
-            anchors, positives = embeddings[pairs].unbind(0)
+        if ref_emb is embeddings and self.plain_inner_product():
+            self.distance.reset_stats()
+            similarities = _PairProducts.apply(embeddings, pairs)
         else:
-            anchors, positives = embeddings[pairs[0]], ref_emb[pairs[1]]
-        similarities = self.similarity_matrix(anchors, positives)
+            if ref_emb is embeddings:
+                # One gather of both ends: one scatter of their gradients in the backward pass.
+                anchors, positives = embeddings[pairs].unbind(0)
+            else:
+                anchors, positives = embeddings[pairs[0]], ref_emb[pairs[1]]
+            similarities = self.similarity_matrix(anchors, positives)
         if not self.distance.is_inverted:
             similarities = -similarities
         return {
@@ -78,6 +85,14 @@ class NPairsMCLoss(RankLossBase):
                 "reduction_type": "element",
             }
         }
+
+    def plain_inner_product(self):
+        """Whether the similarity is the paper's plain inner product (the default distance,
+        recording no statistics, outside autocast), which `_PairProducts` computes."""
+        distance = self.distance
+        plain = type(distance) is DotProductSimilarity and not distance.normalize_embeddings
+        plain = plain and distance.power == 1 and not distance.collect_stats
+        return plain and getattr(self, "autocast_dtype", None) is None
 
     def per_anchor_losses(self, similarities):
         """Row i holds s(f_i, f_j⁺) for every j; the positive is on the diagonal.
@@ -108,6 +123,16 @@ class SquaredNorms(LpRegularizer):
     def __init__(self):
         super().__init__(p=2, power=2)
 
+    def forward(self, embeddings):
+        reducer = self.reducer
+        if type(reducer) is MeanReducer and not (self.collect_stats or reducer.collect_stats):
+            # PML's reducer would take the mean of the norms too, after two aranges (the
+            # losses' indices and the rows' "labels") that it does not read.
+            self.reset_stats()
+            reducer.reset_stats()
+            return torch.mean(_SquaredNorms.apply(embeddings))
+        return super().forward(embeddings)
+
     def compute_loss(self, embeddings):
         losses = _SquaredNorms.apply(embeddings)
         return {
@@ -126,6 +151,29 @@ class _SquaredNorms(torch.autograd.Function):
     def backward(ctx, grad_norms):
         (embeddings,) = ctx.saved_tensors
         return embeddings * (2 * grad_norms).unsqueeze(1)
+
+
+class _PairProducts(torch.autograd.Function):
+    """The inner products of the anchors ``embeddings[pairs[0]]`` and the positives
+    ``embeddings[pairs[1]]`` (one gather of both), with the gradient of both written
+    straight into the buffer that is scattered back: autograd's graph stacks the two
+    halves first. The same operations otherwise, and the same numbers."""
+
+    @staticmethod
+    def forward(ctx, embeddings, pairs):
+        anchors, positives = embeddings[pairs].unbind(0)
+        ctx.save_for_backward(anchors, positives, pairs)
+        ctx.shape = embeddings.shape
+        return torch.matmul(anchors, positives.transpose(-1, -2))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        anchors, positives, pairs = ctx.saved_tensors
+        ends = grad.new_empty(2, *anchors.shape)
+        torch.mm(grad, positives, out=ends[0])
+        torch.mm(grad.t(), anchors, out=ends[1])
+        return grad.new_zeros(ctx.shape).index_put_((pairs,), ends, accumulate=True), None
 
 
 class NPairsOVOLoss(NPairsMCLoss):
@@ -158,6 +206,10 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, similarities):
+        if _triton.runs_on(similarities):
+            losses, probabilities = _fused_cross_entropy(similarities)
+            ctx.save_for_backward(probabilities)
+            return losses
         row_max = similarities.max(dim=1, keepdim=True).values
         shifted = torch.sub(similarities, row_max)
         probabilities = shifted.clamp_(min=EXP_FLOOR).exp_()
@@ -170,6 +222,8 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_losses):
         (probabilities,) = ctx.saved_tensors
+        if _triton.runs_on(probabilities):
+            return _fused_cross_entropy_gradient(probabilities, grad_losses)
         grad = probabilities * grad_losses.unsqueeze(1)
         grad.diagonal().sub_(grad_losses)
         return grad
@@ -193,6 +247,8 @@ class _OneVsOneSoftplus(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_losses):
         (margins,) = ctx.saved_tensors
+        if _triton.runs_on(margins):
+            return _fused_one_vs_one_gradient(margins, grad_losses)
         # sigmoid'(m) weights; clamped margins (exactly EXP_FLOOR) and the diagonal get 0.
         grad = F.threshold_(margins.clamp(max=-EXP_FLOOR).sigmoid_(), _SIGMOID_AT_FLOOR, 0.0)
         grad.mul_(grad_losses.unsqueeze(1))
@@ -203,6 +259,56 @@ class _OneVsOneSoftplus(torch.autograd.Function):
 # Just above sigmoid(EXP_FLOOR) in any float type: what a clamped margin's weight turns
 # into, for threshold_ to zero.
 _SIGMOID_AT_FLOOR = math.exp(EXP_FLOOR) * (1 + 1e-4)
+
+
+# Columns per step of the cross-entropy kernels.
+CROSS_ENTROPY_BLOCK = 1024
+
+
+def _fused_cross_entropy(similarities):
+    """`_SoftmaxCrossEntropy`'s losses [n] and the softmax of each row [n, n] of the square
+    `similarities`, in `_cross_entropy_kernel`: one launch where torch takes nine (the row
+    maxima, the shift, the floor, the exponentials, their sums, the logarithms, the sum with the
+    maxima, the diagonal's difference, the division)."""
+    n = len(similarities)
+    losses = similarities.new_empty(n)
+    probabilities = similarities.new_empty(n, n)
+    if n:
+        with _triton.on_device(similarities.device):
+            _cross_entropy_kernel[(n,)](
+                similarities, similarities.stride(0), similarities.stride(1), losses, probabilities, n, EXP_FLOOR,
+                BLOCK=min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n)),
+            )  # fmt: skip
+    return losses, probabilities
+
+
+def _fused_cross_entropy_gradient(probabilities, grad_losses):
+    """`_SoftmaxCrossEntropy.backward`'s gradient, the softmax times each row's incoming
+    gradient less that on the diagonal, in `_cross_entropy_gradient_kernel`."""
+    n = len(probabilities)
+    grad = torch.empty_like(probabilities)
+    if n:
+        block = min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n))
+        with _triton.on_device(probabilities.device):
+            _cross_entropy_gradient_kernel[(n, triton.cdiv(n, block))](
+                probabilities, grad_losses, grad_losses.stride(0), grad, n, BLOCK=block
+            )  # fmt: skip
+    return grad
+
+
+def _fused_one_vs_one_gradient(margins, grad_losses):
+    """`_OneVsOneSoftplus.backward`'s gradient in `_one_vs_one_gradient_kernel`: one launch
+    where torch takes six (the clamp, the sigmoids, the threshold, the incoming gradient, the
+    rows' sums, the diagonal)."""
+    n = len(margins)
+    grad = torch.empty_like(margins)
+    if n:
+        with _triton.on_device(margins.device):
+            _one_vs_one_gradient_kernel[(n,)](
+                margins, grad_losses, grad_losses.stride(0), grad, n, -EXP_FLOOR, _SIGMOID_AT_FLOOR,
+                BLOCK=min(CROSS_ENTROPY_BLOCK, triton.next_power_of_2(n)),
+            )  # fmt: skip
+    return grad
 
 
 def first_two_of_each_class(labels):
@@ -218,3 +324,64 @@ def first_two_of_each_class(labels):
     starts = F.pad(sorted_labels[1:] != sorted_labels[:-1], (1, 0), value=True)
     pair_starts = (starts[:-1] > starts[1:]).nonzero().squeeze(1)
     return order.unfold(0, 2, 1)[pair_starts].T  # (first, second) of each such class
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _cross_entropy_kernel(
+        similarities, stride, column_stride, losses, probabilities, columns, floor, BLOCK: tl.constexpr
+    ):
+        # _SoftmaxCrossEntropy.forward's operations on one row, in their order.
+        row = tl.program_id(0)
+        start = similarities + row.to(tl.int64) * stride
+        highest = -float("inf")
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            s = tl.load(start + j * column_stride, mask=j < columns, other=-float("inf"))
+            highest = tl.maximum(highest, tl.max(s, axis=0))
+        total = 0.0
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            s = tl.load(start + j * column_stride, mask=inside, other=0.0)
+            total += tl.sum(tl.where(inside, tl.exp(tl.maximum(s - highest, floor)), 0.0), axis=0)
+        own = tl.load(start + row * column_stride)
+        tl.store(losses + row, (tl.log(total) + highest) - own)
+        out = probabilities + row.to(tl.int64) * columns
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            s = tl.load(start + j * column_stride, mask=inside, other=0.0)
+            tl.store(out + j, tl.exp(tl.maximum(s - highest, floor)) / total, mask=inside)
+
+    @triton.jit
+    def _cross_entropy_gradient_kernel(probabilities, grad_losses, grad_stride, grad, columns, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < columns
+        at = row.to(tl.int64) * columns + j
+        incoming = tl.load(grad_losses + row * grad_stride)
+        value = tl.load(probabilities + at, mask=inside, other=0.0) * incoming
+        tl.store(grad + at, tl.where(j == row, value - incoming, value), mask=inside)
+
+    @triton.jit
+    def _one_vs_one_gradient_kernel(
+        margins, grad_losses, grad_stride, grad, columns, ceiling, floor_weight, BLOCK: tl.constexpr
+    ):
+        # _OneVsOneSoftplus.backward's operations on one row; the diagonal (margin −inf, weight
+        # 0) is written once, after the row's sum.
+        row = tl.program_id(0)
+        incoming = tl.load(grad_losses + row * grad_stride)
+        at = row.to(tl.int64) * columns
+        total = 0.0
+        for first in range(0, columns, BLOCK):
+            j = first + tl.arange(0, BLOCK)
+            inside = j < columns
+            weight = tl.sigmoid(tl.minimum(tl.load(margins + at + j, mask=inside, other=0.0), ceiling))
+            value = tl.where(inside & (weight > floor_weight), weight, 0.0) * incoming
+            tl.store(grad + at + j, value, mask=inside & (j != row))
+            total += tl.sum(value, axis=0)
+        own = tl.sigmoid(tl.minimum(tl.load(margins + at + row), ceiling))
+        tl.store(grad + at + row, tl.where(own > floor_weight, own, 0.0) * incoming - total)

@@ -23,12 +23,15 @@ import torch
 from aten_counts import OperationNames
 from pytorch_metric_learning.distances import DotProductSimilarity, LpDistance
 from pytorch_metric_learning.miners import MultiSimilarityMiner
+from pytorch_metric_learning.reducers import SumReducer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pml_rank import _device_policy, _triton, fused_counts, ranking
 from pml_rank.losses import (
     AUCLoss,
     FastAPLoss,
+    NPairsMCLoss,
+    NPairsOVOLoss,
     PNPLoss,
     RaMBOAPLoss,
     RaMBORecallLoss,
@@ -45,6 +48,7 @@ from pml_rank.losses import (
 )
 from pml_rank.losses import auc as auc_module
 from pml_rank.losses import fastap as fastap_module
+from pml_rank.losses import npairs as npairs_module
 from pml_rank.losses import rambo as rambo_module
 from pml_rank.losses.base import _UnitRows, label_pairs_and_counts, pair_masks
 from pml_rank.losses.recall_at_k import recall_formula
@@ -535,6 +539,64 @@ def test_hardest_kernel_equals_the_torch_path(case, device, monkeypatch):
     check_hardest_kernel_equals_the_torch_path(case, device, monkeypatch)
 
 
+# AUC's ROC rates: one anchor, 300 (three steps of the rates kernel's loop), AUCLoss's grid;
+# a steep slope that takes most arguments to the clamp, on a grid of 41 thresholds; and a grid
+# of 5001, more than the area kernel holds (the area from the fused rates by torch).
+ROC_RATES_CASES = [(1, 0.005, 1.0), (300, 0.005, 1.0), (300, 0.05, 10.0), (3, 0.0004, 1.0)]
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+@pytest.mark.parametrize("case", ROC_RATES_CASES)
+def test_roc_rates_kernel_equals_the_torch_path(case, device, monkeypatch):
+    """AUCLoss's relaxed ROC area of stacked scores through `auc._roc_rates_kernel`,
+    `_roc_area_kernel` and `_roc_gradient_kernel` and through torch's passes: the loss and the
+    scores' gradient."""
+    anchors, step, steeper = case
+    generator = torch.Generator().manual_seed(anchors)
+    scores = torch.rand(2, anchors, generator=generator) * 1.6 - 0.8
+    grid = auc_module.thresholds(step, device=device)
+    slope = steeper * AUCLoss().slope
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(auc_module._triton, "runs_on", lambda t, fused=fused: fused)
+        leaf = scores.to(device, copy=True).requires_grad_()
+        loss = auc_module._RocArea.apply(grid, slope, True, leaf)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+    assert results[0][1].abs().max() > 0
+
+
+# N-pair-mc's cross entropy: 40 classes of 2 (one step of its kernels), 1500 (two steps),
+# the paper's unnormalised inner products (exponents past EXP_FLOOR), and a summed loss (its
+# rows' incoming gradient an expanded scalar, read with stride 0); N-pair-ovo's gradient alike.
+NPAIRS_CASES = [(80, 1.0, None), (3000, 1.0, None), (80, 8.0, None), (80, 1.0, "sum")]
+NPAIRS_CASES += [(80, 1.0, "ovo"), (3000, 1.0, "ovo"), (80, 8.0, "ovo")]
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+@pytest.mark.parametrize("case", NPAIRS_CASES)
+def test_npairs_cross_entropy_kernels_equal_the_torch_path(case, device, monkeypatch):
+    """NPairsMCLoss through `npairs._cross_entropy_kernel` and `_cross_entropy_gradient_kernel`
+    (NPairsOVOLoss through `_one_vs_one_gradient_kernel`) and through torch's operations: the
+    loss and the gradient."""
+    batch, scale, reducer = case
+    generator = torch.Generator().manual_seed(batch)
+    embeddings = torch.randn(batch, 16, generator=generator) * scale
+    labels = torch.arange(batch) // 2
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(npairs_module._triton, "runs_on", lambda t, fused=fused: fused)
+        leaf = embeddings.to(device, copy=True).requires_grad_()
+        loss_class = NPairsOVOLoss if reducer == "ovo" else NPairsMCLoss
+        loss_func = loss_class(l2_reg_weight=0, reducer=SumReducer() if reducer == "sum" else None)
+        loss = loss_func(leaf, labels.to(device))
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5 * scale)
+    assert results[0][1].abs().max() > 0
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
@@ -563,19 +625,22 @@ def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dty
 
 
 # FastAP by labels: the batch against itself, 10 bins and 100 (128 centres a histogram),
-# and against 1100 references (two steps of the gradient kernel).
-FASTAP_CASES = [("itself", 10), ("itself", 100), ("ref_emb", 10)]
+# and against 1100 references (two steps of the gradient kernel); the batch against itself
+# summed (its queries' incoming gradient an expanded scalar, read with stride 0).
+FASTAP_CASES = [("itself", 10), ("itself", 100), ("ref_emb", 10), ("summed", 10)]
 
 
 def check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
     """`FastAPLoss` by labels through `fastap._histograms_kernel` and `_gradient_kernel` and
     through the scattered histograms: the loss and the gradients, pairs at distance 0 and 4
-    (the axis' ends, clamped) and a query without a positive included."""
+    (the axis' ends, clamped) and a query without a positive included (but where summed)."""
     inputs, num_bins = case
     generator = torch.Generator().manual_seed(0)
     embeddings = torch.randn(36, 16, generator=generator)
     labels = torch.arange(36) // 4
     embeddings[1], embeddings[2], labels[35] = embeddings[0], -embeddings[0], 99  # distances 0 and 4; no positive
+    if inputs == "summed":  # every query with a positive: the losses are summed unselected
+        labels[35] = labels[34]
     references = torch.randn(1100, 16, generator=generator) if inputs == "ref_emb" else None
     ref_labels = torch.randint(0, 9, (1100,), generator=generator) if inputs == "ref_emb" else None
     results = []
@@ -583,7 +648,8 @@ def check_fastap_kernels_equal_the_torch_path(case, device, monkeypatch):
         monkeypatch.setattr(fastap_module, "fused_applies", lambda q, b, fused=fused: fused)
         leaves = [t.to(device, copy=True).requires_grad_() for t in (embeddings, references) if t is not None]
         extra = {} if references is None else {"ref_emb": leaves[1], "ref_labels": ref_labels.to(device)}
-        loss = FastAPLoss(num_bins=num_bins)(leaves[0], labels.to(device), **extra)
+        reducer = SumReducer() if inputs == "summed" else None
+        loss = FastAPLoss(num_bins=num_bins, reducer=reducer)(leaves[0], labels.to(device), **extra)
         loss.backward()
         results.append([loss.detach(), *(leaf.grad for leaf in leaves)])
     for fused, plain in zip(*results):
@@ -807,14 +873,15 @@ class Launches(TorchDispatchMode):
 
 
 # The losses whose fused kernels the count below covers besides the relaxed ranks'.
-COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "RaMBO": lambda: RaMBORecallLoss(memory_size=0)}
+COUNTED = {**LOSSES, "AUC": AUCLoss, "FastAP": FastAPLoss, "NPairs": NPairsMCLoss, "NPairsOVO": NPairsOVOLoss}
+COUNTED["RaMBO"] = lambda: RaMBORecallLoss(memory_size=0)
 
 
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize(
     "name, most",
     [("SmoothAP", 29), ("Recall@k", 32), ("SupAP", 34), ("PNP", 32), ("ROADMAP", 43)]
-    + [("AUC", 47), ("FastAP", 42), ("RaMBO", 32)],
+    + [("AUC", 22), ("FastAP", 17), ("NPairs", 31), ("NPairsOVO", 35), ("RaMBO", 32)],
 )
 def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, monkeypatch):
     """Forward and backward at batch 32 and 64, 4 per class, under the accelerator's policy,
@@ -827,7 +894,12 @@ def test_interpreted_operations_per_call_stay_at_most_what_they_are(name, most, 
     shifted by the margin and applied Algorithm 1's factors themselves, 42 before the
     gradient of its similarities without self took one kernel, 39 before its positives were
     counted by one, 36 before they were also found by label in it, 33 before the kernels read
-    the positives' places as strided columns): as many at either
+    the positives' places as strided columns; AUC 44 before its hardest kernel wrote the whole
+    index and its ROC area's backward took no pads, stack or sign, 37 before three kernels gave
+    the ROC rates and the sigmoids' derivatives, the area, and its gradient; FastAP 37 before
+    its histogram kernel took the AP from the histograms and its gradient kernel read those sums
+    instead of a table built for it; N-pair-mc 40 before two kernels took its cross entropy and
+    its gradient, N-pair-ovo 40 before one took its gradient): as many at either
     batch, and a count that creeps back up fails here. It depends on the code alone, not
     on the machine."""
     monkeypatch.setattr(_device_policy, "sized_for", lambda device: "memory")
@@ -920,9 +992,11 @@ def test_in_tritons_interpreter(interpreted_run):
     """Every case above, on the CPU in Triton's interpreter, in a fresh process."""
     result, _ = interpreted_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 8
+    expected = len(LOSSES) * len(INPUTS) + len(RAMBO_CASES) + 9 + len(FORMULA_CASES) * 5 + 1 + 10
     # Besides: label pairs 1, FastAP's float16 read 2, the hardest kernel's half reads 2.
-    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(FASTAP_CASES) + len(HALF_READERS) * 4
+    expected += len(UNIT_ROWS_SHAPES) + len(HARDEST_CASES) + len(ROC_RATES_CASES) + len(NPAIRS_CASES)
+    expected += len(FASTAP_CASES)
+    expected += len(HALF_READERS) * 4
     expected += 1 + 2 + len(WHOLE_STEP_CASES) + 2
     expected += 2  # RaMBO's waits, recall and AP
     expected += 2  # RaMBO's counting through ties: with a margin, and with a loss's scale
@@ -964,6 +1038,8 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     every = {"_sums_kernel", "_jacobian_kernel", "_smooth_ap_kernel", "_recall_kernel", "_ranks_kernel"}
     every |= {"_crossings_kernel", "_terms_kernel", "_finish_kernel", "_gradient_kernel", "_unit_rows_kernel"}
     every |= {"_unit_rows_gradient_kernel", "_hardest_kernel", "_histograms_kernel"}
+    every |= {"_roc_rates_kernel", "_roc_area_kernel", "_roc_gradient_kernel"}
+    every |= {"_cross_entropy_kernel", "_cross_entropy_gradient_kernel", "_one_vs_one_gradient_kernel"}
     every |= {"_label_counts_kernel", "_label_pairs_kernel"}
     every |= {"_symmetric_kernel", "_counts_kernel", "_label_positives_kernel"}
     assert {kernel for _, kernel in kernels} == every
