@@ -26,6 +26,7 @@ import torch
 from pytorch_metric_learning.distances import CosineSimilarity
 from pytorch_metric_learning.reducers import AvgNonZeroReducer, MeanReducer, MultipleReducers
 from pytorch_metric_learning.utils import common_functions as c_f
+from torch.autograd.function import once_differentiable
 
 from .. import _device_policy
 from .._checks import check_numbers
@@ -354,6 +355,7 @@ class _CalibrationTerms(torch.autograd.Function):
                      for total, count in zip(totals, counts))  # fmt: skip
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_positive, grad_negative):
         matrix, *counts_and_pairs = ctx.saved_tensors
         counts, pairs = counts_and_pairs[:2], (tuple(counts_and_pairs[2:]) if ctx.masks else counts_and_pairs[2])
