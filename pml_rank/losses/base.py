@@ -210,6 +210,12 @@ def _at_least_float32(tensor):
     return tensor
 
 
+def plain_reducer(reducer, kind):
+    """Whether `reducer` is PML's reducer class `kind` itself, recording no statistics: then a loss
+    may give the number it would give (an "already_reduced" loss) without the indices it would not read."""
+    return type(reducer) is kind and not reducer.collect_stats
+
+
 def reference_is_batch(labels, ref_labels):
     """PML's rule (`lmu.get_matches_and_diffs`): the references are the batch itself,
     and a sample is not paired with itself, exactly when `ref_labels is labels`."""

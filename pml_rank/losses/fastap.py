@@ -19,7 +19,14 @@ from torch.autograd.function import once_differentiable
 
 from .. import _device_policy, _triton
 from .._triton import triton
-from .base import RankLossBase, normalized_with_distance_stats, pair_masks, reference_is_batch, symmetrize_
+from .base import (
+    RankLossBase,
+    normalized_with_distance_stats,
+    pair_masks,
+    plain_reducer,
+    reference_is_batch,
+    symmetrize_,
+)
 from .query_panels import true_rows
 
 # Squared Euclidean distances between unit vectors lie in [0, MAX_DISTANCE].
@@ -82,7 +89,7 @@ class FastAPLoss(RankLossBase):
         self.num_queries = int(torch.count_nonzero(num_positives))
         if self.num_queries == 0:
             return self.zero_losses()
-        if self.num_queries == len(losses) and type(self.reducer) is MeanReducer and not self.reducer.collect_stats:
+        if self.num_queries == len(losses) and plain_reducer(self.reducer, MeanReducer):
             # What that reducer would return, without the queries' indices it does not read (an arange).
             return {"loss": {"losses": torch.mean(losses), "indices": None, "reduction_type": "already_reduced"}}
         indices = true_rows(num_positives, self.num_queries)

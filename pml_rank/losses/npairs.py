@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 from .. import _triton
 from .._checks import check_numbers
 from .._triton import triton
-from .base import RankLossBase, reference_is_batch
+from .base import RankLossBase, plain_reducer, reference_is_batch
 
 
 class NPairsMCLoss(RankLossBase):
@@ -125,7 +125,7 @@ class SquaredNorms(LpRegularizer):
 
     def forward(self, embeddings):
         reducer = self.reducer
-        if type(reducer) is MeanReducer and not (self.collect_stats or reducer.collect_stats):
+        if plain_reducer(reducer, MeanReducer) and not self.collect_stats:
             # PML's reducer would take the mean of the norms too, after two aranges (the
             # losses' indices and the rows' "labels") that it does not read.
             self.reset_stats()

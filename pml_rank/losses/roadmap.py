@@ -35,6 +35,7 @@ from .base import (
     RankLossBase,
     SumOfReducers,
     pair_masks,
+    plain_reducer,
     ranking_by_label,
     with_query_as_positive,
 )
@@ -317,7 +318,7 @@ class ROADMAPLoss(SupAPLoss):
         reducer = self.reducer
         while isinstance(reducer, MultipleReducers):
             reducer = reducer.reducers[name] if name in reducer.reducers else reducer.default_reducer
-        return type(reducer) is AvgNonZeroReducer and not reducer.collect_stats
+        return plain_reducer(reducer, AvgNonZeroReducer)
 
 
 def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
