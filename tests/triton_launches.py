@@ -1,7 +1,7 @@
 """Runs pytest in Triton's interpreter and records each distinct kernel launch: which kernel,
-its arguments' Triton types, its compile-time constants and its warps, written as a JSON
-list to PATH when the run ends. `test_fused_ranks` compiles every recorded launch for a GPU
-with them, which the interpreter never does.
+its arguments' Triton types, its compile-time constants, its warps and any other compile
+option it names, written as a JSON list to PATH when the run ends. `test_fused_ranks`
+compiles every recorded launch for a GPU with them, which the interpreter never does.
 
     TRITON_INTERPRET=1 python tests/triton_launches.py PATH [pytest arguments]
 """
@@ -56,6 +56,8 @@ def recording(launches):
             "signature": {n: "constexpr" if n in constant else triton_type(v) for n, v in arguments.arguments.items()},
             "constants": {n: v for n, v in arguments.arguments.items() if n in constant},
             "num_warps": options.get("num_warps", 4),
+            # The other compile options a launch names (the crossings kernel's enable_fp_fusion).
+            "options": {key: value for key, value in options.items() if key != "num_warps"},
         }
         launches[json.dumps(record, sort_keys=True)] = record
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)

@@ -1016,7 +1016,9 @@ def ptxas_log(record, capability):
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         fused_ranks.triton.compile(
-            source, target=GPUTarget("cuda", capability, 32), options={"num_warps": record["num_warps"]}
+            source,
+            target=GPUTarget("cuda", capability, 32),
+            options={"num_warps": record["num_warps"], **record["options"]},
         )
     return log.getvalue()
 
@@ -1043,6 +1045,8 @@ def test_every_kernel_launch_compiles_for_a_gpu_without_spilling(interpreted_run
     every |= {"_label_counts_kernel", "_label_pairs_kernel"}
     every |= {"_symmetric_kernel", "_counts_kernel", "_label_positives_kernel"}
     assert {kernel for _, kernel in kernels} == every
+    # Compiled as launched: the crossings kernel rounds as torch's separate multiply and add.
+    assert all(r["options"] == {"enable_fp_fusion": False} for r in launches if r["kernel"] == "_crossings_kernel")
     # ptxas writes its log only for a kernel it compiles, not one found in Triton's cache.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(fused_ranks.triton.knobs.nvidia, "dump_ptxas_log", True)
