@@ -43,7 +43,7 @@ def calibration_terms(matrix, pairs, pos_margin, neg_margin, lambda_, sign):
     `pairs`: the (positive, negative) boolean masks, or the labels of a batch that is its
     own references."""
     if torch.is_tensor(pairs):  # labels: the kernels compare them, in place of the masks
-        pairs = (pairs, pairs)
+        pairs = (pairs.contiguous(),) * 2  # read one by one: a strided view would give other samples' labels
         by_label = True
     else:
         pairs = tuple(mask.contiguous().view(torch.uint8) for mask in pairs)

@@ -196,7 +196,9 @@ def _matrices(scores, weights):
     form reads none, and strides 0)."""
     form = _weights_form(weights)
     matrix = weights if form == WEIGHT_MATRIX else scores
-    labels, ref_labels = weights if form == WEIGHTS_BY_LABEL else (scores, scores)
+    # The kernels step through the labels one by one: a strided view (a column of a [batch, k]
+    # target tensor) read as it is would compare other samples' labels.
+    labels, ref_labels = (t.contiguous() for t in weights) if form == WEIGHTS_BY_LABEL else (scores, scores)
     return scores, scores.stride(0), matrix, matrix.stride(0) if form == WEIGHT_MATRIX else 0, labels, ref_labels
 
 

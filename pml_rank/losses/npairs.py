@@ -300,6 +300,9 @@ def _fused_one_vs_one_gradient(margins, grad_losses):
     """`_OneVsOneSoftplus.backward`'s gradient in `_one_vs_one_gradient_kernel`: one launch
     where torch takes six (the clamp, the sigmoids, the threshold, the incoming gradient, the
     rows' sums, the diagonal)."""
+    # The kernel reads and writes rows of n: the margins keep the similarities' strides (a
+    # transposed matrix's columns would be read as rows), and so would empty_like.
+    margins = margins.contiguous()
     n = len(margins)
     grad = torch.empty_like(margins)
     if n:

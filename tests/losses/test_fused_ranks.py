@@ -597,6 +597,52 @@ def test_npairs_cross_entropy_kernels_equal_the_torch_path(case, device, monkeyp
     assert results[0][1].abs().max() > 0
 
 
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_one_vs_one_gradient_kernel_takes_a_transposed_matrix(device, monkeypatch):
+    """`npairs._one_vs_one_gradient_kernel` on the margins of a transposed similarity matrix
+    (a distance whose product comes out column-major; the margins keep its strides): the
+    torch path's gradient, each row's sum on its own diagonal entry."""
+    generator = torch.Generator().manual_seed(3)
+    matrix = torch.randn(6, 6, generator=generator).to(device)
+    weights = torch.arange(1.0, 7.0).to(device)  # a different incoming gradient for each row
+    gradients = []
+    for fused in (True, False):
+        monkeypatch.setattr(npairs_module._triton, "runs_on", lambda t, fused=fused: fused)
+        leaf = matrix.clone().requires_grad_()  # its transpose: column-major
+        (npairs_module._OneVsOneSoftplus.apply(leaf.T) * weights).sum().backward()
+        gradients.append(leaf.grad)
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_label_reading_kernels_take_a_strided_label_vector(device):
+    """The kernels that read the labels one by one (the relaxed ranks' weights by label,
+    ROADMAP's calibration terms) given a column of a [batch, 2] target tensor (stride 2): the
+    loss and gradient of its contiguous copy, for ROADMAP (both), SupAP and PNP (the ranks'),
+    and the calibration terms on their own."""
+    generator = torch.Generator().manual_seed(4)
+    embeddings = torch.randn(24, 8, generator=generator).to(device)
+    targets = torch.stack([torch.arange(24) // 4, torch.randint(0, 100, (24,), generator=generator)], 1).to(device)
+    strided = targets[:, 0]
+    assert strided.stride(0) == 2
+    for make_loss in (ROADMAPLoss, SupAPLoss, PNPLoss):
+        results = []
+        for labels in (strided, strided.contiguous()):
+            leaf = embeddings.clone().requires_grad_()
+            loss = make_loss()(leaf, labels)
+            loss.backward()
+            results.append((loss.detach(), leaf.grad))
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    matrix = embeddings @ embeddings.T
+    assert fused_calibration.applies(matrix)
+    terms = [
+        fused_calibration.calibration_terms(matrix, labels, 0.9, 0.6, 0.5, 1.0)
+        for labels in (strided, strided.contiguous())
+    ]
+    torch.testing.assert_close(terms[0], terms[1], rtol=0, atol=0)
+    assert terms[1][0] > 0 and terms[1][1] > 0
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
@@ -1002,6 +1048,7 @@ def test_in_tritons_interpreter(interpreted_run):
     expected += 2  # RaMBO's counting through ties: with a margin, and with a loss's scale
     expected += len(WITHOUT_SELF_SIZES)  # RaMBO's similarities' gradient
     expected += 2  # RaMBO's positives' counts, and by label
+    expected += 2  # N-pair-ovo's gradient of a transposed matrix; strided labels
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
