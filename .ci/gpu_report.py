@@ -14,6 +14,8 @@ from pathlib import Path
 THROUGHPUTS = {
     "throughput": "ResNet-50",
     "throughput-60": "ResNet-50, 60 iterations an epoch,",
+    "throughput-60-loaders4": "ResNet-50, 60 iterations an epoch, 4 loader processes,",
+    "throughput-60-loaders6": "ResNet-50, 60 iterations an epoch, 6 loader processes,",
     "throughput-glyphs": "Glyph bench (small CNN)",
 }
 
