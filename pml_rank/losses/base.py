@@ -269,7 +269,8 @@ def label_pairs_and_counts(labels, ref_labels, with_self=False):
         queries, references = positive.nonzero(as_tuple=True)
         return queries, references, occurrences(queries, len(labels)), None
     common = torch.promote_types(labels.dtype, ref_labels.dtype)
-    labels, ref_labels = labels.to(common), ref_labels.to(common)
+    # Contiguous: searchsorted copies (and warns of) a strided vector, a column of a [batch, k] target.
+    labels, ref_labels = labels.to(common).contiguous(), ref_labels.to(common).contiguous()
     sorted_labels, order = torch.sort(ref_labels, stable=True)
     first = torch.searchsorted(sorted_labels, labels)
     counts = torch.searchsorted(sorted_labels, labels, right=True).sub_(first)

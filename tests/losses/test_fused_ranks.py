@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from pytorch_metric_learning.miners import MultiSimilarityMiner
 from pytorch_metric_learning.reducers import SumReducer
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import pml_rank
 from pml_rank import _device_policy, _triton, fused_counts, ranking
 from pml_rank.losses import (
     AUCLoss,
@@ -643,6 +645,30 @@ def test_label_reading_kernels_take_a_strided_label_vector(device):
     assert terms[1][0] > 0 and terms[1][1] > 0
 
 
+@pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
+@pytest.mark.parametrize(
+    "device",
+    [*ON_CUDA_OR_INTERPRETED, pytest.param("cpu", marks=pytest.mark.skipif(fused_ranks.interpreted(), reason="above"))],
+)
+def test_every_loss_takes_a_strided_label_vector(name, device):
+    """Every registered loss given a column of a [batch, 2] target tensor (stride 2) as its
+    labels, by its kernels where they run (and by torch on the CPU): the loss and gradient of the column's contiguous
+    copy, bit for bit (a kernel reading labels + i compares other samples' labels)."""
+    generator = torch.Generator().manual_seed(5)
+    embeddings = torch.randn(32, 8, generator=generator).to(device)
+    targets = torch.stack([torch.arange(32) // 4, torch.randint(0, 100, (32,), generator=generator)], 1).to(device)
+    results = []
+    for labels in (targets[:, 0], targets[:, 0].contiguous()):
+        leaf = embeddings.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # nor a warning of torch about the strides
+            loss = pml_rank.registry.losses()[name]()(leaf, labels)
+            loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    assert results[1][1].abs().max() > 0
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
@@ -1049,6 +1075,7 @@ def test_in_tritons_interpreter(interpreted_run):
     expected += len(WITHOUT_SELF_SIZES)  # RaMBO's similarities' gradient
     expected += 2  # RaMBO's positives' counts, and by label
     expected += 2  # N-pair-ovo's gradient of a transposed matrix; strided labels
+    expected += len(pml_rank.registry.losses())  # every loss on strided labels
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
