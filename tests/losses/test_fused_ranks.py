@@ -669,6 +669,43 @@ def test_every_loss_takes_a_strided_label_vector(name, device):
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
+def _odd_inputs(kind, embeddings, labels):
+    """`embeddings` and `labels` as a caller may hand them over: the same numbers in another layout or type."""
+    if kind == "transposed embeddings":  # columns of a [dim, batch] tensor
+        return embeddings.T.contiguous().T, labels
+    if kind == "strided embeddings":  # every other column of a wider tensor
+        wide = torch.zeros(len(embeddings), 2 * embeddings.shape[1], device=embeddings.device)
+        wide[:, ::2] = embeddings
+        return wide[:, ::2], labels
+    return embeddings, labels.int()  # "int32 labels"
+
+
+@pytest.mark.parametrize("kind", ["transposed embeddings", "strided embeddings", "int32 labels"])
+@pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
+@pytest.mark.parametrize(
+    "device",
+    [*ON_CUDA_OR_INTERPRETED, pytest.param("cpu", marks=pytest.mark.skipif(fused_ranks.interpreted(), reason="above"))],
+)
+def test_every_loss_takes_other_layouts_and_label_types(name, kind, device):
+    """Every registered loss on embeddings that are a view with other strides, or on int32
+    labels, by its kernels where they run (and by torch on the CPU): the loss of contiguous
+    float32 embeddings and int64 labels, and its gradient, within float32 rounding (a
+    matrix product may sum in another order on another layout)."""
+    generator = torch.Generator().manual_seed(6)
+    embeddings = torch.randn(32, 8, generator=generator).to(device)
+    labels = (torch.arange(32) // 4).to(device)
+    results = []
+    for x, y in ((embeddings, labels), _odd_inputs(kind, embeddings, labels)):
+        leaf = x.detach().requires_grad_()
+        loss = pml_rank.registry.losses()[name]()(leaf, y)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    assert results[0][1].abs().max() > 0
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    scale = results[0][1].abs().max()
+    torch.testing.assert_close(results[1][1] / scale, results[0][1] / scale, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
@@ -1075,7 +1112,7 @@ def test_in_tritons_interpreter(interpreted_run):
     expected += len(WITHOUT_SELF_SIZES)  # RaMBO's similarities' gradient
     expected += 2  # RaMBO's positives' counts, and by label
     expected += 2  # N-pair-ovo's gradient of a transposed matrix; strided labels
-    expected += len(pml_rank.registry.losses())  # every loss on strided labels
+    expected += len(pml_rank.registry.losses()) * 4  # every loss on strided labels, other layouts and label types
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
