@@ -706,6 +706,38 @@ def test_every_loss_takes_other_layouts_and_label_types(name, kind, device):
     torch.testing.assert_close(results[1][1] / scale, results[0][1] / scale, rtol=0, atol=1e-5)
 
 
+# Batches with nothing or little to learn (the README's table), as label vectors.
+DEGENERATE_BATCHES = {
+    "empty": [],
+    "one sample": [0],
+    "all classes distinct": list(range(8)),
+    "all one class": [0] * 8,
+    "one pair among singletons": [0, 0, 1, 2, 3, 4, 5, 6],
+}
+
+
+@pytest.mark.parametrize("batch", list(DEGENERATE_BATCHES))
+@pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
+@pytest.mark.parametrize("device", ON_CUDA_OR_INTERPRETED)
+def test_every_loss_on_a_batch_with_little_to_learn_gives_the_torch_paths_result(name, batch, device, monkeypatch):
+    """Every registered loss on the degenerate batches, by its kernels (empty launches, no
+    pairs, one positive): the value and gradient of the plain-torch path (which the CPU's
+    tests hold to the README's table), finite."""
+    labels = torch.tensor(DEGENERATE_BATCHES[batch], dtype=torch.int64, device=device)
+    embeddings = torch.randn(len(labels), 8, generator=torch.Generator().manual_seed(7)).to(device)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(_triton, "runs_on", lambda *args, **kwargs: False)
+            monkeypatch.setattr(fused_ranks, "runs_on", lambda *args, **kwargs: False)
+        leaf = embeddings.clone().requires_grad_()
+        loss = pml_rank.registry.losses()[name]()(leaf, labels)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)))
+    assert bool(torch.isfinite(results[0][0])) and bool(torch.isfinite(results[0][1]).all())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not fused_ranks.interpreted(), reason="runs in Triton's interpreter (test_in_tritons_interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 def test_interpreted_hardest_kernel_reads_a_half_product_as_its_float32_copy(dtype, monkeypatch):
@@ -1113,6 +1145,7 @@ def test_in_tritons_interpreter(interpreted_run):
     expected += 2  # RaMBO's positives' counts, and by label
     expected += 2  # N-pair-ovo's gradient of a transposed matrix; strided labels
     expected += len(pml_rank.registry.losses()) * 4  # every loss on strided labels, other layouts and label types
+    expected += len(pml_rank.registry.losses()) * len(DEGENERATE_BATCHES)  # and on batches with little to learn
     assert f"{expected} passed" in result.stdout, result.stdout[-1000:]
 
 
