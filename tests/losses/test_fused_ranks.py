@@ -645,6 +645,13 @@ def test_label_reading_kernels_take_a_strided_label_vector(device):
     assert terms[1][0] > 0 and terms[1][1] > 0
 
 
+# The losses whose call on CUDA adds floats with torch's index_add_, whose CUDA kernel adds with
+# atomics in whatever order its threads run: two calls on the same numbers may differ in the last
+# bits (AUC's gradient, scattered back to the rows of its hardest pairs; RaMBO-AP's precisions,
+# summed per query). Every other loss's call is the same operations in the same order each time.
+FLOAT_ATOMICS_ON_CUDA = {"AUCLoss", "RaMBOAPLoss"}
+
+
 @pytest.mark.parametrize("name", sorted(pml_rank.registry.losses()))
 @pytest.mark.parametrize(
     "device",
@@ -653,7 +660,8 @@ def test_label_reading_kernels_take_a_strided_label_vector(device):
 def test_every_loss_takes_a_strided_label_vector(name, device):
     """Every registered loss given a column of a [batch, 2] target tensor (stride 2) as its
     labels, by its kernels where they run (and by torch on the CPU): the loss and gradient of the column's contiguous
-    copy, bit for bit (a kernel reading labels + i compares other samples' labels)."""
+    copy, bit for bit (a kernel reading labels + i compares other samples' labels); on CUDA, for the losses that
+    add with float atomics there (`FLOAT_ATOMICS_ON_CUDA`), within a few float32 roundings of the largest entry."""
     generator = torch.Generator().manual_seed(5)
     embeddings = torch.randn(32, 8, generator=generator).to(device)
     targets = torch.stack([torch.arange(32) // 4, torch.randint(0, 100, (32,), generator=generator)], 1).to(device)
@@ -662,11 +670,20 @@ def test_every_loss_takes_a_strided_label_vector(name, device):
         leaf = embeddings.clone().requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # nor a warning of torch about the strides
+            # torch's once-a-process note when a backward pass's thread first runs cuBLAS, unrelated
+            # to the labels (an earlier CUDA test usually takes it; this one, when run alone).
+            warnings.filterwarnings("ignore", "Attempting to run cuBLAS, but there was no current CUDA context")
             loss = pml_rank.registry.losses()[name]()(leaf, labels)
             loss.backward()
         results.append((loss.detach(), leaf.grad))
     assert results[1][1].abs().max() > 0
-    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    if device == "cuda" and name in FLOAT_ATOMICS_ON_CUDA:
+        (loss, gradient), (expected, expected_gradient) = results
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        scale = float(expected_gradient.abs().max())
+        torch.testing.assert_close(gradient, expected_gradient, rtol=0, atol=1e-6 * scale)
+    else:
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
 def _odd_inputs(kind, embeddings, labels):
