@@ -659,9 +659,10 @@ FLOAT_ATOMICS_ON_CUDA = {"AUCLoss", "RaMBOAPLoss"}
 )
 def test_every_loss_takes_a_strided_label_vector(name, device):
     """Every registered loss given a column of a [batch, 2] target tensor (stride 2) as its
-    labels, by its kernels where they run (and by torch on the CPU): the loss and gradient of the column's contiguous
-    copy, bit for bit (a kernel reading labels + i compares other samples' labels); on CUDA, for the losses that
-    add with float atomics there (`FLOAT_ATOMICS_ON_CUDA`), within a few float32 roundings of the largest entry."""
+    labels, by its kernels where they run (and by torch on the CPU): the loss and gradient of
+    the column's contiguous copy, bit for bit (a kernel reading labels + i compares other
+    samples' labels), and no warning; on CUDA, for the losses that add with float atomics
+    there (`FLOAT_ATOMICS_ON_CUDA`), within a few float32 roundings of the largest entry."""
     generator = torch.Generator().manual_seed(5)
     embeddings = torch.randn(32, 8, generator=generator).to(device)
     targets = torch.stack([torch.arange(32) // 4, torch.randint(0, 100, (32,), generator=generator)], 1).to(device)
