@@ -254,7 +254,9 @@ class NormalizedImages:
 
     def __init__(self, channels):
         mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else (IMAGENET_MEAN_GRAY, IMAGENET_STD_GRAY)
-        statistics = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+        # 255 too is a tensor of the images' device: torch's CUDA division by a number from the CPU
+        # multiplies by its reciprocal, one bit off the CPU's division for about half the 256 values.
+        statistics = tuple(torch.tensor(s, dtype=torch.float32) for s in (255.0, mean, std))
         self._statistics = {torch.device("cpu"): statistics}
 
     @classmethod
@@ -271,15 +273,15 @@ class NormalizedImages:
     def normalized(self, images):
         """8-bit `images` ([..., channels, height, width]) as ImageNet trunks read them, on
         their device: float32 in [0, 1] less the mean, over the standard deviation (torchvision's
-        ToTensor then Normalize, the same operations: the same bits); anything else, itself."""
+        ToTensor then Normalize, the same operations: the same bits, on a GPU too); anything else, itself."""
         if not torch.is_tensor(images) or images.dtype != torch.uint8:
             return images
         if images.device not in self._statistics:
             # Copied once a device: a copy at every batch would make the host wait for the GPU.
-            mean, std = self._statistics[torch.device("cpu")]
-            self._statistics[images.device] = (mean.to(images.device), std.to(images.device))
-        mean, std = self._statistics[images.device]
-        return images.float().div_(255).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+            on_cpu = self._statistics[torch.device("cpu")]
+            self._statistics[images.device] = tuple(s.to(images.device) for s in on_cpu)
+        scale, mean, std = self._statistics[images.device]
+        return images.float().div_(scale).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
 
 
 class Transformed:

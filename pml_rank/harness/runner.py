@@ -97,7 +97,9 @@ def run(
     data = None if standard else dataset_of(budget, machine)
     transforms = None if standard else transforms_of(budget, data)
     if row == RAW_INPUT:
-        raw = raw_input_accuracy(data, transforms[1] if transforms else None)
+        # Searched where the experiment runs: on a GPU machine, a bench on its CPU cores (--device cpu)
+        # searches with faiss on the CPU, as a CPU machine does, not on the GPU torch sees.
+        raw = raw_input_accuracy(data, transforms[1] if transforms else None, device=machine.device)
         seconds = time.perf_counter() - started
         return {"run": {"concatenated": raw, "separated": raw}, "histories": [], "best_epochs": [], "seconds": seconds}
     if row == UNTRAINED:

@@ -261,3 +261,43 @@ def test_a_trunk_reads_8_bit_images_as_their_normalised_floats_and_other_inputs_
     assert on_meta.is_meta and on_meta.dtype == torch.float32 and on_meta.shape == images.shape
     assert set(normalized._statistics) == {torch.device("cpu"), torch.device("meta")}
     assert normalized.normalized(on_meta) is on_meta
+
+
+def test_8_bit_images_on_another_device_are_divided_by_tensors_of_that_device():
+    """torch's CUDA division by a number from the CPU multiplies by its reciprocal: 255 so,
+    one bit off the CPU's division (torchvision's) for about half the 256 values. Every division
+    that normalises images on another device (here torch's meta device) takes a tensor of that
+    device, which a GPU divides as the CPU does."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pml_rank.harness.datasets import NormalizedImages
+
+    class Divisions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.divisors = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_):
+                self.divisors.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    images = torch.zeros((2, 3, 4, 4), dtype=torch.uint8, device="meta")
+    with Divisions() as seen:
+        NormalizedImages(3).normalized(images)
+    assert len(seen.divisors) == 2 and all(torch.is_tensor(d) and d.is_meta for d in seen.divisors)
+
+
+@pytest.mark.cuda
+def test_8_bit_images_normalised_on_a_gpu_are_the_cpus_bits():
+    """Every 8-bit value of every channel, normalised on the GPU, is what it is on the CPU (there
+    torchvision's ToTensor then Normalize, tested above)."""
+    import torch
+
+    from pml_rank.harness.datasets import NormalizedImages
+
+    for channels in (3, 1):
+        images = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16).repeat(2, channels, 1, 1)
+        normalized = NormalizedImages(channels).normalized
+        assert torch.equal(normalized(images.cuda()).cpu(), normalized(images))

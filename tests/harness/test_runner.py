@@ -231,6 +231,18 @@ def test_one_fold_model_trains_on_cuda(glyph_cache):
     assert 0 < outcome["run"]["concatenated"]["mean_average_precision_at_r"] <= 1
 
 
+def test_the_raw_input_row_searches_where_the_experiment_runs(glyph_cache, monkeypatch):
+    """The raw input row's neighbours are searched on the machine's device, not on whatever GPU
+    torch sees: on a GPU machine, a bench on its CPU cores (--device cpu, the default) measures
+    the row with faiss on the CPU, as a CPU machine does. Here torch is told it sees a GPU, where
+    a search would fail."""
+    budget = resolve("glyphs", num_classes=24)
+    machine = runner.Machine(cache_dir=str(glyph_cache))
+    on_a_cpu_machine = runner.run(budget, runner.RAW_INPUT, {}, 0, machine)["run"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runner.run(budget, runner.RAW_INPUT, {}, 0, machine)["run"] == on_a_cpu_machine
+
+
 def test_class_weight_losses_get_each_folds_classes_as_0_to_n(glyph_cache):
     """A fold trains on the partitions it does not validate on: its classes are not 0 .. n - 1.
     The loss gets one weight per training class, and sees labels mapped to 0 .. n - 1 in order."""

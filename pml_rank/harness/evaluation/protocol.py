@@ -288,17 +288,18 @@ def run_standard_protocol(
     return ProtocolResult(scores, scores, [scores], [result.history], [result.best_epoch], seconds)
 
 
-def raw_input_accuracy(dataset, transform=None):
+def raw_input_accuracy(dataset, transform=None, device=None):
     """Accuracy on the protocol's test classes of the flattened, L2-normalised inputs
     (the "raw input" row: what retrieval gives without any network), 8-bit images normalised
     as the trunks normalise them; `transform` turns a data set's images into tensors (its
-    evaluation transform)."""
+    evaluation transform). The neighbours are searched for `device` (`metrics.accuracy`; None:
+    a GPU where torch sees one)."""
     _, test_set = test_set_and_folds(dataset, num_folds=2, transforms=(transform, transform) if transform else None)
     images = torch.stack([test_set[i][0] for i in range(len(test_set))])
     if images.dtype == torch.uint8:
         images = NormalizedImages(images.shape[1]).normalized(images)
     inputs = images.reshape(len(images), -1).float()
-    return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels)
+    return accuracy(torch.nn.functional.normalize(inputs, dim=1), test_set.labels, device=device)
 
 
 def summarize(results):
