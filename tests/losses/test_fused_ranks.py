@@ -645,6 +645,15 @@ def test_label_reading_kernels_take_a_strided_label_vector(device):
     assert terms[1][0] > 0 and terms[1][1] > 0
 
 
+def _loss_and_gradient(name, embeddings, labels):
+    """The registered loss `name`, built with its defaults, on `embeddings` (a leaf of their own,
+    in their layout) and `labels`: its value and its gradient (zeros where it gives none)."""
+    leaf = embeddings.detach().requires_grad_()
+    loss = pml_rank.registry.losses()[name]()(leaf, labels)
+    loss.backward()
+    return loss.detach(), leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+
 # The losses whose call on CUDA adds floats with torch's index_add_, whose CUDA kernel adds with
 # atomics in whatever order its threads run: two calls on the same numbers may differ in the last
 # bits (AUC's gradient, scattered back to the rows of its hardest pairs; RaMBO-AP's precisions,
@@ -668,15 +677,12 @@ def test_every_loss_takes_a_strided_label_vector(name, device):
     targets = torch.stack([torch.arange(32) // 4, torch.randint(0, 100, (32,), generator=generator)], 1).to(device)
     results = []
     for labels in (targets[:, 0], targets[:, 0].contiguous()):
-        leaf = embeddings.clone().requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # nor a warning of torch about the strides
             # torch's once-a-process note when a backward pass's thread first runs cuBLAS, unrelated
             # to the labels (an earlier CUDA test usually takes it; this one, when run alone).
             warnings.filterwarnings("ignore", "Attempting to run cuBLAS, but there was no current CUDA context")
-            loss = pml_rank.registry.losses()[name]()(leaf, labels)
-            loss.backward()
-        results.append((loss.detach(), leaf.grad))
+            results.append(_loss_and_gradient(name, embeddings, labels))
     assert results[1][1].abs().max() > 0
     if device == "cuda" and name in FLOAT_ATOMICS_ON_CUDA:
         (loss, gradient), (expected, expected_gradient) = results
@@ -712,12 +718,7 @@ def test_every_loss_takes_other_layouts_and_label_types(name, kind, device):
     generator = torch.Generator().manual_seed(6)
     embeddings = torch.randn(32, 8, generator=generator).to(device)
     labels = (torch.arange(32) // 4).to(device)
-    results = []
-    for x, y in ((embeddings, labels), _odd_inputs(kind, embeddings, labels)):
-        leaf = x.detach().requires_grad_()
-        loss = pml_rank.registry.losses()[name]()(leaf, y)
-        loss.backward()
-        results.append((loss.detach(), leaf.grad))
+    results = [_loss_and_gradient(name, x, y) for x, y in ((embeddings, labels), _odd_inputs(kind, embeddings, labels))]
     assert results[0][1].abs().max() > 0
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     scale = results[0][1].abs().max()
@@ -748,10 +749,7 @@ def test_every_loss_on_a_batch_with_little_to_learn_gives_the_torch_paths_result
         if not fused:
             monkeypatch.setattr(_triton, "runs_on", lambda *args, **kwargs: False)
             monkeypatch.setattr(fused_ranks, "runs_on", lambda *args, **kwargs: False)
-        leaf = embeddings.clone().requires_grad_()
-        loss = pml_rank.registry.losses()[name]()(leaf, labels)
-        loss.backward()
-        results.append((loss.detach(), leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)))
+        results.append(_loss_and_gradient(name, embeddings, labels))
     assert bool(torch.isfinite(results[0][0])) and bool(torch.isfinite(results[0][1]).all())
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
 
